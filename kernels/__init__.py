@@ -1,0 +1,36 @@
+"""nanospec's kernels: each op is a Triton kernel plus a pure-torch reference with the same signature.
+
+Installed as ``nanospec.kernels`` (see pyproject's package-dir mapping), never as a top-level ``kernels``.
+
+Backend choice: the Triton kernel runs for CUDA tensors, the torch reference for CPU tensors.
+``set_backend("triton")`` forces the Triton path everywhere (with ``TRITON_INTERPRET=1`` set before the first
+launch, CPU tensors then run through Triton's interpreter); ``set_backend("torch")`` forces the references.
+The environment variable ``NANOSPEC_BACKEND`` sets the initial choice.
+"""
+import os
+
+import torch
+
+_BACKENDS = ("auto", "torch", "triton")
+_backend = os.environ.get("NANOSPEC_BACKEND", "auto")
+
+
+def set_backend(name: str) -> None:
+    """Select the kernel backend: "auto" (Triton on CUDA, torch on CPU), "torch" or "triton".
+
+    Raises ValueError for any other name.
+    """
+    global _backend
+    if name not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {name!r}")
+    _backend = name
+
+
+def get_backend() -> str:
+    """The current backend name ("auto", "torch" or "triton")."""
+    return _backend
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when an op on tensor ``t`` should run its Triton kernel."""
+    return _backend == "triton" or (_backend == "auto" and t.is_cuda)

@@ -1,0 +1,386 @@
+"""Paged attention: extend/prefill (causal or tree mask), split-KV decode, and frozen-KV draft attention.
+
+KV cache layout per layer: ``k_cache, v_cache: [num_blocks, page_size, Hkv, D]`` (same shape and strides, last dim
+contiguous, any float dtype). Token j of request b lives at block ``block_table[b, j // page_size]``, offset
+``j % page_size``; entries of ``block_table`` past a request's length are never read. GQA: query head h reads kv
+head ``h // (Hq // Hkv)``. Softmax and accumulation run in fp32; outputs have q's dtype.
+
+Each op has a torch reference (``*_ref``, the CPU engine path and the test oracle) and a Triton path (``*_triton``);
+the public function picks one with ``use_triton(q)``. The Triton paths take only host ints for launch sizes, so
+they never sync (except ``decode_attention(num_splits=None)``, which reads the max length once).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from . import use_triton
+
+_LOG2E = 1.4426950408889634
+
+
+def _check(q, k_cache, v_cache, block_table) -> int:
+    """Validate shapes shared by all ops; return the GQA group size Hq // Hkv."""
+    if q.dim() != 3 or k_cache.dim() != 4 or block_table.dim() != 2:
+        raise ValueError(f"expected q [T,Hq,D], cache [NB,P,Hkv,D], block_table [B,W]; got {tuple(q.shape)}, "
+                         f"{tuple(k_cache.shape)}, {tuple(block_table.shape)}")
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or k_cache.stride(3) != 1:
+        raise ValueError("k_cache and v_cache must have the same shape and strides, with a contiguous last dim")
+    if k_cache.shape[3] != q.shape[2]:
+        raise ValueError(f"head_dim mismatch: q {q.shape[2]} vs cache {k_cache.shape[3]}")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"query heads {q.shape[1]} not a multiple of kv heads {k_cache.shape[2]}")
+    return q.shape[1] // k_cache.shape[2]
+
+
+def _gather(cache, blocks, length):
+    """Contiguous [length, Hkv, D] view of one request's keys (or values) from the paged cache."""
+    return cache[blocks[: -(-length // cache.shape[1])].long()].flatten(0, 1)[:length]
+
+
+# ---- extend / prefill / tree verify --------------------------------------------------------------------------------
+
+def extend_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, max_seqlen_q,
+                         tree_mask=None):
+    """Torch reference of :func:`extend_attention` (same signature and result). Loops over requests on the host."""
+    G = _check(q, k_cache, v_cache, block_table)
+    o = torch.zeros_like(q)
+    B = cu_seqlens_q.numel() - 1
+    if q.shape[0] == 0 or B <= 0:
+        return o
+    Hq, D, Hkv = q.shape[1], q.shape[2], k_cache.shape[2]
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for b in range(B):
+        n, L = cu[b + 1] - cu[b], lens[b]
+        if n == 0:
+            continue
+        prefix = L - n
+        if prefix < 0:
+            raise ValueError(f"request {b}: seq_len {L} < number of new tokens {n}")
+        k = _gather(k_cache, block_table[b], L).float()
+        v = _gather(v_cache, block_table[b], L).float()
+        qb = q[cu[b]:cu[b + 1]].float().reshape(n, Hkv, G, D)
+        s = torch.einsum("ikgd,jkd->kgij", qb, k) * scale
+        if tree_mask is None:
+            keys = torch.arange(L, device=q.device)
+            allowed = keys[None, :] <= prefix + torch.arange(n, device=q.device)[:, None]
+        else:
+            if tree_mask.shape[1:] != (n, n):
+                raise ValueError(f"tree_mask {tuple(tree_mask.shape)} does not match {n} queries of request {b}")
+            allowed = torch.cat([tree_mask.new_ones(n, prefix), tree_mask[b]], dim=1)
+        # A row with no visible key (only possible with a tree mask and no prefix) gives 0, not NaN.
+        p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
+        o[cu[b]:cu[b + 1]] = torch.einsum("kgij,jkd->ikgd", p, v).reshape(n, Hq, D).to(q.dtype)
+    return o
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:  # the interpreter multiplies bf16 as raw uint16 bits (triton#11584): upcast, exact
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b, input_precision=PREC)
+    return out
+
+
+def _prec(q):
+    """(PREC, UPCAST) constexprs: exact fp32 dots for fp32 inputs; bf16 upcast under the CPU interpreter."""
+    return dict(PREC="ieee" if q.dtype == torch.float32 else "tf32",
+                UPCAST=q.dtype == torch.bfloat16 and q.device.type == "cpu")
+
+
+@triton.jit
+def _extend_kernel(Q, K, V, O, BT, CU, SL, TM, qk_scale,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kp, stride_kh, stride_bt,
+                   N_TREE, D, G: tl.constexpr, QPB: tl.constexpr, PAGE: tl.constexpr, TREE: tl.constexpr,
+                   PREC: tl.constexpr, UPCAST: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    # One program: request b, kv head kvh, QPB queries x G query heads packed into BLOCK_M rows (GQA packing,
+    # so each K/V tile is loaded once for the whole group).
+    b, kvh, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q0 = tl.load(CU + b)
+    n = tl.load(CU + b + 1) - q0
+    if mb * QPB >= n:
+        return
+    seq_len = tl.load(SL + b)
+    prefix = seq_len - n
+    rows = tl.arange(0, BLOCK_M)
+    qi = mb * QPB + rows // G  # query index inside the request
+    head = kvh * G + rows % G
+    row_ok = (rows < QPB * G) & (qi < n)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    q = tl.load(Q + (q0 + qi)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if TREE:
+        kv_end = seq_len
+    else:  # causal tile pruning: no key past the tile's last query position
+        kv_end = prefix + tl.minimum(n, (mb + 1) * QPB)
+    for start in range(0, kv_end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < kv_end
+        blk = tl.load(BT + b * stride_bt + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        kv_off = blk * stride_kb + (offs_n % PAGE) * stride_kp + kvh * stride_kh
+        k = tl.load(K + kv_off[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(V + kv_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        s = _dot(q, k, PREC, UPCAST) * qk_scale
+        if TREE:
+            j = offs_n - prefix
+            tm = tl.load(TM + (b * N_TREE + qi[:, None]) * N_TREE + j[None, :],
+                         mask=row_ok[:, None] & (j >= 0)[None, :] & n_ok[None, :], other=0)
+            ok = (offs_n < prefix)[None, :] | (tm != 0)
+        else:
+            ok = offs_n[None, :] <= (prefix + qi)[:, None]
+        s = tl.where(ok & n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows: exp2(-inf) = 0, never NaN
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(O + (q0 + qi)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _tiles(q):
+    """(BLOCK_D, BLOCK_N, num_warps); D is padded to a power of two >= 16 for tl.dot. Exact fp32 dots (no tensor
+    cores) stage more shared memory per key, so they take narrower key tiles."""
+    bd = max(16, triton.next_power_of_2(q.shape[2]))
+    return bd, (64 if bd <= 128 and q.dtype != torch.float32 else 32), (4 if bd <= 128 else 8)
+
+
+def extend_attention_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, max_seqlen_q,
+                            tree_mask=None):
+    """Triton path of :func:`extend_attention` (same signature and result)."""
+    G = _check(q, k_cache, v_cache, block_table)
+    T, Hq, D = q.shape
+    B = cu_seqlens_q.numel() - 1
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    o = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
+    if T == 0 or B <= 0:
+        return o
+    if max_seqlen_q <= 0:
+        raise ValueError(f"max_seqlen_q must be >= max n_b >= 1 for {T} query rows, got {max_seqlen_q}")
+    n_tree = 1
+    if tree_mask is not None:
+        n_tree = tree_mask.shape[-1]
+        if tree_mask.shape != (B, n_tree, n_tree) or T != B * n_tree:
+            raise ValueError(f"tree_mask {tuple(tree_mask.shape)} needs shape [B, N, N] with T = B*N ({T} rows)")
+        tree_mask = tree_mask.contiguous().view(torch.uint8)
+    BLOCK_D, BLOCK_N, warps = _tiles(q)
+    BLOCK_M = min(64 if BLOCK_D <= 128 else 32, max(16, triton.next_power_of_2(max_seqlen_q * G)))
+    BLOCK_M = max(BLOCK_M, triton.next_power_of_2(G))
+    qpb = BLOCK_M // G
+    grid = (B, k_cache.shape[2], triton.cdiv(max_seqlen_q, qpb))
+    _extend_kernel[grid](
+        q, k_cache, v_cache, o, block_table, cu_seqlens_q, seq_lens, q if tree_mask is None else tree_mask,
+        scale * _LOG2E, q.stride(0), q.stride(1), o.stride(0), o.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), n_tree, D,
+        G=G, QPB=qpb, PAGE=k_cache.shape[1], TREE=tree_mask is not None,
+        **_prec(q), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, num_warps=warps)
+    return o
+
+
+def extend_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, max_seqlen_q,
+                     tree_mask=None):
+    """Attention of B packed requests' new tokens over their paged KV (prefill, chunked prefill, extend, verify).
+
+    Args:
+        q: [T, Hq, D] queries of B requests packed; request b owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``
+            (n_b rows, may be 0).
+        k_cache, v_cache: [num_blocks, page_size, Hkv, D], same dtype family as q; Hq % Hkv == 0.
+        block_table: [B, W] int32 physical block ids per request.
+        cu_seqlens_q: [B+1] int32 prefix sums of n_b.
+        seq_lens: [B] int32 total KV length of each request, INCLUDING its n_b new tokens, whose K/V must already
+            be stored in the cache. prefix_b = seq_lens[b] - n_b.
+        scale: softmax scale (float).
+        max_seqlen_q: host int >= max n_b; sizes the launch grid (queries beyond it are not computed).
+        tree_mask: None for causal masking, where query i of request b (position prefix_b + i) sees keys
+            [0, prefix_b + i]. Or a [B, N, N] bool tree mask (every n_b == N, so T == B*N): query i sees all prefix
+            keys plus new key j iff tree_mask[b, i, j] (its ancestors and itself).
+
+    Returns:
+        o: [T, Hq, D] with q's dtype (fp32 accumulation). A query with no visible key gets zeros.
+        T == 0 or B == 0 returns an empty tensor without launching anything.
+
+    Raises:
+        ValueError: on inconsistent shapes (ranks, head_dim, Hq not a multiple of Hkv, tree_mask not [B, N, N]
+            with T == B*N), max_seqlen_q < 1 with T > 0 (Triton path), or seq_len < n_b (reference).
+    """
+    fn = extend_attention_triton if use_triton(q) else extend_attention_ref
+    return fn(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, max_seqlen_q, tree_mask)
+
+
+# ---- decode (split-KV flash-decoding) and frozen-KV draft attention ------------------------------------------------
+
+def decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req=None, num_splits=None):
+    """Torch reference of :func:`decode_attention` (same signature and result; ``num_splits`` is ignored).
+
+    Vectorised over rows: gathers up to max L keys per row and masks past each row's length.
+    """
+    G = _check(q, k_cache, v_cache, block_table)
+    R, Hq, D = q.shape
+    if R == 0:
+        return torch.zeros_like(q)
+    req = torch.arange(R, device=q.device) if row_to_req is None else row_to_req.long()
+    lens = seq_lens.long()[req]
+    max_len = int(lens.max())
+    if max_len == 0:
+        return torch.zeros_like(q)
+    P, Hkv = k_cache.shape[1], k_cache.shape[2]
+    nblk = -(-max_len // P)
+    keys = torch.arange(nblk * P, device=q.device)
+    valid = keys[None, :] < lens[:, None]  # [R, S]
+    # Blocks past a row's length may hold anything: clamp them to a real block, they are masked anyway.
+    blocks = block_table[req, :nblk].long().clamp(0, k_cache.shape[0] - 1)
+    k = k_cache[blocks].flatten(1, 2).float()  # [R, S, Hkv, D]
+    v = v_cache[blocks].flatten(1, 2).float()
+    s = torch.einsum("rkgd,rskd->rkgs", q.float().reshape(R, Hkv, G, D), k) * scale
+    p = torch.softmax(s.masked_fill(~valid[:, None, None, :], float("-inf")), dim=-1).nan_to_num(0.0)
+    return torch.einsum("rkgs,rskd->rkgd", p, v).reshape(R, Hq, D).to(q.dtype)
+
+
+@triton.jit
+def _decode_split_kernel(Q, K, V, BT, SL, MAP, MID_O, MID_L, qk_scale,
+                         stride_qr, stride_qh, stride_kb, stride_kp, stride_kh, stride_bt, Hq, D, num_splits,
+                         G: tl.constexpr, PAGE: tl.constexpr, HAS_MAP: tl.constexpr,
+                         PREC: tl.constexpr, UPCAST: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    # One program: row r, kv head kvh, split sp; all G query heads of kvh are the rows of one tl.dot.
+    r, kvh, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if HAS_MAP:
+        req = tl.load(MAP + r)
+    else:
+        req = r
+    seq_len = tl.load(SL + req)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # per-row split, whole tiles
+    start = sp * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    rows = tl.arange(0, BLOCK_H)
+    head = kvh * G + rows
+    h_ok = rows < G
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    q = tl.load(Q + r * stride_qr + head[:, None] * stride_qh + offs_d[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for s0 in range(start, end, BLOCK_N):
+        offs_n = s0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < end
+        blk = tl.load(BT + req * stride_bt + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        kv_off = blk * stride_kb + (offs_n % PAGE) * stride_kp + kvh * stride_kh
+        k = tl.load(K + kv_off[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(V + kv_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        s = _dot(q, k, PREC, UPCAST) * qk_scale
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # every tile has >= 1 valid key, so m_new is finite
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
+        m_i = m_new
+    # Empty splits (past the row's length) write acc 0 and lse -inf, so the merge gives them zero weight.
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    idx = (r * Hq + head) * num_splits + sp
+    tl.store(MID_O + idx[:, None] * D + offs_d[None, :], out, mask=h_ok[:, None] & d_ok[None, :])
+    tl.store(MID_L + idx, lse, mask=h_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(MID_O, MID_L, O, stride_or, stride_oh, Hq, D, num_splits,
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    r, h = tl.program_id(0), tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < num_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    base = (r * Hq + h) * num_splits
+    lse = tl.load(MID_L + base + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # seq_len 0: all weights 0 -> output 0
+    mo = tl.load(MID_O + (base + offs_s)[:, None] * D + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                 other=0.0)
+    den = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * mo, 0) / tl.where(den > 0, den, 1.0)
+    tl.store(O + r * stride_or + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
+
+
+def _default_splits(seq_lens) -> int:
+    """Splits from the longest context: one per 256 keys, in [1, 32]. Reads one host value (a sync on GPU)."""
+    max_len = int(seq_lens.max()) if seq_lens.numel() else 0
+    return min(32, max(1, -(-max_len // 256)))
+
+
+def decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req=None, num_splits=None):
+    """Triton path of :func:`decode_attention` (same signature and result): split-KV stage 1 + LSE merge."""
+    G = _check(q, k_cache, v_cache, block_table)
+    R, Hq, D = q.shape
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    o = torch.empty(R, Hq, D, dtype=q.dtype, device=q.device)
+    if R == 0:
+        return o
+    if num_splits is None:
+        num_splits = _default_splits(seq_lens)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    BLOCK_D, BLOCK_N, warps = _tiles(q)
+    mid_o = torch.empty(R, Hq, num_splits, D, dtype=torch.float32, device=q.device)
+    mid_l = torch.empty(R, Hq, num_splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(R, k_cache.shape[2], num_splits)](
+        q, k_cache, v_cache, block_table, seq_lens, q if row_to_req is None else row_to_req, mid_o, mid_l,
+        scale * _LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_table.stride(0), Hq, D, num_splits,
+        G=G, PAGE=k_cache.shape[1], HAS_MAP=row_to_req is not None, **_prec(q),
+        BLOCK_H=max(16, triton.next_power_of_2(G)), BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, num_warps=warps)
+    _decode_merge_kernel[(R, Hq)](mid_o, mid_l, o, o.stride(0), o.stride(1), Hq, D, num_splits,
+                                  BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=BLOCK_D)
+    return o
+
+
+def decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req=None, num_splits=None):
+    """One query token per row attending a request's paged KV (flash-decoding with split KV on the Triton path).
+
+    Args:
+        q: [R, Hq, D] one query per row.
+        k_cache, v_cache: [num_blocks, page_size, Hkv, D]; Hq % Hkv == 0.
+        block_table: [B, W] int32.
+        seq_lens: [B] int32; row r attends keys [0, seq_lens[req]) of its request (the caller stores the current
+            token's K/V first if it should be seen).
+        scale: softmax scale (float).
+        row_to_req: [R] int32 request of each row (several rows may share one request); None means identity
+            (R == B).
+        num_splits: KV splits per row (host int >= 1, fixed for CUDA graphs; no host sync then). None picks
+            ceil(max seq_len / 256) clipped to [1, 32], which reads seq_lens on the host.
+
+    Returns:
+        o: [R, Hq, D] with q's dtype; rows whose request has seq_len 0 are zeros. R == 0 returns an empty tensor
+        without launching anything.
+
+    Raises:
+        ValueError: on inconsistent shapes or num_splits < 1.
+    """
+    fn = decode_attention_triton if use_triton(q) else decode_attention_ref
+    return fn(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req, num_splits)
+
+
+def draft_attention(q, k_cache, v_cache, block_table, seq_lens, row_to_req, scale=1.0, num_splits=None):
+    """Frozen-KV MTP draft attention: Q-only draft queries over the target's committed KV, read-only.
+
+    R = B*k single-token query rows (k = topk); row r attends rows [0, L) of request ``row_to_req[r]`` in the
+    mapped target layer's cache, L = ``seq_lens[req]`` (the committed length; nothing is appended during a draft).
+    This is :func:`decode_attention` with a row->request map; it never writes k_cache/v_cache by construction
+    (no store into the cache exists on either path). ``scale`` defaults to 1.0 (Gemma assistant: q is RMS-normed).
+
+    Shapes, dtypes, results and errors are those of :func:`decode_attention`: q [R, Hq, D] -> o [R, Hq, D].
+    """
+    return decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req, num_splits)

@@ -1,0 +1,112 @@
+"""Engine options and their validation: every user option is checked here, before any work starts."""
+from dataclasses import dataclass, fields
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """All options of ``LLM(...)``.
+
+    model: HF-format dir (Llama/SmolLM2/Qwen3) or None for the default SmolLM2-135M-Instruct.
+    dtype: "auto" (bfloat16 on CUDA, float32 on CPU) | "float32" | "bfloat16" | "float16".
+    device: "auto" (CUDA when available) | "cpu" | "cuda".
+    max_model_len: longest prompt + output in tokens; max_num_seqs: most running requests;
+    max_num_batched_tokens: most tokens in one prefill step (longer prompts are chunked);
+    page_size: tokens per KV block; gpu_memory_utilization: fraction of GPU memory nanospec may use;
+    cpu_kv_cache_gb: KV pool budget on CPU (GiB); num_kv_blocks: fixed pool size (overrides both budgets);
+    seed: seed of the engine's sampling generator (requests may carry their own);
+    enforce_eager: never use CUDA graphs.
+    Speculation (Frozen-KV MTP): assistant = dir | "default" | None (off); num_steps >= 1 draft steps;
+    topk >= 1 branches per step; num_draft_tokens N (tokens verified per request, root included) defaults to
+    num_steps + 1 for topk 1 and must be given for topk > 1, with 2 <= N <= 1 + num_steps * topk;
+    draft_position_offset: RoPE position of every draft step is L + offset (-1 follows SGLang, 0 follows HF).
+    Raises ValueError / TypeError naming the field and the allowed range.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int = 4096
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    page_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gb: float = 2.0
+    num_kv_blocks: int | None = None
+    seed: int = 0
+    enforce_eager: bool = False
+    assistant: str | None = None
+    num_steps: int | None = None
+    topk: int | None = None
+    num_draft_tokens: int | None = None
+    draft_position_offset: int = -1
+
+    def __post_init__(self):
+        for name, lo in (("max_model_len", 2), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
+                         ("page_size", 1), ("seed", 0), ("num_kv_blocks", 2), ("num_steps", 1), ("topk", 1),
+                         ("num_draft_tokens", 2), ("draft_position_offset", -1)):
+            v = getattr(self, name)
+            if v is None and name in ("num_kv_blocks", "num_steps", "topk", "num_draft_tokens"):
+                continue
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {v!r}")
+            if v < lo:
+                raise ValueError(f"{name} must be >= {lo}, got {v}")
+        if self.draft_position_offset > 0:
+            raise ValueError(f"draft_position_offset must be -1 or 0, got {self.draft_position_offset}")
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype must be one of 'auto', {', '.join(map(repr, DTYPES))}; got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but torch sees no CUDA device; use device='cpu' or 'auto'")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not self.cpu_kv_cache_gb > 0:
+            raise ValueError(f"cpu_kv_cache_gb must be > 0, got {self.cpu_kv_cache_gb}")
+        if self.assistant is None:
+            given = [n for n in ("num_steps", "topk", "num_draft_tokens") if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} only apply to speculative decoding: pass assistant=DIR or "
+                                 f"'default', or drop them")
+            return
+        self.num_steps = 5 if self.num_steps is None else self.num_steps
+        self.topk = 1 if self.topk is None else self.topk
+        if self.num_draft_tokens is None:
+            if self.topk > 1:
+                raise ValueError("num_draft_tokens must be given when topk > 1 "
+                                 f"(allowed: 2..{1 + self.num_steps * self.topk})")
+            self.num_draft_tokens = self.num_steps + 1
+        hi = 1 + self.num_steps * self.topk
+        if not 2 <= self.num_draft_tokens <= hi:
+            raise ValueError(f"num_draft_tokens must be in [2, {hi}] (1 + num_steps * topk), "
+                             f"got {self.num_draft_tokens}")
+        if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1:
+            raise ValueError(f"with topk=1, num_draft_tokens must equal num_steps + 1 = {self.num_steps + 1}, "
+                             f"got {self.num_draft_tokens}")
+
+    @classmethod
+    def from_kwargs(cls, model, kwargs: dict) -> "EngineConfig":
+        """Build from ``LLM(model, **kwargs)``; an unknown option is a TypeError naming it."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown LLM option(s) {unknown}; known options: {sorted(names - {'model'})}")
+        return cls(model=model, **kwargs)
+
+    @property
+    def spec(self) -> bool:
+        return self.assistant is not None
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        return DTYPES[self.dtype]

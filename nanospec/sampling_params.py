@@ -1,0 +1,53 @@
+"""Per-request sampling options (vLLM / nano-vllm names)."""
+from dataclasses import dataclass
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    temperature: 0 is exact greedy (argmax); > 0 samples. top_p in (0, 1]; top_k = -1 (off) or >= 1.
+    max_tokens >= 1 output tokens. ignore_eos keeps generating past EOS. stop: strings that end the output
+    (the text is cut before the match); stop_token_ids: extra ids that end it (the id is kept in token_ids).
+    seed: per-request seed; the same seed gives the same samples whatever the batch.
+    Raises ValueError / TypeError naming the field when a value is out of range.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 128
+    ignore_eos: bool = False
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+
+    def __post_init__(self):
+        def num(name, kinds):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, kinds):
+                raise TypeError(f"SamplingParams.{name} must be {'an int' if kinds is int else 'a number'}, got {v!r}")
+            return v
+
+        if num("temperature", (int, float)) < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < num("top_p", (int, float)) <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if num("top_k", int) == 0 or self.top_k < -1:
+            raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if num("max_tokens", int) < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None:
+            num("seed", int)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

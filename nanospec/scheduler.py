@@ -1,0 +1,111 @@
+"""Continuous batching: waiting/running queues, chunked prefill, decode, preemption by recompute."""
+from collections import deque
+from dataclasses import dataclass, field
+
+from .config import EngineConfig
+from .kv_cache import BlockAllocator
+from .request import Request, Status
+
+
+@dataclass
+class Batch:
+    """One step's plan. kind "prefill": compute ``num_new[i]`` prompt tokens of ``reqs[i]`` starting at its
+    ``num_computed``; kind "decode": one decode (or draft + verify) step for every request."""
+
+    kind: str
+    reqs: list[Request]
+    num_new: list[int] = field(default_factory=list)
+
+    def completes(self, i: int) -> bool:
+        """Whether request i's prefill finishes this step (so the step samples its next token)."""
+        r = self.reqs[i]
+        return self.kind == "decode" or r.num_computed + self.num_new[i] == r.num_tokens
+
+
+class Scheduler:
+    """Plans steps (``schedule``) and applies their results (``postprocess``).
+
+    ``lookahead`` is how many KV rows beyond the committed length one decode step writes: 1 for plain
+    decode, N (draft tokens verified) under speculation. Preempted requests free all their blocks, keep their
+    outputs, and are recomputed by a later prefill over prompt + outputs (nothing is lost).
+    """
+
+    def __init__(self, config: EngineConfig, allocator: BlockAllocator, lookahead: int = 1):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_batched = config.max_num_batched_tokens
+        self.allocator, self.lookahead = allocator, lookahead
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch | None:
+        """Next step: a prefill batch when waiting requests fit, else a decode batch; None when idle."""
+        batch = Batch("prefill", [])
+        budget = self.max_batched
+        for req in self.waiting:
+            if len(self.running) + len(batch.reqs) >= self.max_num_seqs or budget == 0:
+                break
+            chunk = min(req.num_tokens - req.num_computed, budget)
+            if not self.allocator.can_allocate(req, req.num_computed + chunk):
+                break
+            self.allocator.allocate(req, req.num_computed + chunk)
+            batch.reqs.append(req)
+            batch.num_new.append(chunk)
+            budget -= chunk
+            if req.num_computed + chunk < req.num_tokens:
+                break  # a chunked prompt goes on next step, before anything queued behind it
+        if batch.reqs:
+            return batch
+        return self._schedule_decode()
+
+    def _schedule_decode(self) -> Batch | None:
+        scheduled = []
+        while self.running:
+            req = self.running.pop(0)
+            need = req.num_computed + self.lookahead
+            while not self.allocator.can_allocate(req, need):
+                victim = self.running.pop() if self.running else req
+                self._preempt(victim)
+                if victim is req:
+                    break
+            else:
+                self.allocator.allocate(req, need)
+                scheduled.append(req)
+        self.running = scheduled
+        return Batch("decode", scheduled, [1] * len(scheduled)) if scheduled else None
+
+    def _preempt(self, req: Request) -> None:
+        self.allocator.free(req)
+        req.num_computed = 0
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def postprocess(self, batch: Batch, new_tokens: list[list[int]]) -> list[Request]:
+        """Apply a step's results; returns the requests that finished. ``new_tokens[i]`` are request i's
+        sampled tokens (empty for an unfinished prefill chunk); under speculation they are the accepted drafts
+        plus the bonus token, whose K/V rows (all but the bonus) the verify step committed."""
+        finished = []
+        for i, (req, toks) in enumerate(zip(batch.reqs, new_tokens)):
+            if batch.kind == "prefill":
+                done = batch.completes(i)
+                req.num_computed += batch.num_new[i]
+                if not done:
+                    continue
+                self.waiting.remove(req)
+                req.status = Status.RUNNING
+                self.running.append(req)
+            else:
+                req.num_computed += len(toks)
+            req.append_tokens(toks)
+            if req.is_finished:
+                self.running.remove(req)
+                self.allocator.free(req)
+                finished.append(req)
+        return finished

@@ -1,0 +1,107 @@
+"""The Frozen-KV MTP draft loop and the draft tree it builds (DESIGN §3, "Draft")."""
+from dataclasses import dataclass
+
+import torch
+
+from ..context import AttnMetadata, attn_metadata
+from .state import DraftInput
+
+
+@dataclass
+class DraftTree:
+    """N nodes per request, root (the bonus token) first, every parent before its children.
+
+    tokens [B, N] int64; parents [B, N] int64 (tree index, -1 for the root); depth [B, N] int64;
+    tree_mask [B, N, N] bool (node i sees node j iff j is i or an ancestor), None for a chain (plain causal).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    tree_mask: torch.Tensor | None = None
+
+    @property
+    def is_chain(self) -> bool:
+        return self.tree_mask is None
+
+
+def chain_tree(bonus: torch.Tensor, drafts: torch.Tensor) -> DraftTree:
+    """topk = 1: the chain [b, d1..dS]."""
+    B, N = bonus.shape[0], drafts.shape[1] + 1
+    ar = torch.arange(N, device=bonus.device).expand(B, N)
+    return DraftTree(torch.cat([bonus[:, None], drafts], 1), ar - 1, ar)
+
+
+def build_tree(bonus, pool_tokens, pool_scores, pool_parents, pool_depth, num_draft_tokens: int) -> DraftTree:
+    """Keep the best N-1 pool nodes by cumulative log-prob and root them at the bonus token.
+
+    pool_* [B, P] list the candidates in step order (parents before children); pool_parents index the pool
+    (-1 = child of the root). A child's score never exceeds its parent's (log-probs are <= 0) and the stable
+    sort keeps the shallower node first on ties, so every kept node's parent is kept too.
+    """
+    B, N, dev = bonus.shape[0], num_draft_tokens, bonus.device
+    order = torch.sort(pool_scores, dim=1, descending=True, stable=True).indices[:, :N - 1]
+    keep = torch.sort(order, dim=1).values  # back to pool order: parents first
+    to_tree = torch.full_like(pool_tokens, -1).scatter_(1, keep, torch.arange(1, N, device=dev).expand(B, -1))
+    par = pool_parents.gather(1, keep)
+    par = torch.where(par < 0, 0, to_tree.gather(1, par.clamp(min=0)))
+    parents = torch.cat([torch.full((B, 1), -1, device=dev, dtype=torch.long), par], 1)
+    tokens = torch.cat([bonus[:, None], pool_tokens.gather(1, keep)], 1)
+    depth = torch.cat([torch.zeros(B, 1, device=dev, dtype=torch.long), pool_depth.gather(1, keep)], 1)
+    mask = torch.zeros(B, N, N, dtype=torch.bool, device=dev)
+    mask[:, 0, 0] = True
+    rows = torch.arange(B, device=dev)
+    for i in range(1, N):  # a node sees what its parent sees, plus itself
+        mask[:, i] = mask[rows, parents[:, i]]
+        mask[:, i, i] = True
+    return DraftTree(tokens, parents, depth, mask)
+
+
+def run_draft(assistant, seed: DraftInput, block_table, seq_lens, num_steps: int, topk: int,
+              num_draft_tokens: int, position_offset: int = -1, num_splits=None) -> DraftTree:
+    """Draft ``num_steps`` tokens (topk 1: a chain) or a tree of N nodes (topk > 1) for every seed row.
+
+    block_table [B, W] int32, seq_lens [B] int32: each request's committed target KV rows [0, L), read-only.
+    Every step sits at RoPE position max(L + position_offset, 0) and sees exactly rows [0, L): nothing is
+    appended between steps, so one metadata object serves all of them and no write slot exists.
+    topk > 1: B*k independent single-token queries; per step keep the best k of k^2 children by cumulative
+    log-prob, then keep the top N-1 of all candidates (as SGLang's select_top_k_tokens/organize_draft_results).
+    """
+    B, k = len(seed), topk
+    pos = (seq_lens.long() + position_offset).clamp(min=0)
+    tok, h = seed.bonus_tokens, seed.hidden
+    if k == 1:
+        drafts = []
+        with attn_metadata(AttnMetadata("draft", block_table, seq_lens, num_splits=num_splits)):
+            for _ in range(num_steps):
+                logits, h = assistant(tok, h, pos)
+                tok = logits.argmax(-1)
+                drafts.append(tok)
+        return chain_tree(seed.bonus_tokens, torch.stack(drafts, 1) if drafts else tok.new_zeros(B, 0))
+    dev = h.device
+    with attn_metadata(AttnMetadata("draft", block_table, seq_lens, num_splits=num_splits)):
+        logits, h = assistant(tok, h, pos)  # the seed step runs once per request
+    scores, tok = torch.log_softmax(logits, -1).topk(k, dim=-1)  # [B, k]
+    h = h.repeat_interleave(k, 0)
+    toks, scs, pars, deps = [tok], [scores], [torch.full((B, k), -1, device=dev, dtype=torch.long)], [1]
+    frontier = torch.arange(k, device=dev).expand(B, k)  # pool index of each frontier node
+    base = k
+    rows = torch.arange(B, device=dev, dtype=torch.int32).repeat_interleave(k)
+    md = AttnMetadata("draft", block_table, seq_lens, row_to_req=rows, num_splits=num_splits)
+    for step in range(1, num_steps):
+        with attn_metadata(md):
+            logits, h = assistant(tok.reshape(-1), h, pos.repeat_interleave(k))
+        child_lp, child_tok = torch.log_softmax(logits, -1).topk(k, dim=-1)  # [B*k, k]
+        cum = (scores[:, :, None] + child_lp.view(B, k, k)).view(B, k * k)
+        toks.append(child_tok.view(B, k * k))
+        scs.append(cum)
+        pars.append(frontier.repeat_interleave(k, 1))
+        deps.append(step + 1)
+        scores, best = cum.topk(k, dim=-1)
+        tok = toks[-1].gather(1, best)
+        h = h.view(B, k, -1).gather(1, (best // k)[..., None].expand(-1, -1, h.shape[-1])).reshape(B * k, -1)
+        frontier = base + best
+        base += k * k
+    depth = torch.cat([torch.full_like(t, d) for t, d in zip(toks, deps)], 1)
+    return build_tree(seed.bonus_tokens, torch.cat(toks, 1), torch.cat(scs, 1), torch.cat(pars, 1), depth,
+                      num_draft_tokens)

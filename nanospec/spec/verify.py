@@ -1,0 +1,109 @@
+"""Verify acceptance over a draft tree: the greedy walk and lossless speculative sampling (DESIGN §3, "Verify").
+
+Both walks are tensor code over the whole batch: the Python loops run over tree depth and siblings, never
+over requests. ``path[b, d]`` is the tree index of the node accepted at depth d (-1 past the accepted length).
+"""
+import torch
+
+from .draft import DraftTree
+
+
+def _children(tree: DraftTree, cur: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """[B, N] bool: the children of each row's current node (rows that stopped have none)."""
+    return (tree.parents == cur[:, None]) & active[:, None]
+
+
+def accept_greedy(tree: DraftTree, target_tokens: torch.Tensor):
+    """Greedy walk: from the root, accept the child whose token equals the target's argmax at the current node.
+
+    target_tokens [B, N] int64: the target's argmax at every node. Returns (path [B, D+1], accept_len [B],
+    bonus [B]) where accept_len = 1 + accepted drafts and bonus = the target's argmax at the last accepted node.
+    """
+    B, N = tree.tokens.shape
+    max_depth = int(tree.depth.max()) if N else 0
+    cur = torch.zeros(B, dtype=torch.long, device=tree.tokens.device)
+    active = torch.ones(B, dtype=torch.bool, device=cur.device)
+    path = [cur]
+    for _ in range(max_depth):
+        want = target_tokens.gather(1, cur[:, None])
+        match = _children(tree, cur, active) & (tree.tokens == want)
+        has = match.any(1)
+        cur = torch.where(has, match.int().argmax(1), cur)
+        active &= has
+        path.append(torch.where(has, cur, -1))
+    path = torch.stack(path, 1)
+    accept_len = (path >= 0).sum(1)
+    return path, accept_len, target_tokens.gather(1, cur[:, None]).squeeze(1)
+
+
+def accept_sampling(tree: DraftTree, probs: torch.Tensor, u_accept: torch.Tensor, u_bonus: torch.Tensor):
+    """Lossless recursive rejection sampling with one-hot (deterministic) drafts.
+
+    probs [B, N, V]: the target's distribution at every node after temperature / top-k / top-p (one-hot for
+    greedy rows, which makes this walk reduce to the greedy one). At the current node with distribution r, try
+    the children in tree order: accept child c with probability r(c) / sum(r); on rejection set r(c) = 0 and
+    try the next sibling; descend on acceptance; when no child is accepted, sample the bonus token from the
+    residual r. u_accept [B, D, K] and u_bonus [B, V] are uniform (0, 1) noise (K >= max children per node).
+    Returns (path, accept_len, bonus) as ``accept_greedy``.
+    """
+    B, N, V = probs.shape
+    max_depth = int(tree.depth.max()) if N else 0
+    dev, rows = probs.device, torch.arange(B, device=probs.device)
+    cur = torch.zeros(B, dtype=torch.long, device=dev)
+    active = torch.ones(B, dtype=torch.bool, device=dev)
+    r = probs[:, 0].clone()
+    path = [cur]
+    for d in range(max_depth):
+        kids = _children(tree, cur, active)
+        rank = kids.cumsum(1) - 1
+        moved = torch.zeros(B, dtype=torch.bool, device=dev)
+        nxt = cur
+        for j in range(u_accept.shape[2]):
+            sel = kids & (rank == j)
+            has = sel.any(1) & ~moved
+            c = sel.int().argmax(1)
+            t = tree.tokens.gather(1, c[:, None]).squeeze(1)
+            rt = r.gather(1, t[:, None]).squeeze(1)
+            acc = has & (u_accept[:, d, j] * r.sum(1) < rt)
+            rej = (has & ~acc)[:, None] & (torch.arange(V, device=dev) == t[:, None])
+            r = r.masked_fill(rej, 0.0)
+            moved |= acc
+            nxt = torch.where(acc, c, nxt)
+        active &= moved
+        cur = nxt
+        r = torch.where(moved[:, None], probs[rows, cur], r)
+        path.append(torch.where(moved, cur, -1))
+    path = torch.stack(path, 1)
+    bonus = (r / -torch.log(u_bonus)).argmax(1)  # exponential race: samples from r (unnormalised is fine)
+    return path, (path >= 0).sum(1), bonus
+
+
+def emitted_tokens(tree: DraftTree, path: torch.Tensor, accept_len: torch.Tensor, bonus: torch.Tensor):
+    """[B, D+1] tokens each request emits (accepted drafts, then the bonus), -1 padded; one host copy later."""
+    out = torch.where(path[:, 1:] >= 0, tree.tokens.gather(1, path[:, 1:].clamp(min=0)), -1)
+    out = torch.cat([out, torch.full_like(bonus[:, None], -1)], 1)
+    return out.scatter(1, (accept_len - 1)[:, None], bonus[:, None])
+
+
+def compact_accepted_kv(kv_cache, block_table, seq_lens, path, accept_len, page_size: int) -> None:
+    """topk > 1: move the accepted path's K/V rows (written at L + tree index) to rows L + depth.
+
+    kv_cache [layers, 2, blocks, page_size, Hkv, D]; seq_lens [B] = committed L before this verify. Rows that
+    need no move copy onto themselves, so the op is shape-static (no host sync). Rejected rows beyond the new
+    length are garbage that the next verify overwrites.
+    """
+    B, D1 = path.shape
+    if B == 0 or D1 < 2:
+        return
+    d = torch.arange(1, D1, device=path.device).expand(B, -1)
+    L = seq_lens.long()[:, None]
+    valid = d < accept_len[:, None]
+    src_j = L + torch.where(valid, path[:, 1:], d)
+    dst_j = L + d
+
+    def slot(j):
+        return block_table.long().gather(1, j // page_size) * page_size + j % page_size
+
+    flat = kv_cache.view(kv_cache.shape[0], 2, -1, *kv_cache.shape[4:])
+    src, dst = slot(src_j).flatten(), slot(dst_j).flatten()
+    flat[:, :, dst] = flat[:, :, src]
