@@ -18,7 +18,8 @@ class EngineConfig:
     page_size: tokens per KV block; gpu_memory_utilization: fraction of GPU memory nanospec may use;
     cpu_kv_cache_gb: KV pool budget on CPU (GiB); num_kv_blocks: fixed pool size (overrides both budgets);
     seed: seed of the engine's sampling generator (requests may carry their own);
-    enforce_eager: never use CUDA graphs.
+    enforce_eager: never use CUDA graphs; load_format: "auto" (safetensors) | "dummy" (random weights of the
+    config's shape, for speed runs; the dir then needs only config.json and a tokenizer).
     Speculation (Frozen-KV MTP): assistant = dir | "default" | None (off); num_steps >= 1 draft steps;
     topk >= 1 branches per step; num_draft_tokens N (tokens verified per request, root included) defaults to
     num_steps + 1 for topk 1 and must be given for topk > 1, with 2 <= N <= 1 + num_steps * topk;
@@ -38,6 +39,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     seed: int = 0
     enforce_eager: bool = False
+    load_format: str = "auto"
     assistant: str | None = None
     num_steps: int | None = None
     topk: int | None = None
@@ -63,6 +65,8 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but torch sees no CUDA device; use device='cpu' or 'auto'")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.cpu_kv_cache_gb > 0:

@@ -39,7 +39,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs):
         self.config = EngineConfig.from_kwargs(model, kwargs)
-        model_dir = loader.resolve_model_dir(model)
+        model_dir = loader.resolve_model_dir(model, need_weights=self.config.load_format != "dummy")
         hf_config = loader.load_config(model_dir)
         self.tokenizer = loader.load_tokenizer(model_dir)
         self.eos_token_ids = _eos_ids(model_dir, hf_config, self.tokenizer)

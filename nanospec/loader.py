@@ -47,11 +47,12 @@ def _is_complete(d: pathlib.Path) -> bool:
     return all((d / f).is_file() for f in _REQUIRED_FILES)
 
 
-def resolve_model_dir(model: str | os.PathLike | None) -> pathlib.Path:
+def resolve_model_dir(model: str | os.PathLike | None, need_weights: bool = True) -> pathlib.Path:
     """Return the HF-format directory for `model`.
 
     `None` (or the bare name DEFAULT_MODEL_NAME when no such local path exists) selects the default model, converted
-    into the cache on first use. Anything else must be an existing dir with `config.json` and >= 1 `*.safetensors`.
+    into the cache on first use. Anything else must be an existing dir with `config.json` and >= 1 `*.safetensors`
+    (weights are not required when `need_weights` is False, for random-weight runs).
 
     Raises:
         ValueError: `model` is not a dir, or lacks config.json / *.safetensors files.
@@ -63,7 +64,8 @@ def resolve_model_dir(model: str | os.PathLike | None) -> pathlib.Path:
     if not d.is_dir():
         raise ValueError(f"model: {str(model)!r} is not an existing directory (expected an HF-format model dir)")
     missing = [w for w, ok in (("config.json", (d / "config.json").is_file()),
-                               ("*.safetensors weights", any(d.glob("*.safetensors")))) if not ok]
+                               ("*.safetensors weights", not need_weights or any(d.glob("*.safetensors"))))
+               if not ok]
     if missing:
         raise ValueError(f"model: directory {str(d)!r} is missing {' and '.join(missing)}")
     return d

@@ -40,7 +40,8 @@ class ModelRunner:
         self.device, self.dtype = config.torch_device(), config.torch_dtype()
         self.hf_config = hf_config
         max_pos = config.max_model_len + 64  # verify rows may sit past the last committed position
-        self.model = build_target(hf_config, self.device, self.dtype, max_pos, model_dir, config.seed)
+        weights = None if config.load_format == "dummy" else model_dir
+        self.model = build_target(hf_config, self.device, self.dtype, max_pos, weights, config.seed)
         self.vocab_size = hf_config.vocab_size
         self.lookahead, self.spec = 1, None
         if config.spec:  # construct the drafter before the pool exists; bind after allocation

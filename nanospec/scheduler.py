@@ -78,7 +78,7 @@ class Scheduler:
                 self.allocator.allocate(req, need)
                 scheduled.append(req)
         self.running = scheduled
-        return Batch("decode", scheduled, [1] * len(scheduled)) if scheduled else None
+        return Batch("decode", list(scheduled), [1] * len(scheduled)) if scheduled else None
 
     def _preempt(self, req: Request) -> None:
         self.allocator.free(req)

@@ -18,3 +18,89 @@ def triton_backend():
     set_backend("triton")
     yield
     set_backend(old)
+
+
+# ---------------------------------------------------------------------------------------------- tiny HF models
+def randomize(model, seed: int, std: float = 0.15) -> None:
+    """Non-trivial random weights: matrices N(0, std), norm weights around 1 (so every tensor matters and the
+    logits are spread out, which keeps greedy argmax far from ties)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, t in model.state_dict().items():
+            if t.is_floating_point():
+                t.copy_(torch.randn(t.shape, generator=g) * std + (1.0 if t.dim() == 1 else 0.0))
+
+
+def make_tiny_model(path, tokenizer, arch: str = "llama", seed: int = 0, **overrides):
+    """Save a tiny random HF Llama / Qwen3 (fp32 safetensors + ``tokenizer``) in ``path``; returns ``path``.
+
+    Defaults: hidden 64, 2 layers, 4 heads / 2 KV heads, head_dim 16, the tokenizer's vocab (49152 for SmolLM2).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    base = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                tie_word_embeddings=False, rms_norm_eps=1e-6, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    base.update(overrides)
+    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**base)).float().eval()
+    randomize(model, seed)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The default SmolLM2-135M-Instruct HF dir (converted into the nanospec cache on first use)."""
+    from nanospec.loader import resolve_model_dir
+
+    return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    from nanospec.loader import load_tokenizer
+
+    return load_tokenizer(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer):
+    """Tiny random Llama (untied lm_head), SmolLM2 tokenizer and vocab (49152)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"), smollm2_tokenizer, "llama", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tied_dir(tmp_path_factory, smollm2_tokenizer):
+    """Tiny random Llama with tied embeddings (as SmolLM2), 3 layers."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama_tied"), smollm2_tokenizer, "llama", seed=2,
+                           tie_word_embeddings=True, num_hidden_layers=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_rope_dir(tmp_path_factory, smollm2_tokenizer):
+    """Tiny random Llama 3 with llama3 rope scaling (a short original context, so the scaling bites)."""
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama3"), smollm2_tokenizer, "llama", seed=3,
+                           rope_parameters=rope)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory, smollm2_tokenizer):
+    """Tiny random Qwen3 (per-head q/k norm, head_dim 16, untied)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), smollm2_tokenizer, "qwen3", seed=4,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+
+
+@pytest.fixture(scope="session")
+def micro_llama_dir(tmp_path_factory, smollm2_tokenizer):
+    """A very small Llama (hidden 32, vocab 512: the SmolLM2 tokenizer's first 512 ids) for interpreter runs;
+    feed it token-id prompts below 512."""
+    return make_tiny_model(tmp_path_factory.mktemp("micro_llama"), smollm2_tokenizer, "llama", seed=5,
+                           vocab_size=512, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=16)

