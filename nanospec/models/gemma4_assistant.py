@@ -284,7 +284,8 @@ class Gemma4Assistant(nn.Module):
             raise RuntimeError("assistant: the target's RoPE table is not initialised (call init_buffers first)")
         self._embed, self._embed_scale = target.embed, float(getattr(target, "embed_scale", 1.0))
         self._cos_sin = target.cos_sin
-        self._target_lm_head = target.lm_head_weight if self.lm_head is None else None
+        # detached: a Parameter assigned here would register as the assistant's own (trained, saved) weight
+        self._target_lm_head = target.lm_head_weight.detach() if self.lm_head is None else None
         if not kv:
             return
         kvs = []

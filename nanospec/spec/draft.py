@@ -99,7 +99,8 @@ def run_draft(assistant, seed: DraftInput, block_table, seq_lens, num_steps: int
         deps.append(step + 1)
         scores, best = cum.topk(k, dim=-1)
         tok = toks[-1].gather(1, best)
-        h = h.view(B, k, -1).gather(1, (best // k)[..., None].expand(-1, -1, h.shape[-1])).reshape(B * k, -1)
+        Hb = h.shape[-1]  # explicit: a 0-row (idle) input cannot infer a -1 dim (DESIGN §4 rule 4)
+        h = h.view(B, k, Hb).gather(1, (best // k)[..., None].expand(-1, -1, Hb)).reshape(B * k, Hb)
         frontier = base + best
         base += k * k
     depth = torch.cat([torch.full_like(t, d) for t, d in zip(toks, deps)], 1)

@@ -20,7 +20,7 @@ def accept_greedy(tree: DraftTree, target_tokens: torch.Tensor):
     bonus [B]) where accept_len = 1 + accepted drafts and bonus = the target's argmax at the last accepted node.
     """
     B, N = tree.tokens.shape
-    max_depth = int(tree.depth.max()) if N else 0
+    max_depth = int(tree.depth.max()) if tree.depth.numel() else 0  # 0 rows: no max() on empty (rule 4)
     cur = torch.zeros(B, dtype=torch.long, device=tree.tokens.device)
     active = torch.ones(B, dtype=torch.bool, device=cur.device)
     path = [cur]
@@ -47,7 +47,7 @@ def accept_sampling(tree: DraftTree, probs: torch.Tensor, u_accept: torch.Tensor
     Returns (path, accept_len, bonus) as ``accept_greedy``.
     """
     B, N, V = probs.shape
-    max_depth = int(tree.depth.max()) if N else 0
+    max_depth = int(tree.depth.max()) if tree.depth.numel() else 0  # 0 rows: no max() on empty (rule 4)
     dev, rows = probs.device, torch.arange(B, device=probs.device)
     cur = torch.zeros(B, dtype=torch.long, device=dev)
     active = torch.ones(B, dtype=torch.bool, device=dev)

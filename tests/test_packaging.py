@@ -1,0 +1,74 @@
+"""kernels/ ships only as ``nanospec.kernels`` (DESIGN §1): never as a top-level ``kernels`` package, which would
+shadow (or be shadowed by) HF's PyPI ``kernels`` distribution."""
+import importlib.util
+import pathlib
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_nanospec_kernels_is_the_repo_folder():
+    import nanospec.kernels
+    from nanospec.kernels import attention
+
+    assert pathlib.Path(nanospec.kernels.__file__).resolve() == REPO / "kernels" / "__init__.py"
+    assert pathlib.Path(attention.__file__).resolve().parent == REPO / "kernels"
+    # the engine imports the same module objects (one backend switch for everyone)
+    from nanospec import model_runner
+    from nanospec.kernels import sampling
+
+    assert model_runner.sample is sampling.sample
+
+
+def test_pyproject_maps_kernels_under_nanospec():
+    cfg = tomllib.loads((REPO / "pyproject.toml").read_text())
+    st = cfg["tool"]["setuptools"]
+    packages = st["packages"]
+    assert isinstance(packages, list), "explicit package list (a find: could pick up a top-level kernels/)"
+    assert "nanospec.kernels" in packages and "kernels" not in packages
+    assert not any(p == "kernels" or p.startswith("kernels.") for p in packages)
+    pkg_dir = st["package-dir"]
+    assert pkg_dir["nanospec.kernels"] == "kernels"
+    assert "" not in pkg_dir and "kernels" not in pkg_dir
+    # every package the build lists exists on disk where package-dir says
+    for p in packages:
+        d = REPO / pkg_dir.get(p, p.replace(".", "/"))
+        assert (d / "__init__.py").is_file(), p
+
+
+def test_installed_top_level_kernels_is_not_ours(tmp_path):
+    """From outside the repo, ``import kernels`` never finds nanospec's folder (it is absent, or HF's package)."""
+    code = ("import importlib.util, nanospec.kernels as k; s = importlib.util.find_spec('kernels'); "
+            "print(k.__file__); print(s.origin if s else None)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    ours, top = out.stdout.split()
+    assert pathlib.Path(ours).resolve() == REPO / "kernels" / "__init__.py"
+    assert top == "None" or not pathlib.Path(top).resolve().is_relative_to(REPO)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("setuptools") is None, reason="needs setuptools to build a wheel")
+def test_wheel_contents(tmp_path):
+    """Build the wheel (offline, from a copy of the sources) and look inside."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        if (REPO / name).exists():
+            shutil.copy(REPO / name, src / name)
+    if not (src / "README.md").exists():
+        (src / "README.md").write_text("nanospec\n")
+    for d in ("nanospec", "kernels"):
+        shutil.copytree(REPO / d, src / d, ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "--no-index",
+                    "-q", "-w", str(tmp_path / "dist")], check=True, capture_output=True, cwd=tmp_path)
+    names = zipfile.ZipFile(next((tmp_path / "dist").glob("nanospec-*.whl"))).namelist()
+    tops = {n.split("/")[0] for n in names}
+    assert "kernels" not in tops and {"nanospec"} <= tops
+    ours = {p.name for p in (REPO / "kernels").glob("*.py")}
+    assert {n.split("/")[-1] for n in names if n.startswith("nanospec/kernels/")} >= ours
+    assert "nanospec/models/llama.py" in names and "nanospec/spec/__init__.py" in names
