@@ -4,6 +4,7 @@ import torch
 from . import loader
 from .config import EngineConfig
 from .context import AttnMetadata, attn_metadata
+from .cuda_graph import GraphRunner
 from .kernels.sampling import sample
 from .kv_cache import BlockAllocator, block_table_tensor
 from .models import init_random_weights, load_weights
@@ -23,7 +24,7 @@ def build_target(cfg, device, dtype, max_position: int, model_dir=None, seed: in
         init_random_weights(model, seed)
     else:
         load_weights(model, loader.iter_safetensors(model_dir), skip=("lm_head.",) if model.tied else ())
-    model.to(dtype).eval()
+    model.to(dtype).eval().requires_grad_(False)
     model.init_buffers(device)
     return model
 
@@ -49,8 +50,11 @@ class ModelRunner:
             self.spec = FrozenKVMTPWorker(config, self.model, path, self.device, self.dtype)
             self.lookahead = config.num_draft_tokens
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
-        self.kv_cache = None
+        self.kv_cache, self.graphs = None, None
         self.allocator = self.allocate_kv_cache()
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = GraphRunner(self)
+            self.graphs.capture()
 
     # ---- KV pool -------------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -68,7 +72,8 @@ class ModelRunner:
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
-            budget = total * c.gpu_memory_utilization - (total - free) - peak
+            # graphs keep their own pool of activations (at most the profiled peak) beside the eager one
+            budget = total * c.gpu_memory_utilization - (total - free) - peak * (1 if c.enforce_eager else 2)
             n = min(int(budget // per_block), c.max_num_seqs * per_req + 1)
         else:
             n = min(int(c.cpu_kv_cache_gb * 2**30 // per_block), c.max_num_seqs * per_req + 1)
@@ -154,11 +159,15 @@ class ModelRunner:
         else:
             ids, pos, md = self.prepare_decode(batch.reqs)
             rows, reqs = list(range(len(batch.reqs))), batch.reqs
-        with attn_metadata(md):
-            hidden = self.model(ids, pos)
-        if not reqs:
-            return [[] for _ in batch.reqs]
-        tokens = self.sample(reqs, self.model.compute_logits(hidden[rows]))
+        if batch.kind == "decode" and self.graphs is not None and self.graphs.has_decode(len(reqs)):
+            logits = self.graphs.run_decode(ids, pos, md)
+        else:
+            with attn_metadata(md):
+                hidden = self.model(ids, pos)
+            if not reqs:
+                return [[] for _ in batch.reqs]
+            logits = self.model.compute_logits(hidden[rows])
+        tokens = self.sample(reqs, logits)
         if self.spec is not None and batch.kind == "prefill":
             self.spec.add_seeds([r.request_id for r in reqs], tokens, hidden[rows])
         toks = iter(tokens.tolist())

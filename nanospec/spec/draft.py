@@ -67,7 +67,7 @@ def run_draft(assistant, seed: DraftInput, block_table, seq_lens, num_steps: int
     topk > 1: B*k independent single-token queries; per step keep the best k of k^2 children by cumulative
     log-prob, then keep the top N-1 of all candidates (as SGLang's select_top_k_tokens/organize_draft_results).
     """
-    B, k = len(seed), topk
+    B, k = seed.hidden.shape[0], topk
     pos = (seq_lens.long() + position_offset).clamp(min=0)
     tok, h = seed.bonus_tokens, seed.hidden
     if k == 1:

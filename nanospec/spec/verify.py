@@ -13,14 +13,22 @@ def _children(tree: DraftTree, cur: torch.Tensor, active: torch.Tensor) -> torch
     return (tree.parents == cur[:, None]) & active[:, None]
 
 
-def accept_greedy(tree: DraftTree, target_tokens: torch.Tensor):
+def _max_depth(tree: DraftTree, max_depth: int | None) -> int:
+    # Callers that know the depth (num_steps) pass it: no host sync, so the walk can be graph-captured.
+    if max_depth is not None:
+        return max_depth
+    return int(tree.depth.max()) if tree.depth.numel() else 0  # 0 rows: no max() on empty (rule 4)
+
+
+def accept_greedy(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int | None = None):
     """Greedy walk: from the root, accept the child whose token equals the target's argmax at the current node.
 
     target_tokens [B, N] int64: the target's argmax at every node. Returns (path [B, D+1], accept_len [B],
     bonus [B]) where accept_len = 1 + accepted drafts and bonus = the target's argmax at the last accepted node.
+    ``max_depth`` (e.g. num_steps) bounds the walk; None reads it from the tree (one host sync).
     """
     B, N = tree.tokens.shape
-    max_depth = int(tree.depth.max()) if tree.depth.numel() else 0  # 0 rows: no max() on empty (rule 4)
+    max_depth = _max_depth(tree, max_depth)
     cur = torch.zeros(B, dtype=torch.long, device=tree.tokens.device)
     active = torch.ones(B, dtype=torch.bool, device=cur.device)
     path = [cur]
@@ -36,7 +44,8 @@ def accept_greedy(tree: DraftTree, target_tokens: torch.Tensor):
     return path, accept_len, target_tokens.gather(1, cur[:, None]).squeeze(1)
 
 
-def accept_sampling(tree: DraftTree, probs: torch.Tensor, u_accept: torch.Tensor, u_bonus: torch.Tensor):
+def accept_sampling(tree: DraftTree, probs: torch.Tensor, u_accept: torch.Tensor, u_bonus: torch.Tensor,
+                    max_depth: int | None = None):
     """Lossless recursive rejection sampling with one-hot (deterministic) drafts.
 
     probs [B, N, V]: the target's distribution at every node after temperature / top-k / top-p (one-hot for
@@ -47,7 +56,7 @@ def accept_sampling(tree: DraftTree, probs: torch.Tensor, u_accept: torch.Tensor
     Returns (path, accept_len, bonus) as ``accept_greedy``.
     """
     B, N, V = probs.shape
-    max_depth = int(tree.depth.max()) if tree.depth.numel() else 0  # 0 rows: no max() on empty (rule 4)
+    max_depth = _max_depth(tree, max_depth)
     dev, rows = probs.device, torch.arange(B, device=probs.device)
     cur = torch.zeros(B, dtype=torch.long, device=dev)
     active = torch.ones(B, dtype=torch.bool, device=dev)

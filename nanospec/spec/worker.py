@@ -58,40 +58,69 @@ class FrozenKVMTPWorker:
         gone = set(req_ids)
         self.seeds = self.seeds.filter([r for r in self.seeds.req_ids if r not in gone])
 
-    def draft(self, reqs, block_table, seq_lens):
+    def draft(self, reqs, block_table, seq_lens, num_splits=None):
         seed = self.seeds.filter([r.request_id for r in reqs])
         if len(seed) != len(reqs):
             raise RuntimeError("a decode request has no draft seed")
         return run_draft(self.assistant, seed, block_table, seq_lens, self.num_steps, self.topk,
-                         self.num_draft_tokens, self.config.draft_position_offset)
+                         self.num_draft_tokens, self.config.draft_position_offset, num_splits)
 
-    def step(self, runner, reqs) -> list[list[int]]:
-        """Draft, verify over the tree, accept; returns each request's emitted tokens (accepted drafts + bonus)."""
-        dev, B = runner.device, len(reqs)
-        L = runner._tensor([r.num_computed for r in reqs], torch.int32)
-        bt = block_table_tensor(reqs, dev)
-        tree = self.draft(reqs, bt, L)
-        N = tree.tokens.shape[1]
-        slots = [s for r in reqs for s in runner.allocator.slots(r, r.num_computed, r.num_computed + N)]
-        md = AttnMetadata("verify", bt, L + N, runner._tensor(slots),
+    def verify(self, tree, block_table, L, kv_cache, sampling=None):
+        """Target forward over the tree (K/V written to rows [L, L+N)), accept, compact, next seed hidden.
+
+        Pure tensor code with no host sync (graph-capturable): slots come from the block table on device.
+        ``sampling`` = (temperature, top_k, top_p [B], noise [B, V + S*k]) or None for greedy.
+        Returns (emitted [B, S+1] tokens padded with -1, accept_len [B], bonus [B], next seed hidden [B, Hb]).
+        """
+        B, N = tree.tokens.shape
+        ps, dev = self.config.page_size, tree.tokens.device
+        j = L.long()[:, None] + torch.arange(N, device=dev)
+        slots = (block_table.long().gather(1, j // ps) * ps + j % ps).flatten()
+        md = AttnMetadata("verify", block_table, L + N, slots,
                           torch.arange(0, (B + 1) * N, N, dtype=torch.int32, device=dev), N, tree.tree_mask)
         with attn_metadata(md):
             hidden = self.target(tree.tokens.flatten(), (L.long()[:, None] + tree.depth).flatten())
         logits = self.target.compute_logits(hidden).view(B, N, -1)
-        if all(r.params.greedy for r in reqs):
-            path, acc, bonus = accept_greedy(tree, logits.argmax(-1))
+        if sampling is None:
+            path, acc, bonus = accept_greedy(tree, logits.argmax(-1), self.num_steps)
         else:
-            V = logits.shape[-1]
-            t, k, p = (x.repeat_interleave(N) for x in runner.sampling_tensors(reqs))
-            probs = filtered_probs(logits.view(B * N, V), t, k, p).view(B, N, V)
-            u = runner.noise(reqs, V + self.num_steps * self.topk)
-            path, acc, bonus = accept_sampling(tree, probs, u[:, V:].view(B, self.num_steps, self.topk), u[:, :V])
+            V, (t, k, p, u) = logits.shape[-1], sampling
+            probs = filtered_probs(logits.view(B * N, V), *(x.repeat_interleave(N) for x in (t, k, p)))
+            path, acc, bonus = accept_sampling(tree, probs.view(B, N, V), u[:, V:].view(B, self.num_steps, -1),
+                                               u[:, :V], self.num_steps)
         if not tree.is_chain:
-            compact_accepted_kv(runner.kv_cache, bt, L, path, acc, runner.config.page_size)
+            compact_accepted_kv(kv_cache, block_table, L, path, acc, ps)
         last = path.gather(1, (acc - 1)[:, None]).squeeze(1)
-        self.seeds = self.seeds.merge(DraftInput([r.request_id for r in reqs], bonus,
-                                                 hidden.view(B, N, -1)[torch.arange(B, device=dev), last]))
-        out, acc = emitted_tokens(tree, path, acc, bonus).tolist(), acc.tolist()
+        seed_hidden = hidden.view(B, N, -1)[torch.arange(B, device=dev), last]
+        return emitted_tokens(tree, path, acc, bonus), acc, bonus, seed_hidden
+
+    def draft_verify(self, bonus, hidden, block_table, L, kv_cache, sampling=None, num_splits=None):
+        """One whole speculative step from seed tensors (what a CUDA graph captures per bucket)."""
+        tree = run_draft(self.assistant, DraftInput([], bonus, hidden), block_table, L, self.num_steps, self.topk,
+                         self.num_draft_tokens, self.config.draft_position_offset, num_splits)
+        return self.verify(tree, block_table, L, kv_cache, sampling)
+
+    def step(self, runner, reqs) -> list[list[int]]:
+        """Draft, verify over the tree, accept; returns each request's emitted tokens (accepted drafts + bonus)."""
+        ids = [r.request_id for r in reqs]
+        seed = self.seeds.filter(ids)
+        if len(seed) != len(reqs):
+            raise RuntimeError("a decode request has no draft seed")
+        L = runner._tensor([r.num_computed for r in reqs], torch.int32)
+        bt = block_table_tensor(reqs, runner.device)
+        if all(r.params.greedy for r in reqs):
+            graphs = runner.graphs
+            if graphs is not None and graphs.has_spec(len(reqs)):
+                out, acc, bonus, hidden = graphs.run_spec(seed.bonus_tokens, seed.hidden, bt, L)
+            else:
+                out, acc, bonus, hidden = self.draft_verify(seed.bonus_tokens, seed.hidden, bt, L, runner.kv_cache)
+        else:
+            t, k, p = runner.sampling_tensors(reqs)
+            u = runner.noise(reqs, runner.vocab_size + self.num_steps * self.topk)
+            out, acc, bonus, hidden = self.draft_verify(seed.bonus_tokens, seed.hidden, bt, L, runner.kv_cache,
+                                                        (t, k, p, u))
+        self.seeds = self.seeds.merge(DraftInput(ids, bonus, hidden))
+        out, acc = out.tolist(), acc.tolist()  # the one host copy of the step
         for r, a in zip(reqs, acc):
             r.accept_lengths.append(a)
         return [row[:a] for row, a in zip(out, acc)]
