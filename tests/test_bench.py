@@ -1,4 +1,4 @@
-"""bench.py on CPU: output format and consistency on a tiny random-weight run, nano-vllm's workload, acceptance stats."""
+"""bench.py on CPU: output format and figures of tiny random-weight runs, nano-vllm's workload, acceptance stats."""
 import json
 import random
 import re
@@ -28,29 +28,32 @@ def two_layers(monkeypatch):
     monkeypatch.setattr(bench, "write_shape_dir", write)
 
 
-def run_bench(capsys, argv):
+def run_bench(capsys, monkeypatch, argv):
+    """Run bench.main in-process; returns its JSON figures, stdout lines and the timed generate() outputs."""
+    calls, generate = [], bench.LLM.generate
+    monkeypatch.setattr(bench.LLM, "generate", lambda self, *a, **k: calls.append(generate(self, *a, **k)) or calls[-1])
     res = bench.main(argv)
     lines = capsys.readouterr().out.strip().splitlines()
     m = TOTAL_LINE.match(lines[0])
     assert m, lines[0]
-    assert json.loads(lines[-1]) == res  # the last line is the one JSON line, with every figure
-    total, t, x = int(m[1]), float(m[2]), float(m[3])
-    assert total == res["total_tokens"] and t == round(res["time_s"], 2) and x == round(res["throughput_tok_s"], 2)
+    assert json.loads(lines[-1]) == res and not any(line.startswith("{") for line in lines[:-1])  # one JSON line
+    assert (m[1], m[2], m[3]) == (str(res["total_tokens"]), f"{res['time_s']:.2f}", f"{res['throughput_tok_s']:.2f}")
+    outputs = [o for c in calls[1:] for o in c]  # calls[0] is the warmup
+    assert res["total_tokens"] == sum(len(o["token_ids"]) for o in outputs)
     assert res["throughput_tok_s"] == pytest.approx(res["total_tokens"] / res["time_s"])
-    return res, lines
+    return res, lines, outputs
 
 
 def test_nanovllm_workload_reproduces_nano_vllm():
     random.seed(0)  # nano-vllm's bench.py: all prompts (length, then its ids), then all max_tokens
-    lens, first_ids = [], []
+    expected = []
     for _ in range(256):
         n = random.randint(100, 1024)
-        ids = [random.randint(0, 10000) for _ in range(n)]
-        lens.append(n)
-        first_ids.append(ids[:3])
+        expected.append([random.randint(0, 10000) for _ in range(n)])
     outs = [random.randint(100, 1024) for _ in range(256)]
     prompts, max_tokens = bench.nanovllm_workload()
-    assert [len(p) for p in prompts] == lens and [p[:3] for p in prompts] == first_ids and max_tokens == outs
+    assert prompts == expected and max_tokens == outs
+    assert [len(p) for p in prompts[:3]] == [964, 724, 484] and outs[:3] == [845, 312, 607]  # pinned
     assert all(0 <= t <= 10000 for p in prompts for t in p)
     small, small_out = bench.nanovllm_workload(3, 16, 4)  # maxima below 100 lower the minimum to the maximum
     assert [len(p) for p in small] == [16] * 3 and small_out == [4] * 3
@@ -77,11 +80,13 @@ def test_shape_dirs(tmp_path):
     assert s == json.loads((resolve_model_dir(None) / "config.json").read_text())
 
 
-def test_tiny_run_with_hf(capsys, two_layers):
-    res, lines = run_bench(capsys, TINY + ["--compare-hf"])
+def test_tiny_run_with_hf(capsys, monkeypatch, two_layers):
+    res, lines, outputs = run_bench(capsys, monkeypatch, TINY + ["--compare-hf"])
+    assert len(outputs) == 2 and all("accept_lengths" not in o for o in outputs)
     _, max_tokens = bench.nanovllm_workload(2, 16, 4)
     assert res["total_tokens"] == sum(max_tokens) and res["num_seqs"] == 2 and res["input_tokens"] == 32
-    assert (res["workload"], res["shape"], res["device"], res["dtype"]) == ("nanovllm", "smollm2-135m", "cpu", "float32")
+    assert (res["workload"], res["shape"], res["device"], res["dtype"]) == ("nanovllm", "smollm2-135m", "cpu",
+                                                                             "float32")
     assert res["temperature"] == 0.6 and res["ignore_eos"] and res["mean_accept_length"] is None
     assert res["hf_num_seqs"] == 2 and res["hf_total_tokens"] == sum(max_tokens)
     assert res["hf_throughput_tok_s"] == pytest.approx(res["hf_total_tokens"] / res["hf_time_s"])
@@ -89,8 +94,13 @@ def test_tiny_run_with_hf(capsys, two_layers):
     assert any(line.startswith("HF transformers: ") for line in lines)
 
 
-def test_batch_1_with_random_assistant(capsys, two_layers):
-    res, _ = run_bench(capsys, TINY + ["--batch-1", "--assistant", "random", "--num-steps", "2", "--temperature", "0"])
+def test_batch_1_with_random_assistant(capsys, monkeypatch, two_layers):
+    res, _, outputs = run_bench(capsys, monkeypatch,
+                                TINY + ["--batch-1", "--assistant", "random", "--num-steps", "2", "--temperature", "0"])
+    assert len(outputs) == 2  # one generate() per request
+    acc = [a for o in outputs for a in o["accept_lengths"]]
+    assert res["num_verify_steps"] == len(acc) and res["mean_accept_length"] == pytest.approx(sum(acc) / len(acc))
+    assert res["per_position_acceptance"] == pytest.approx([sum(a >= i + 1 for a in acc) / len(acc) for i in (1, 2)])
     total = res["total_tokens"]
     assert total == sum(bench.nanovllm_workload(2, 16, 4)[1])
     assert res["ms_per_token"] == pytest.approx(1000 * res["time_s"] / total)
