@@ -40,7 +40,7 @@ class ModelRunner:
         self.config = config
         self.device, self.dtype = config.torch_device(), config.torch_dtype()
         self.hf_config = hf_config
-        max_pos = config.max_model_len + 64  # verify rows may sit past the last committed position
+        max_pos = config.max_model_len + (config.num_draft_tokens or 1)  # verify rows sit past the last token
         weights = None if config.load_format == "dummy" else model_dir
         self.model = build_target(hf_config, self.device, self.dtype, max_pos, weights, config.seed)
         self.vocab_size = hf_config.vocab_size

@@ -19,7 +19,6 @@ from transformers import AutoConfig, Gemma4AssistantForCausalLM
 import nanospec.models.gemma4_assistant as g4
 import nanospec.spec.draft as draft_mod
 from nanospec import LLM, SamplingParams
-from nanospec import loader
 from nanospec.config import EngineConfig
 from nanospec.context import AttnMetadata, attn_metadata
 from nanospec.kernels.attention import decode_attention, draft_attention
@@ -27,7 +26,7 @@ from nanospec.kv_cache import block_table_tensor
 from nanospec.model_runner import ModelRunner, build_target
 from nanospec.models.gemma4_assistant import assistant_config_for
 from nanospec.scheduler import Batch
-from nanospec.spec.draft import chain_tree, run_draft
+from nanospec.spec.draft import DraftTree, chain_tree, run_draft
 from nanospec.spec.state import DraftInput
 from nanospec.spec.verify import accept_greedy, accept_sampling, compact_accepted_kv, emitted_tokens
 from nanospec.spec.worker import FrozenKVMTPWorker
@@ -35,7 +34,7 @@ from nanospec.spec.worker import FrozenKVMTPWorker
 HB, V, S = 64, 49152, 5  # target hidden, vocab; draft steps of the oracle tests
 REF_LEN = 48
 P_DISTINCT = [100, 200, 300, 400, 500, 600, 700]  # its greedy continuation has no repeated token early on
-PROMPTS = [[11, 22, 33], P_DISTINCT, list(range(1000, 1017)), list(range(5000, 5030, 1))]  # 3, 7, 17, 30 tokens
+PROMPTS = [[11, 22, 33], P_DISTINCT, list(range(1000, 1017)), list(range(5000, 5030))]  # 3, 7, 17, 30 tokens
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -545,6 +544,37 @@ def test_rule6_rows_independent(tiny_llama_dir, asst_dir, reference, oracle):
     assert len(llm.runner.spec.seeds) == 0 and llm.runner.allocator.num_free == llm.runner.allocator.num_usable
 
 
+def test_rule6_rows_independent_tree(tiny_llama_dir, asst_dir, reference, monkeypatch):
+    """topk 2 (S 2, N 5): rows of one verify take different tree paths (0->2->4, 0->2->3, or nothing accepted),
+    each moving different K/V rows (tree index -> depth) at its own L: compact_accepted_kv must act per row."""
+    m = torch.zeros(5, 5, dtype=torch.bool)
+    for i, anc in enumerate([[0], [0, 1], [0, 2], [0, 2, 3], [0, 2, 4]]):
+        m[i, anc] = True
+
+    def draft(self, reqs, block_table, seq_lens):
+        seed = self.seeds.filter([r.request_id for r in reqs])
+        assert seed.bonus_tokens.tolist() == [r.all_token_ids[-1] for r in reqs]
+        rows = []
+        for r in reqs:
+            n = len(r.output_token_ids)
+            d1, d2 = (reference(r.prompt_token_ids) + [0, 0])[n:n + 2]
+            w1, w2 = (d1 + 1) % V, (d2 + 1) % V
+            rows.append([[w1, d1, w2, d2], [w1, d1, d2, w2], [w1, w1, d2, d2]][_wrong_at(r.prompt_token_ids, n) % 3])
+        B = len(reqs)
+        tokens = torch.cat([seed.bonus_tokens[:, None], torch.tensor(rows, dtype=torch.long).view(B, 4)], 1)
+        return DraftTree(tokens, torch.tensor([-1, 0, 0, 2, 2]).expand(B, 5).clone(),
+                         torch.tensor([0, 1, 1, 2, 2]).expand(B, 5).clone(), m.expand(B, 5, 5).clone())
+    monkeypatch.setattr(FrozenKVMTPWorker, "draft", draft)
+    llm = make_llm(tiny_llama_dir, asst_dir, num_steps=2, topk=2, num_draft_tokens=5, page_size=4)
+    params = [greedy(n) for n in (20, 25, 14, 30)]
+    batched = llm.generate(PROMPTS, params, use_tqdm=False)
+    alone = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(PROMPTS, params)]
+    for p, sp, b, a in zip(PROMPTS, params, batched, alone):
+        assert b["token_ids"] == a["token_ids"] == reference(p)[:sp.max_tokens]
+        assert b["accept_lengths"] == a["accept_lengths"] and set(b["accept_lengths"]) <= {1, 3}
+    assert sum(3 in b["accept_lengths"] for b in batched) >= 3 and any(1 in b["accept_lengths"] for b in batched)
+
+
 # =============================================================================================== preemption
 # Preemption by recompute keeps working under speculation: lookahead N rows are reserved per decode, a preempted
 # request's blocks (rejected tail included) are freed, its re-prefill seed replaces the stale one (the oracle
@@ -554,10 +584,11 @@ def test_preemption_with_speculation(tiny_llama_dir, asst_dir, reference, oracle
     llm = make_llm(tiny_llama_dir, asst_dir, num_steps=3, page_size=4, max_model_len=64, num_kv_blocks=19)
     params = [greedy(n) for n in (30, 26, 34, 22)]
     prompts = [p[:12] for p in PROMPTS]
+    refs = [reference(p) for p in prompts]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.scheduler.num_preemptions > 0
-    for p, sp, o in zip(prompts, params, outs):
-        assert o["token_ids"] == reference(p)[:sp.max_tokens] and o["finish_reason"] == "length"
+    for ref, sp, o in zip(refs, params, outs):
+        assert o["token_ids"] == ref[:sp.max_tokens] and o["finish_reason"] == "length"
     alloc = llm.runner.allocator
     assert alloc.num_free == alloc.num_usable
     assert len(llm.runner.spec.seeds) == 0 and llm.runner.spec.seeds.hidden.shape == (0, HB)
@@ -584,7 +615,7 @@ def no_work(monkeypatch):
 ])
 def test_bad_spec_options(tiny_llama_dir, asst_dir, no_work, kw, field):
     no_work.setattr("nanospec.model_runner.build_target", lambda *a, **k: pytest.fail("built a model"))
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=rf"^(with topk=1, )?{field} must"):  # the message starts with the field
         make_llm(tiny_llama_dir, asst_dir, **kw)
 
 

@@ -102,6 +102,8 @@ class FrozenKVMTPWorker:
 
     def step(self, runner, reqs) -> list[list[int]]:
         """Draft, verify over the tree, accept; returns each request's emitted tokens (accepted drafts + bonus)."""
+        if not reqs:  # DESIGN §4 rule 4
+            return []
         ids = [r.request_id for r in reqs]
         seed = self.seeds.filter(ids)
         if len(seed) != len(reqs):
