@@ -2,6 +2,7 @@
 import json
 import shutil
 
+import conftest
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -35,11 +36,7 @@ def assistant_config(hidden=32, heads=4, head_dim=D, layer_types=("full_attentio
 
 def randomize(model, seed, std=0.2):
     """Non-trivial random weights: matrices N(0, std), norms / layer scalars around 1 (so every one matters)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, t in model.state_dict().items():
-            if t.is_floating_point():
-                t.copy_(torch.randn(t.shape, generator=g) * std + (1.0 if t.dim() == 1 else 0.0))
+    conftest.randomize(model, seed, std)
 
 
 @pytest.fixture(scope="module")

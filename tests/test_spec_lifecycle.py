@@ -14,6 +14,7 @@ import hashlib
 
 import pytest
 import torch
+from conftest import randomize
 from transformers import AutoConfig, Gemma4AssistantForCausalLM
 
 import nanospec.models.gemma4_assistant as g4
@@ -46,19 +47,13 @@ def one_thread():
     torch.set_num_threads(old)
 
 
-def _randomize(model, seed, std=0.3):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, t in model.state_dict().items():
-            if t.is_floating_point():
-                t.copy_(torch.randn(t.shape, generator=g) * std + (1.0 if t.dim() == 1 else 0.0))
 
 
 def _save_assistant(path, target_cfg, seed=7, **kw):
     cfg = assistant_config_for(target_cfg, **{"num_layers": 2, "hidden_size": 32, "num_heads": 4, **kw})
     torch.manual_seed(seed)
     model = Gemma4AssistantForCausalLM(cfg).eval()
-    _randomize(model, seed)
+    randomize(model, seed, 0.3)
     model.save_pretrained(path)
     return path
 

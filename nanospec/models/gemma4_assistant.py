@@ -24,24 +24,17 @@ from torch import nn
 from ..context import get_attn_metadata
 from ..kernels.activation import gelu_and_mul, silu_and_mul
 from ..kernels.attention import draft_attention
-from ..kernels.norm import rms_norm
 from ..kernels.rope import apply_rope, rope_cos_sin
+from .llama import RMSNorm
 
 _ACTS = {"gelu_pytorch_tanh": gelu_and_mul, "silu": silu_and_mul}
 # Checkpoint tensors HF itself ignores for KV-shared layers (K/V come from the target).
 _IGNORED = ("self_attn.k_proj.", "self_attn.v_proj.", "self_attn.k_norm.", "self_attn.v_norm.", "rotary_emb.")
 
 
-class Gemma4RMSNorm(nn.Module):
-    """Weight-only RMSNorm, weight applied in fp32 before the cast (HF ``Gemma4RMSNorm``)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x, residual=None):
-        return rms_norm(x, self.weight, self.eps, residual, fp32_weight=True)
+def Gemma4RMSNorm(dim: int, eps: float) -> RMSNorm:
+    """HF ``Gemma4RMSNorm``: weight-only, weight applied in fp32 before the cast."""
+    return RMSNorm(dim, eps, fp32_weight=True)
 
 
 class QOnlyAttention(nn.Module):

@@ -15,15 +15,16 @@ from ..kernels.rope import rope_cos_sin, rope_store_kv
 
 
 class RMSNorm(nn.Module):
-    """Weight-only RMSNorm (HF LlamaRMSNorm); with ``residual`` it fuses the add and returns (out, residual)."""
+    """Weight-only RMSNorm (HF LlamaRMSNorm; ``fp32_weight`` applies the weight before the cast, as HF
+    Gemma4RMSNorm); with ``residual`` it fuses the add and returns (out, residual)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, fp32_weight: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.fp32_weight = eps, fp32_weight
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x, residual=None):
-        return rms_norm(x, self.weight, self.eps, residual)
+        return rms_norm(x, self.weight, self.eps, residual, self.fp32_weight)
 
 
 class Attention(nn.Module):

@@ -58,11 +58,15 @@ class FrozenKVMTPWorker:
         gone = set(req_ids)
         self.seeds = self.seeds.filter([r for r in self.seeds.req_ids if r not in gone])
 
-    def draft(self, reqs, block_table, seq_lens, num_splits=None):
+    def seed_for(self, reqs) -> DraftInput:
+        """The seeds of ``reqs``, in batch order; RuntimeError if one is missing."""
         seed = self.seeds.filter([r.request_id for r in reqs])
         if len(seed) != len(reqs):
             raise RuntimeError("a decode request has no draft seed")
-        return run_draft(self.assistant, seed, block_table, seq_lens, self.num_steps, self.topk,
+        return seed
+
+    def draft(self, reqs, block_table, seq_lens, num_splits=None):
+        return run_draft(self.assistant, self.seed_for(reqs), block_table, seq_lens, self.num_steps, self.topk,
                          self.num_draft_tokens, self.config.draft_position_offset, num_splits)
 
     def verify(self, tree, block_table, L, kv_cache, sampling=None):
@@ -101,27 +105,26 @@ class FrozenKVMTPWorker:
         return self.verify(tree, block_table, L, kv_cache, sampling)
 
     def step(self, runner, reqs) -> list[list[int]]:
-        """Draft, verify over the tree, accept; returns each request's emitted tokens (accepted drafts + bonus)."""
+        """Draft, verify over the tree, accept; returns each request's emitted tokens (accepted drafts + bonus).
+
+        Greedy batches that fit a captured bucket replay one CUDA graph for the whole step; everything else
+        runs ``draft`` then ``verify`` eagerly (the same tensor code).
+        """
         if not reqs:  # DESIGN §4 rule 4
             return []
-        ids = [r.request_id for r in reqs]
-        seed = self.seeds.filter(ids)
-        if len(seed) != len(reqs):
-            raise RuntimeError("a decode request has no draft seed")
         L = runner._tensor([r.num_computed for r in reqs], torch.int32)
         bt = block_table_tensor(reqs, runner.device)
-        if all(r.params.greedy for r in reqs):
-            graphs = runner.graphs
-            if graphs is not None and graphs.has_spec(len(reqs)):
-                out, acc, bonus, hidden = graphs.run_spec(seed.bonus_tokens, seed.hidden, bt, L)
-            else:
-                out, acc, bonus, hidden = self.draft_verify(seed.bonus_tokens, seed.hidden, bt, L, runner.kv_cache)
-        else:
-            t, k, p = runner.sampling_tensors(reqs)
+        sampling = None
+        if not all(r.params.greedy for r in reqs):
             u = runner.noise(reqs, runner.vocab_size + self.num_steps * self.topk)
-            out, acc, bonus, hidden = self.draft_verify(seed.bonus_tokens, seed.hidden, bt, L, runner.kv_cache,
-                                                        (t, k, p, u))
-        self.seeds = self.seeds.merge(DraftInput(ids, bonus, hidden))
+            sampling = (*runner.sampling_tensors(reqs), u)
+        graphs = runner.graphs
+        if sampling is None and graphs is not None and graphs.has_spec(len(reqs)):
+            seed = self.seed_for(reqs)
+            out, acc, bonus, hidden = graphs.run_spec(seed.bonus_tokens, seed.hidden, bt, L)
+        else:
+            out, acc, bonus, hidden = self.verify(self.draft(reqs, bt, L), bt, L, runner.kv_cache, sampling)
+        self.seeds = self.seeds.merge(DraftInput([r.request_id for r in reqs], bonus, hidden))
         out, acc = out.tolist(), acc.tolist()  # the one host copy of the step
         for r, a in zip(reqs, acc):
             r.accept_lengths.append(a)
