@@ -47,6 +47,7 @@ class LLM:
                                   loader.is_default_target(hf_config, self.tokenizer))
         self.scheduler = Scheduler(self.config, self.runner.allocator, self.runner.lookahead)
         self._next_id = 0
+        self._stash: list[Request] = []  # finished add_request() requests seen by generate(), kept for step()
 
     def _make_request(self, prompt, params) -> Request:
         """Validate one prompt and its params (ValueError/TypeError naming the field); no engine state changes."""
@@ -77,13 +78,15 @@ class LLM:
         return req.request_id
 
     def step(self) -> list[Request]:
-        """One engine step: plan -> run -> process results. Returns the requests that finished in it."""
+        """One engine step: plan -> run -> process results. Returns the requests that finished in it (and any
+        finished earlier inside a ``generate`` call that did not own them)."""
+        stashed, self._stash = self._stash, []
         batch = self.scheduler.schedule()
         if batch is None:
-            return []
+            return stashed
         finished = self.scheduler.postprocess(batch, self.runner.run(batch))
         self.runner.release(finished)
-        return finished
+        return stashed + finished
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -116,10 +119,12 @@ class LLM:
         ids = {r.request_id for r in reqs}
         while len(done) < len(reqs):
             for r in self.step():
-                if r.request_id in ids:
-                    done[r.request_id] = r
-                    ntok += len(r.output_token_ids)
-                    bar.update(1)
-                    bar.set_postfix(tok_s=f"{ntok / (time.perf_counter() - t0):.1f}")
+                if r.request_id not in ids:
+                    self._stash.append(r)
+                    continue
+                done[r.request_id] = r
+                ntok += len(r.output_token_ids)
+                bar.update(1)
+                bar.set_postfix(tok_s=f"{ntok / (time.perf_counter() - t0):.1f}")
         bar.close()
         return [self.output_dict(done[r.request_id]) for r in reqs]

@@ -84,7 +84,9 @@ class Scheduler:
         self.allocator.free(req)
         req.num_computed = 0
         req.status = Status.WAITING
-        self.waiting.appendleft(req)
+        # A half-prefilled head holds blocks and must finish first: queued in front of it, a victim that does not
+        # fit would wait forever for those blocks (running empty, nothing schedulable).
+        self.waiting.insert(1 if self.waiting and self.waiting[0].num_computed else 0, req)
         self.num_preemptions += 1
 
     def postprocess(self, batch: Batch, new_tokens: list[list[int]]) -> list[Request]:

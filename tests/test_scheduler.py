@@ -1,4 +1,5 @@
-"""Scheduler, block allocator, request finish rules and sampling reproducibility (CPU, fp32, tiny random models)."""
+"""Scheduler, block allocator, request finish rules and sampling reproducibility (CPU, fp32, a micro random Llama
+with a 512-token vocabulary: prompts are token-id lists)."""
 import pytest
 import torch
 
@@ -14,7 +15,7 @@ def _engine(model_dir, **kw):
     return LLM(str(model_dir), **{**opts, **kw})
 
 
-def _prompts(n, lens, seed=0, vocab=49152):
+def _prompts(n, lens, seed=0, vocab=512):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (lens[i % len(lens)],), generator=g).tolist() for i in range(n)]
 
@@ -45,20 +46,20 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama_dir):
+def reference(micro_llama_dir):
     """Greedy outputs of 5 prompts with a big pool and no chunking."""
     prompts = _prompts(5, (9, 13, 7, 22, 11))
-    llm = _engine(tiny_llama_dir)
+    llm = _engine(micro_llama_dir)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert llm.scheduler.num_preemptions == 0 and _all_free(llm)
     return prompts, [o["token_ids"] for o in outs]
 
 
 # ------------------------------------------------------------------------------------------ engine behaviour
-def test_preemption_by_recompute_keeps_greedy_output(tiny_llama_dir, reference):
+def test_preemption_by_recompute_keeps_greedy_output(micro_llama_dir, reference):
     prompts, ref = reference
     # one request needs ceil((48 + 1) / 4) = 13 blocks; 14 usable blocks cannot hold 5 requests of up to 38 tokens
-    llm = _engine(tiny_llama_dir, num_kv_blocks=14)
+    llm = _engine(micro_llama_dir, num_kv_blocks=14)
     assert llm.runner.allocator.num_usable == 13
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert llm.scheduler.num_preemptions > 0
@@ -68,9 +69,9 @@ def test_preemption_by_recompute_keeps_greedy_output(tiny_llama_dir, reference):
     assert _all_free(llm) and not llm.scheduler.waiting and not llm.scheduler.running
 
 
-def test_chunked_prefill_equals_unchunked(tiny_llama_dir, reference):
+def test_chunked_prefill_equals_unchunked(micro_llama_dir, reference):
     prompts, ref = reference
-    llm = _engine(tiny_llama_dir, max_num_batched_tokens=5)
+    llm = _engine(micro_llama_dir, max_num_batched_tokens=5)
     steps = []
     orig = llm.scheduler.schedule
 
@@ -89,38 +90,38 @@ def test_chunked_prefill_equals_unchunked(tiny_llama_dir, reference):
     assert _all_free(llm)
 
 
-def test_chunked_prefill_under_preemption_makes_progress(tiny_llama_dir, reference):
+def test_chunked_prefill_under_preemption_makes_progress(micro_llama_dir, reference):
     """Chunked prompts and a pool so small that decode must preempt while a prompt is half prefilled: the engine
     never stalls (a half-prefilled request holding blocks must not starve the requests queued in front of it)."""
     prompts, ref = reference
-    llm = _engine(tiny_llama_dir, num_kv_blocks=14, max_num_batched_tokens=6)
+    llm = _engine(micro_llama_dir, num_kv_blocks=14, max_num_batched_tokens=6)
     outs = _drive(llm, prompts, GREEDY)
     assert [o["token_ids"] for o in outs] == ref
     assert llm.scheduler.num_preemptions > 0 and _all_free(llm)
 
 
-def test_long_prompt_and_long_generation_contend(tiny_llama_dir):
+def test_long_prompt_and_long_generation_contend(micro_llama_dir):
     """A long generation decoding while a long chunked prompt arrives, in a pool that holds only one of them."""
-    llm_ref = _engine(tiny_llama_dir)
+    llm_ref = _engine(micro_llama_dir)
     prompts = _prompts(2, (8, 36), seed=3)
     params = [SamplingParams(max_tokens=38, ignore_eos=True), SamplingParams(max_tokens=8, ignore_eos=True)]
     ref = [o["token_ids"] for o in llm_ref.generate(prompts, params, use_tqdm=False)]
-    llm = _engine(tiny_llama_dir, num_kv_blocks=14, max_num_batched_tokens=8)
+    llm = _engine(micro_llama_dir, num_kv_blocks=14, max_num_batched_tokens=8)
     assert [o["token_ids"] for o in _drive(llm, prompts, params)] == ref
     assert _all_free(llm)
 
 
-def test_batched_equals_alone_greedy(tiny_llama_dir, reference):
+def test_batched_equals_alone_greedy(micro_llama_dir, reference):
     """DESIGN §4 rule 6: a request's greedy output does not depend on its batch."""
     prompts, ref = reference
-    llm = _engine(tiny_llama_dir)
+    llm = _engine(micro_llama_dir)
     for p, r in zip(prompts[:2], ref[:2]):
         assert llm.generate([p], GREEDY, use_tqdm=False)[0]["token_ids"] == r
 
 
-def test_max_num_seqs_caps_the_running_batch(tiny_llama_dir, reference):
+def test_max_num_seqs_caps_the_running_batch(micro_llama_dir, reference):
     prompts, ref = reference
-    llm = _engine(tiny_llama_dir, max_num_seqs=2)
+    llm = _engine(micro_llama_dir, max_num_seqs=2)
     sizes = []
     orig = llm.runner.run
     llm.runner.run = lambda b: (sizes.append(len(b.reqs)), orig(b))[1]
@@ -128,9 +129,9 @@ def test_max_num_seqs_caps_the_running_batch(tiny_llama_dir, reference):
     assert max(sizes) == 2 and _all_free(llm)
 
 
-def test_empty_step_returns_nothing(tiny_llama_dir):
+def test_empty_step_returns_nothing(micro_llama_dir):
     """DESIGN §4 rule 4: a step with no requests never reaches attention metadata and returns []."""
-    llm = _engine(tiny_llama_dir)
+    llm = _engine(micro_llama_dir)
     llm.runner.model.forward = lambda *a, **k: pytest.fail("an empty step ran the model")
     assert llm.step() == [] and llm.step() == []
     assert llm.scheduler.schedule() is None and not llm.has_unfinished()
@@ -138,10 +139,21 @@ def test_empty_step_returns_nothing(tiny_llama_dir):
     assert _all_free(llm)
 
 
-def test_step_after_finish_is_empty(tiny_llama_dir):
-    llm = _engine(tiny_llama_dir)
+def test_step_after_finish_is_empty(micro_llama_dir):
+    llm = _engine(micro_llama_dir)
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert len(out[0]["token_ids"]) == 2
+    assert llm.step() == [] and _all_free(llm)
+
+
+def test_generate_keeps_requests_it_does_not_own(micro_llama_dir):
+    """A request queued with add_request() that finishes inside generate() is handed out by the next step()."""
+    llm = _engine(micro_llama_dir)
+    rid = llm.add_request([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    out = llm.generate([[4, 5, 6]], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert len(out[0]["token_ids"]) == 6
+    got = llm.step()
+    assert [(r.request_id, len(r.output_token_ids)) for r in got] == [(rid, 3)]
     assert llm.step() == [] and _all_free(llm)
 
 
@@ -149,32 +161,32 @@ def test_step_after_finish_is_empty(tiny_llama_dir):
 SEEDED = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=10, ignore_eos=True, seed=1234)
 
 
-def test_seeded_sampling_is_batch_independent(tiny_llama_dir):
+def test_seeded_sampling_is_batch_independent(micro_llama_dir):
     prompt = _prompts(1, (11,), seed=7)[0]
     others = _prompts(3, (6, 19, 9), seed=8)
-    alone = _engine(tiny_llama_dir, seed=0).generate([prompt], SEEDED, use_tqdm=False)[0]["token_ids"]
+    alone = _engine(micro_llama_dir, seed=0).generate([prompt], SEEDED, use_tqdm=False)[0]["token_ids"]
     mix = [SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True), GREEDY,
            SamplingParams(temperature=0.7, top_p=0.5, max_tokens=12, ignore_eos=True, seed=9)]
-    outs = _engine(tiny_llama_dir, seed=5).generate([others[0], prompt, others[1], others[2]],
+    outs = _engine(micro_llama_dir, seed=5).generate([others[0], prompt, others[1], others[2]],
                                                      [mix[0], SEEDED, mix[1], mix[2]], use_tqdm=False)
     assert outs[1]["token_ids"] == alone
     # ... and under preemption / chunking, where the request is recomputed and sampled in a prefill step
-    small = _engine(tiny_llama_dir, seed=6, num_kv_blocks=14, max_num_batched_tokens=6)
+    small = _engine(micro_llama_dir, seed=6, num_kv_blocks=14, max_num_batched_tokens=6)
     outs2 = _drive(small, [others[0], prompt, others[1], others[2]], [mix[0], SEEDED, mix[1], mix[2]])
     assert outs2[1]["token_ids"] == alone
     # a different seed samples something else (the distribution is broad: 10 draws out of top-50)
     other_seed = SamplingParams(**{**SEEDED.__dict__, "seed": 4321})
-    assert _engine(tiny_llama_dir).generate([prompt], other_seed, use_tqdm=False)[0]["token_ids"] != alone
+    assert _engine(micro_llama_dir).generate([prompt], other_seed, use_tqdm=False)[0]["token_ids"] != alone
 
 
-def test_unseeded_sampling_follows_engine_seed(tiny_llama_dir):
+def test_unseeded_sampling_follows_engine_seed(micro_llama_dir):
     prompts = _prompts(3, (5, 8, 12), seed=9)
     sp = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
-    a = [o["token_ids"] for o in _engine(tiny_llama_dir, seed=0).generate(prompts, sp, use_tqdm=False)]
-    a2 = [o["token_ids"] for o in _engine(tiny_llama_dir, seed=0).generate(prompts, sp, use_tqdm=False)]
-    b = [o["token_ids"] for o in _engine(tiny_llama_dir, seed=1).generate(prompts, sp, use_tqdm=False)]
+    a = [o["token_ids"] for o in _engine(micro_llama_dir, seed=0).generate(prompts, sp, use_tqdm=False)]
+    a2 = [o["token_ids"] for o in _engine(micro_llama_dir, seed=0).generate(prompts, sp, use_tqdm=False)]
+    b = [o["token_ids"] for o in _engine(micro_llama_dir, seed=1).generate(prompts, sp, use_tqdm=False)]
     assert a == a2  # same engine seed, same samples
-    # 24 draws from a broad distribution over 49152 tokens: two seeds agreeing on a whole request is ~impossible
+    # 24 draws from a broad distribution over 512 tokens: two seeds agreeing on a whole request is ~impossible
     assert sum(x != y for x, y in zip(a, b)) == 3
     assert len({t for seq in a for t in seq}) > 12  # samples, not an argmax in disguise
 
@@ -316,9 +328,9 @@ def test_finish_stop_string_spanning_two_commits(tok):
     assert kept == len(r.output_token_ids) - split
 
 
-def test_stop_string_end_to_end(tiny_llama_dir):
+def test_stop_string_end_to_end(micro_llama_dir):
     """A stop string chosen from the engine's own greedy text stops the request there, text cut before it."""
-    llm = _engine(tiny_llama_dir)
+    llm = _engine(micro_llama_dir)
     prompt = _prompts(1, (6,), seed=11)[0]
     free = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     text = free["text"]
