@@ -314,10 +314,14 @@ def _decode_merge_kernel(MID_O, MID_L, O, stride_or, stride_oh, Hq, D, num_split
     tl.store(O + r * stride_or + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
 
 
-def _default_splits(seq_lens) -> int:
-    """Splits from the longest context: one per 256 keys, in [1, 32]. Reads one host value (a sync on GPU)."""
-    max_len = int(seq_lens.max()) if seq_lens.numel() else 0
+def num_kv_splits(max_len: int) -> int:
+    """Split-KV count for a longest context of ``max_len`` keys (host int): one per 256 keys, in [1, 32]."""
     return min(32, max(1, -(-max_len // 256)))
+
+
+def _default_splits(seq_lens) -> int:
+    """Splits from the longest context. Reads one host value (a sync on GPU): callers that know it pass it."""
+    return num_kv_splits(int(seq_lens.max()) if seq_lens.numel() else 0)
 
 
 def decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req=None, num_splits=None):

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 
+from .kernels.attention import num_kv_splits
 from .kv_cache import DUMMY_BLOCK
 
 
@@ -102,7 +103,7 @@ class GraphRunner:
         self.runner = runner
         self.sizes = sizes or graph_batch_sizes(c.max_num_seqs)
         width = -(-(c.max_model_len + runner.lookahead) // c.page_size)
-        self.num_splits = max(1, min(32, -(-c.max_model_len // 256)))
+        self.num_splits = num_kv_splits(c.max_model_len)
         i64, i32 = torch.long, torch.int32
         self.buf = StaticBuffers(dev, self.sizes[-1], {
             "ids": ((1,), i64, 0), "pos": ((1,), i64, 0), "slots": ((1,), i64, dummy_slot(c.page_size)),

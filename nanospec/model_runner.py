@@ -5,6 +5,7 @@ from . import loader
 from .config import EngineConfig
 from .context import AttnMetadata, attn_metadata
 from .cuda_graph import GraphRunner
+from .kernels.attention import num_kv_splits
 from .kernels.sampling import sample
 from .kv_cache import BlockAllocator, block_table_tensor
 from .models import init_random_weights, load_weights
@@ -141,7 +142,7 @@ class ModelRunner:
         pos = [r.num_computed for r in reqs]
         slots = [self.allocator.slots(r, p, p + 1)[0] for r, p in zip(reqs, pos)]
         md = AttnMetadata("decode", block_table_tensor(reqs, self.device), self._tensor([p + 1 for p in pos],
-                          torch.int32), self._tensor(slots))
+                          torch.int32), self._tensor(slots), num_splits=num_kv_splits(max(pos) + 1))
         return self._tensor([r.all_token_ids[-1] for r in reqs]), self._tensor(pos), md
 
     # ---- running -------------------------------------------------------------------------------------

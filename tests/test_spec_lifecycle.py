@@ -105,7 +105,7 @@ def oracle(monkeypatch, reference):
     ``wrong_at(prompt, n_out) -> j`` makes drafts j.. wrong (so that step accepts j drafts + the bonus).
     """
     def install(wrong_at=None):
-        def draft(self, reqs, block_table, seq_lens):
+        def draft(self, reqs, block_table, seq_lens, num_splits=None):
             seed = self.seeds.filter([r.request_id for r in reqs])
             assert seed.req_ids == [r.request_id for r in reqs]
             assert seed.bonus_tokens.tolist() == [r.all_token_ids[-1] for r in reqs]  # own, fresh seed per row
@@ -362,9 +362,9 @@ def test_rule3_long_prompt_num_steps_1(tiny_llama_dir, asst_dir, record_draft_me
     llm = make_llm(tiny_llama_dir, asst_dir, num_steps=1, **kw)
     digests, orig = [], FrozenKVMTPWorker.draft
 
-    def checked(self, reqs, bt, L):  # pool checksum around every draft of the run
+    def checked(self, reqs, bt, L, num_splits=None):  # pool checksum around every draft of the run
         before = _pool_digest(llm.runner.kv_cache)
-        out = orig(self, reqs, bt, L)
+        out = orig(self, reqs, bt, L, num_splits)
         digests.append(before == _pool_digest(llm.runner.kv_cache))
         return out
     monkeypatch.setattr(FrozenKVMTPWorker, "draft", checked)
@@ -546,7 +546,7 @@ def test_rule6_rows_independent_tree(tiny_llama_dir, asst_dir, reference, monkey
     for i, anc in enumerate([[0], [0, 1], [0, 2], [0, 2, 3], [0, 2, 4]]):
         m[i, anc] = True
 
-    def draft(self, reqs, block_table, seq_lens):
+    def draft(self, reqs, block_table, seq_lens, num_splits=None):
         seed = self.seeds.filter([r.request_id for r in reqs])
         assert seed.bonus_tokens.tolist() == [r.all_token_ids[-1] for r in reqs]
         rows = []

@@ -66,7 +66,7 @@ def oracle_draft(reference, prompts, topk, wrong_every, rng_seed=0):
     g = torch.Generator().manual_seed(rng_seed)
     by_prompt = {tuple(p): r for p, r in zip(prompts, reference)}
 
-    def draft(self, reqs, block_table, seq_lens):
+    def draft(self, reqs, block_table, seq_lens, num_splits=None):
         S, k, B = self.num_steps, self.topk, len(reqs)
         truth = []
         for r in reqs:

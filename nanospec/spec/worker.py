@@ -4,6 +4,7 @@ from pathlib import Path
 import torch
 
 from ..context import AttnMetadata, attn_metadata
+from ..kernels.attention import num_kv_splits
 from ..kernels.sampling import filtered_probs
 from ..kv_cache import block_table_tensor
 from ..models.gemma4_assistant import Gemma4Assistant
@@ -123,9 +124,10 @@ class FrozenKVMTPWorker:
             seed = self.seed_for(reqs)
             out, acc, bonus, hidden = graphs.run_spec(seed.bonus_tokens, seed.hidden, bt, L)
         else:
-            out, acc, bonus, hidden = self.verify(self.draft(reqs, bt, L), bt, L, runner.kv_cache, sampling)
+            tree = self.draft(reqs, bt, L, num_splits=num_kv_splits(max(r.num_computed for r in reqs)))
+            out, acc, bonus, hidden = self.verify(tree, bt, L, runner.kv_cache, sampling)
         self.seeds = self.seeds.merge(DraftInput([r.request_id for r in reqs], bonus, hidden))
-        out, acc = out.tolist(), acc.tolist()  # the one host copy of the step
-        for r, a in zip(reqs, acc):
-            r.accept_lengths.append(a)
-        return [row[:a] for row, a in zip(out, acc)]
+        rows = torch.cat([acc[:, None], out], 1).tolist()  # the one host copy of the step
+        for r, row in zip(reqs, rows):
+            r.accept_lengths.append(row[0])
+        return [row[1:1 + row[0]] for row in rows]
