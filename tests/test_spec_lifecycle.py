@@ -38,13 +38,6 @@ P_DISTINCT = [100, 200, 300, 400, 500, 600, 700]  # its greedy continuation has 
 PROMPTS = [[11, 22, 33], P_DISTINCT, list(range(1000, 1017)), list(range(5000, 5030))]  # 3, 7, 17, 30 tokens
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes: one intra-op thread is much faster than two on a busy 2-core box (OpenMP barrier waits)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 

@@ -154,7 +154,7 @@ def test_sampling_lossless_chi_square(tmp_path_factory, smollm2_tokenizer, tempe
     d = make_tiny_model(tmp_path_factory.mktemp("v8"), smollm2_tokenizer, seed=7, vocab_size=8, hidden_size=32,
                         num_attention_heads=2, num_key_value_heads=1)
     asst = make_assistant(tmp_path_factory.mktemp("a8"), d, seed=8, std=0.5, hidden_size=32)
-    n, sp = 2000, SamplingParams(temperature=temperature, top_p=top_p, max_tokens=3, ignore_eos=True)
+    n, sp = 4000, SamplingParams(temperature=temperature, top_p=top_p, max_tokens=3, ignore_eos=True)
     runs = []
     for kw in ({}, {"assistant": asst, "num_steps": 2}):
         llm = LLM(str(d), dtype="float32", device="cpu", max_model_len=16, max_num_seqs=256, seed=3, **kw)

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import randomize
+from conftest import make_tiny_model, randomize
 from nanospec import LLM, SamplingParams
 from nanospec.loader import load_config
 from nanospec.model_runner import build_target
@@ -79,13 +79,14 @@ def mean_accept(model_dir, assistant_dir, prompts, max_tokens, S):
     return sum(acc) / len(acc)
 
 
-def test_tiny_training_improves_acceptance(tiny_llama_dir, tmp_path):
+def test_tiny_training_improves_acceptance(smollm2_tokenizer, tmp_path):
     """A few hundred steps on the target's own greedy continuations lower the loss and beat a random assistant's
     acceptance length on those prompts (measured by nanospec's spec decoding, greedy)."""
     torch.manual_seed(0)
     S, T = 3, 40
+    tiny_llama_dir = make_tiny_model(tmp_path / "target", smollm2_tokenizer, seed=3, vocab_size=512)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 2000, (6,), generator=g).tolist() for _ in range(6)]
+    prompts = [torch.randint(0, 512, (6,), generator=g).tolist() for _ in range(6)]
     base = LLM(str(tiny_llama_dir), **ENGINE)
     outs = base.generate(prompts, SamplingParams(temperature=0, max_tokens=T, ignore_eos=True), use_tqdm=False)
     seqs = [p + o["token_ids"] for p, o in zip(prompts, outs)]
@@ -103,6 +104,7 @@ def test_tiny_training_improves_acceptance(tiny_llama_dir, tmp_path):
     assert summary["steps"] == 250 and loss1 < 0.3 * loss0, (loss0, loss1)
     acc_rand = mean_accept(tiny_llama_dir, tmp_path / "random", prompts, T, S)
     acc_trained = mean_accept(tiny_llama_dir, tmp_path / "trained", prompts, T, S)
+    print(f"loss {loss0:.3f} -> {loss1:.3f}; mean acceptance random {acc_rand:.2f} -> trained {acc_trained:.2f}")
     assert acc_rand < 1.5 and acc_trained > acc_rand + 0.8, (acc_rand, acc_trained)
 
 
