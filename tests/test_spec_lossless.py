@@ -115,16 +115,19 @@ def test_greedy_lossless_oracle_drafter(monkeypatch, tiny_llama_dir, tiny_assist
 
 
 def test_greedy_lossless_smollm2(smollm2_dir, tmp_path):
-    """Real weights: SmolLM2-135M with a random assistant, chain and tree, chat prompts, batched."""
+    """Real weights: SmolLM2-135M with a random assistant, chains and trees, chat prompts, batched, page size 4."""
     asst = make_assistant(tmp_path / "a", smollm2_dir, std=0.05, hidden_size=64, num_heads=3)
     tok = LLM(str(smollm2_dir), dtype="float32", device="cpu", max_model_len=256, max_num_seqs=4).tokenizer
+    questions = ("What is the capital of France?", "Name three colors.", "Count to five.",
+                 "Write a haiku about rain.", "What is 12 times 7?", "Give me a synonym for happy.")
     prompts = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
-               for c in ("What is the capital of France?", "Name three colors.", "Count to five.")]
-    sp = SamplingParams(max_tokens=16)
+               for c in questions]
+    sp = SamplingParams(max_tokens=24)
     ref = [o["token_ids"] for o in engine(smollm2_dir).generate(prompts, sp, use_tqdm=False)]
-    for kw in ({"num_steps": 5}, {"num_steps": 2, "topk": 3, "num_draft_tokens": 5}):
+    for kw in ({"num_steps": 1}, {"num_steps": 2}, {"num_steps": 5}, {"num_steps": 2, "topk": 3, "num_draft_tokens": 5},
+               {"num_steps": 5, "topk": 3, "num_draft_tokens": 12}):
         outs = engine(smollm2_dir, assistant=asst, page_size=4, **kw).generate(prompts, sp, use_tqdm=False)
-        assert [o["token_ids"] for o in outs] == ref
+        assert [o["token_ids"] for o in outs] == ref, kw
 
 
 def _chi2_two_sample(a: list, b: list) -> tuple[float, int]:

@@ -9,8 +9,9 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], 
     """Copy checkpoint tensors into ``model`` by HF name, packing q/k/v and gate/up through the model's
     ``packed_modules_mapping`` (a linear with ``shard_sizes`` takes shard i at its offset).
 
-    A model's ``strip_prefix`` (e.g. "model.") is removed from checkpoint names. Names in ``skip`` (substrings) and rotary caches are ignored. Raises ValueError naming the tensor when a
-    checkpoint tensor has no parameter or the wrong shape, or when a parameter gets no tensor.
+    A model's ``strip_prefix`` (e.g. "model.") is removed from checkpoint names. Names in ``skip`` (substrings)
+    and rotary caches are ignored. Raises ValueError naming the tensor when a checkpoint tensor has no parameter
+    or the wrong shape, or when a parameter (or one shard of a packed one) gets no tensor.
     """
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules_mapping", {})
