@@ -123,20 +123,34 @@ def unroll(assistant, tokens, hidden, kv, Ls, num_steps: int, position_offset: i
 
 
 def distill_loss(assistant, target, tokens, lens, hidden, kv, Ls, valid, num_steps, step_decay=0.8,
-                 ce_weight=0.0, position_offset=-1):
+                 ce_weight=0.0, position_offset=-1, vocab=None):
     """Weighted sum over steps of KL(target || assistant) (+ CE), averaged over valid (b, L, s).
 
+    ``vocab`` (LongTensor [V'] or None): train on that vocabulary subset only (both distributions renormalised
+    over it; the assistant then shares the target's LM head rows ``vocab``) to cut the LM-head cost.
     Returns ``(loss, per_step_kl list[float], per_step_top1_agreement list[float])``."""
     B, n = Ls.shape
     T = tokens.shape[1]
     b = torch.arange(B, device=Ls.device)[:, None].expand(B, n)
-    outs = unroll(assistant, tokens, hidden, kv, Ls, num_steps, position_offset)
+    head = target.lm_head_weight.detach()
+    full_head = assistant._target_lm_head
+    if vocab is not None:
+        if full_head is None:
+            raise ValueError("a vocabulary subset needs an assistant that uses the target's LM head")
+        head = head[vocab]
+        assistant._target_lm_head = head
+        tok_map = torch.full((target.config.vocab_size,), -100, dtype=torch.long, device=Ls.device)
+        tok_map[vocab] = torch.arange(vocab.numel(), device=Ls.device)
+    try:
+        outs = unroll(assistant, tokens, hidden, kv, Ls, num_steps, position_offset)
+    finally:
+        assistant._target_lm_head = full_head
     total, wsum, kls, accs = 0.0, 0.0, [], []
     for s, (logits, _) in enumerate(outs, start=1):
         row = Ls + s - 1  # the target row whose distribution predicts token L+s
         m = (valid & (row < lens[:, None])).reshape(-1).float()
         with torch.no_grad():
-            t_logp = torch.log_softmax(target.compute_logits(hidden[b, row.clamp(max=T - 1)].reshape(B * n, -1)), -1)
+            t_logp = torch.log_softmax(F.linear(hidden[b, row.clamp(max=T - 1)].reshape(B * n, -1), head).float(), -1)
         a_logp = torch.log_softmax(logits, -1)
         kl = (t_logp.exp() * (t_logp - a_logp)).sum(-1)
         denom = m.sum().clamp(min=1)
@@ -144,7 +158,11 @@ def distill_loss(assistant, target, tokens, lens, hidden, kv, Ls, valid, num_ste
         if ce_weight:
             nxt = tokens[b, (row + 1).clamp(max=T - 1)].reshape(-1)
             mc = m * (row + 1 < lens[:, None]).reshape(-1).float()
-            step = step + ce_weight * (F.nll_loss(a_logp, nxt, reduction="none") * mc).sum() / mc.sum().clamp(min=1)
+            if vocab is not None:
+                nxt = tok_map[nxt]
+                mc = mc * (nxt >= 0).float()
+            ce = F.nll_loss(a_logp, nxt.clamp(min=0), reduction="none")
+            step = step + ce_weight * (ce * mc).sum() / mc.sum().clamp(min=1)
         w = step_decay ** (s - 1)
         total, wsum = total + w * step, wsum + w
         kls.append(float((kl.detach() * m).sum() / denom))
@@ -216,6 +234,7 @@ def save_checkpoint(assistant, out_dir, info: dict | None = None, max_mb: float 
     def replace(name, write):
         tmp = d / f".{name}.tmp"
         write(tmp)
+        os.chmod(tmp, 0o644)  # package data: readable by everyone
         os.replace(tmp, d / name)
     replace("model.safetensors", lambda p: save_file(sd, str(p), metadata={"format": "pt"}))
     cfg = assistant.config.to_dict()
@@ -240,14 +259,25 @@ def new_assistant(target, layers=1, hidden_size=None, intermediate_size=None, us
 def train(target, seqs, out_dir=None, layers=1, num_steps=5, batch_size=8, positions_per_seq=64, lr=1e-3,
           warmup=30, epochs=1.0, max_tokens=None, time_budget_min=None, step_decay=0.8, ce_weight=0.0,
           save_every_min=5.0, seed=0, assistant=None, weight_decay=0.0, position_offset=-1, info=None,
-          progress=True, log_every=20, amp=False):
+          progress=True, log_every=20, amp=False, train_vocab=None):
     """Train (or continue training ``assistant``) on ``seqs``; returns ``(assistant, summary dict)``.
-    ``amp``: run the GEMMs in bf16 autocast (CPUs with AVX512-BF16/AMX are ~4x faster); weights stay fp32."""
+    ``amp``: the frozen target runs in bf16 and the assistant's GEMMs in bf16 autocast (CPUs with AVX512-BF16 /
+    AMX are ~4x faster); the assistant's weights stay fp32. ``train_vocab``: train on the most frequent
+    ``train_vocab`` tokens of ``seqs`` only (see ``distill_loss``); None = the full vocabulary."""
     torch.manual_seed(seed)
     target.requires_grad_(False)
     if assistant is None:
         assistant = new_assistant(target, layers, seed=seed)
     layer_map = assistant.layer_map(target.kv_layer_types)
+    vocab = None
+    if train_vocab and train_vocab < target.config.vocab_size:
+        counts = torch.bincount(torch.tensor([t for q in seqs for t in q]), minlength=target.config.vocab_size)
+        vocab = counts.argsort(descending=True, stable=True)[:train_vocab].sort().values.to(hidden_dev(target))
+    frozen = target
+    if amp:  # a bf16 copy of the frozen target (its RoPE table stays fp32)
+        import copy
+        frozen = copy.deepcopy(target).to(torch.bfloat16)
+        frozen.cos_sin = target.cos_sin
     params = [p for p in assistant.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=weight_decay)
     rng = random.Random(seed)
@@ -261,7 +291,7 @@ def train(target, seqs, out_dir=None, layers=1, num_steps=5, batch_size=8, posit
     budget_s = time_budget_min * 60 if time_budget_min else None
     gen = torch.Generator().manual_seed(seed)
     t0 = last_save = time.time()
-    tokens_seen, losses, summary = 0, [], {}
+    tokens_seen, seqs_seen, losses, summary = 0, 0, [], {}
     bar = tqdm(total=total_steps, desc="train", disable=not progress)
     step = 0
     for step in range(total_steps):
@@ -274,21 +304,21 @@ def train(target, seqs, out_dir=None, layers=1, num_steps=5, batch_size=8, posit
             grp["lr"] = cur
         batch = [seqs[i] for i in order[step * batch_size:(step + 1) * batch_size]]
         with torch.autocast(hidden_dev(target).type, torch.bfloat16, enabled=amp):
-            tokens, lens, hidden, kv = capture_target(target, batch, layer_map)
+            tokens, lens, hidden, kv = capture_target(frozen, batch, layer_map)
             hidden, kv = hidden.float(), [(k.float(), v.float()) for k, v in kv]
             Ls, valid = sample_positions(lens, positions_per_seq, gen)
             loss, kls, accs = distill_loss(assistant, target, tokens, lens, hidden, kv, Ls, valid, num_steps,
-                                           step_decay, ce_weight, position_offset)
+                                           step_decay, ce_weight, position_offset, vocab)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        tokens_seen += int(lens.sum())
-        losses.append(float(loss))
+        tokens_seen, seqs_seen = tokens_seen + int(lens.sum()), seqs_seen + len(batch)
+        losses.append(loss.item())
         bar.update(1)
         bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}", acc1=f"{accs[0]:.2f}",
                         accS=f"{accs[-1]:.2f}", lr=f"{cur:.1e}")
-        summary = dict(steps=step + 1, sequences=(step + 1) * batch_size, tokens_seen=tokens_seen,
+        summary = dict(steps=step + 1, sequences=seqs_seen, tokens_seen=tokens_seen,
                        final_loss=sum(losses[-20:]) / len(losses[-20:]), per_step_kl=kls, per_step_top1_agree=accs,
                        train_time_s=round(time.time() - t0, 1), **(info or {}))
         if progress and log_every and step % log_every == 0:
@@ -329,7 +359,8 @@ def main(argv=None):
     ap.add_argument("--time-budget-min", type=float, default=None, help="stop (and save) after M minutes")
     ap.add_argument("--save-every-min", type=float, default=5.0)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--amp", action="store_true", help="bf16 autocast for the GEMMs (fp32 master weights)")
+    ap.add_argument("--amp", action="store_true", help="bf16 target + bf16 autocast (fp32 master weights)")
+    ap.add_argument("--train-vocab", type=int, default=None, help="train on the N most frequent tokens only")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="output dir (default: the shipped asset dir for the default target)")
     a = ap.parse_args(argv)
@@ -355,12 +386,13 @@ def main(argv=None):
                 conversations=len(convs), num_sequences_available=len(seqs), seq_len=a.seq_len,
                 num_steps=a.num_steps, layers=a.layers, lr=a.lr, batch_size=a.batch_size,
                 positions_per_seq=a.positions_per_seq, step_decay=a.step_decay, ce_weight=a.ce_weight, amp=a.amp,
+                train_vocab=a.train_vocab,
                 hardware=f"{'cuda' if torch.cuda.is_available() else 'cpu'}, {torch.get_num_threads()} threads")
     print(f"data: {len(convs)} conversations -> {len(seqs)} sequences, {sum(map(len, seqs))} tokens "
           f"(original ShareGPT responses)", flush=True)
     _, summary = train(target, seqs, out, a.layers, a.num_steps, a.batch_size, a.positions_per_seq, a.lr,
                        a.warmup, a.epochs, a.max_tokens, a.time_budget_min, a.step_decay, a.ce_weight,
-                       a.save_every_min, a.seed, info=info, amp=a.amp)
+                       a.save_every_min, a.seed, info=info, amp=a.amp, train_vocab=a.train_vocab)
     print(f"done: {summary.get('steps', 0)} steps, {summary.get('sequences', 0)} sequences, "
           f"{summary.get('tokens_seen', 0)} tokens seen, final loss {summary.get('final_loss', float('nan')):.4f}, "
           f"train time {summary.get('train_time_s', 0):.0f} s (total {time.time() - t0:.0f} s), data: original "

@@ -22,15 +22,16 @@ def tiny_target(model_dir):
 
 
 def record_drafts(llm):
-    """Wrap the worker's draft: per call, (seq_lens, bonus tokens, drafted chain, per-step (logits, h_next))."""
+    """Wrap the worker's (eager, CPU) draft: per call, (request ids, seq_lens, drafted chain [B, S+1], per-step
+    (logits, h_next))."""
     worker, records = llm.runner.spec, []
     orig = worker.draft
 
-    def draft(reqs, bt, L):
+    def draft(reqs, bt, L, *args, **kwargs):
         steps = []
         hook = worker.assistant.register_forward_hook(lambda m, a, out: steps.append((out[0].clone(), out[1].clone())))
         try:
-            tree = orig(reqs, bt, L)
+            tree = orig(reqs, bt, L, *args, **kwargs)
         finally:
             hook.remove()
         records.append(([r.request_id for r in reqs], L.tolist(), tree.tokens.clone(), steps))
