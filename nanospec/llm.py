@@ -64,6 +64,9 @@ class LLM:
         bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {self.runner.vocab_size}), got {bad[:5]}")
+        bad = [t for t in params.stop_token_ids if t >= self.runner.vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {self.runner.vocab_size}), got {bad[:5]}")
         if len(ids) + params.max_tokens > self.config.max_model_len:
             raise ValueError(f"prompt length {len(ids)} + max_tokens {params.max_tokens} exceeds max_model_len="
                              f"{self.config.max_model_len}")

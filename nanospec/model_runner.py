@@ -41,14 +41,15 @@ class ModelRunner:
         self.config = config
         self.device, self.dtype = config.torch_device(), config.torch_dtype()
         self.hf_config = hf_config
+        # options are checked before the target's weights load: a bad assistant path fails at once
+        assistant = resolve_assistant(config.assistant, target_is_default) if config.spec else None
         max_pos = config.max_model_len + (config.num_draft_tokens or 1)  # verify rows sit past the last token
         weights = None if config.load_format == "dummy" else model_dir
         self.model = build_target(hf_config, self.device, self.dtype, max_pos, weights, config.seed)
         self.vocab_size = hf_config.vocab_size
         self.lookahead, self.spec = 1, None
         if config.spec:  # construct the drafter before the pool exists; bind after allocation
-            path = resolve_assistant(config.assistant, target_is_default)
-            self.spec = FrozenKVMTPWorker(config, self.model, path, self.device, self.dtype)
+            self.spec = FrozenKVMTPWorker(config, self.model, assistant, self.device, self.dtype)
             self.lookahead = config.num_draft_tokens
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.kv_cache, self.graphs = None, None
@@ -153,26 +154,30 @@ class ModelRunner:
             return []
         if batch.kind == "prefill":
             ids, pos, md, last = self.prepare_prefill(batch)
-            rows = [last[i] for i in range(len(batch.reqs)) if batch.completes(i)]
-            reqs = [r for i, r in enumerate(batch.reqs) if batch.completes(i)]
+            done = [i for i in range(len(batch.reqs)) if batch.completes(i)]
         elif self.spec is not None:
             return self.spec.step(self, batch.reqs)
         else:
             ids, pos, md = self.prepare_decode(batch.reqs)
-            rows, reqs = list(range(len(batch.reqs))), batch.reqs
-        if batch.kind == "decode" and self.graphs is not None and self.graphs.has_decode(len(reqs)):
-            logits = self.graphs.run_decode(ids, pos, md)
-        else:
-            with attn_metadata(md):
-                hidden = self.model(ids, pos)
-            if not reqs:
-                return [[] for _ in batch.reqs]
-            logits = self.model.compute_logits(hidden[rows])
-        tokens = self.sample(reqs, logits)
-        if self.spec is not None and batch.kind == "prefill":
-            self.spec.add_seeds([r.request_id for r in reqs], tokens, hidden[rows])
-        toks = iter(tokens.tolist())
-        return [[next(toks)] if batch.completes(i) else [] for i in range(len(batch.reqs))]
+            if self.graphs is not None and self.graphs.has_decode(len(batch.reqs)):
+                logits = self.graphs.run_decode(ids, pos, md)
+            else:
+                with attn_metadata(md):
+                    logits = self.model.compute_logits(self.model(ids, pos))
+            return [[t] for t in self.sample(batch.reqs, logits).tolist()]
+        with attn_metadata(md):
+            hidden = self.model(ids, pos)
+        out = [[] for _ in batch.reqs]
+        new = [i for i in done if not batch.reqs[i].output_token_ids]  # resumed requests emit nothing
+        if new:
+            toks = self.sample([batch.reqs[i] for i in new], self.model.compute_logits(hidden[[last[i] for i in new]]))
+            for i, t in zip(new, toks.tolist()):
+                out[i] = [t]
+        if self.spec is not None and done:  # seed: (first / last emitted token, hidden of the last prefill row)
+            bonus = [out[i][0] if out[i] else batch.reqs[i].output_token_ids[-1] for i in done]
+            self.spec.add_seeds([batch.reqs[i].request_id for i in done], self._tensor(bonus),
+                                hidden[[last[i] for i in done]])
+        return out
 
     def release(self, reqs: list[Request]) -> None:
         """Forget finished requests' drafter seeds."""

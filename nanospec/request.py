@@ -39,6 +39,12 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def prefill_len(self) -> int:
+        """Tokens a prefill must put in KV: the whole prompt when new; all but the last token when resumed after
+        preemption (that token, already emitted, is the next step's input / bonus token, so nothing is resampled)."""
+        return self.num_tokens - (1 if self.output_token_ids else 0)
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 

@@ -1,4 +1,5 @@
 """Per-request sampling options (vLLM / nano-vllm names)."""
+import math
 from dataclasses import dataclass
 
 
@@ -29,16 +30,18 @@ class SamplingParams:
                 raise TypeError(f"SamplingParams.{name} must be {'an int' if kinds is int else 'a number'}, got {v!r}")
             return v
 
-        if num("temperature", (int, float)) < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (math.isfinite(num("temperature", (int, float))) and self.temperature >= 0):
+            raise ValueError(f"SamplingParams.temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < num("top_p", (int, float)) <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if num("top_k", int) == 0 or self.top_k < -1:
             raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k}")
         if num("max_tokens", int) < 1:
             raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
-        if self.seed is not None:
-            num("seed", int)
+        if self.seed is not None and num("seed", int) < 0:
+            raise ValueError(f"SamplingParams.seed must be >= 0, got {self.seed}")
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -17,9 +17,9 @@ class Batch:
     num_new: list[int] = field(default_factory=list)
 
     def completes(self, i: int) -> bool:
-        """Whether request i's prefill finishes this step (so the step samples its next token)."""
+        """Whether request i's prefill finishes this step (a new request then samples its first token)."""
         r = self.reqs[i]
-        return self.kind == "decode" or r.num_computed + self.num_new[i] == r.num_tokens
+        return self.kind == "decode" or r.num_computed + self.num_new[i] == r.prefill_len
 
 
 class Scheduler:
@@ -51,14 +51,14 @@ class Scheduler:
         for req in self.waiting:
             if len(self.running) + len(batch.reqs) >= self.max_num_seqs or budget == 0:
                 break
-            chunk = min(req.num_tokens - req.num_computed, budget)
+            chunk = min(req.prefill_len - req.num_computed, budget)
             if not self.allocator.can_allocate(req, req.num_computed + chunk):
                 break
             self.allocator.allocate(req, req.num_computed + chunk)
             batch.reqs.append(req)
             batch.num_new.append(chunk)
             budget -= chunk
-            if req.num_computed + chunk < req.num_tokens:
+            if req.num_computed + chunk < req.prefill_len:
                 break  # a chunked prompt goes on next step, before anything queued behind it
         if batch.reqs:
             return batch

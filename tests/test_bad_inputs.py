@@ -24,6 +24,11 @@ def _untouched(llm):
 @pytest.mark.parametrize("kw, field", [
     (dict(temperature=-0.1), "temperature"),
     (dict(temperature="hot"), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(ignore_eos="no"), "ignore_eos"),
+    (dict(seed=-1), "seed"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
     (dict(top_p=-1), "top_p"),
@@ -62,6 +67,7 @@ def test_sampling_params_boundaries_accepted():
     ([1] * 30, SamplingParams(max_tokens=3), ValueError, "max_model_len"),  # 30 + 3 > 32
     ([1] * 32, SamplingParams(max_tokens=1), ValueError, "max_tokens"),
     ([1, 2], dict(max_tokens=3), TypeError, "sampling_params"),
+    ([1, 2], SamplingParams(max_tokens=3, stop_token_ids=[49152]), ValueError, "stop_token_ids"),
 ])
 def test_bad_prompt_raises_before_any_work(llm, prompt, params, exc, field):
     before = llm._next_id

@@ -30,7 +30,7 @@ def resolve_assistant(assistant: str, target_is_default: bool) -> Path:
                              "train one with `python -m nanospec.train_assistant` and pass assistant=DIR")
         return DEFAULT_ASSISTANT
     path = Path(assistant)
-    if not path.is_dir():
+    if not assistant or not path.is_dir():
         raise ValueError(f"assistant must be 'default', None or an existing dir, got {assistant!r}")
     return path
 
