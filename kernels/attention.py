@@ -74,6 +74,16 @@ def extend_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_len
 
 
 @triton.jit
+def _load_kv_tile(K, V, BT_ROW, offs_n, n_ok, offs_d, d_ok, kvh, stride_kb, stride_kp, stride_kh, PAGE: tl.constexpr):
+    """K^T [D, N] and V [N, D] of key positions ``offs_n`` of one request, through its block-table row."""
+    blk = tl.load(BT_ROW + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
+    kv_off = blk * stride_kb + (offs_n % PAGE) * stride_kp + kvh * stride_kh
+    k = tl.load(K + kv_off[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+    v = tl.load(V + kv_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    return k, v
+
+
+@triton.jit
 def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
     if UPCAST:  # the interpreter multiplies bf16 as raw uint16 bits (triton#11584): upcast, exact
         out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
@@ -121,10 +131,8 @@ def _extend_kernel(Q, K, V, O, BT, CU, SL, TM, qk_scale,
     for start in range(0, kv_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_end
-        blk = tl.load(BT + b * stride_bt + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
-        kv_off = blk * stride_kb + (offs_n % PAGE) * stride_kp + kvh * stride_kh
-        k = tl.load(K + kv_off[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        v = tl.load(V + kv_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        k, v = _load_kv_tile(K, V, BT + b * stride_bt, offs_n, n_ok, offs_d, d_ok, kvh, stride_kb, stride_kp,
+                             stride_kh, PAGE)
         s = _dot(q, k, PREC, UPCAST) * qk_scale
         if TREE:
             j = offs_n - prefix
@@ -274,10 +282,8 @@ def _decode_split_kernel(Q, K, V, BT, SL, MAP, MID_O, MID_L, qk_scale,
     for s0 in range(start, end, BLOCK_N):
         offs_n = s0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
-        blk = tl.load(BT + req * stride_bt + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
-        kv_off = blk * stride_kb + (offs_n % PAGE) * stride_kp + kvh * stride_kh
-        k = tl.load(K + kv_off[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        v = tl.load(V + kv_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        k, v = _load_kv_tile(K, V, BT + req * stride_bt, offs_n, n_ok, offs_d, d_ok, kvh, stride_kb, stride_kp,
+                             stride_kh, PAGE)
         s = _dot(q, k, PREC, UPCAST) * qk_scale
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # every tile has >= 1 valid key, so m_new is finite
