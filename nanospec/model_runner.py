@@ -88,11 +88,16 @@ class ModelRunner:
     def allocate_kv_cache(self) -> BlockAllocator:
         if self.device.type == "cuda":
             self._profile_peak()
-        n, m = self.num_kv_blocks(), self.model
-        self.kv_cache = torch.zeros(len(m.layers), 2, n, self.config.page_size, m.num_kv_heads, m.head_dim,
-                                    dtype=self.dtype, device=self.device)
-        self.bind_kv_cache()
+        n = self.num_kv_blocks()
+        self.bind_pool(n)
         return BlockAllocator(n, self.config.page_size)
+
+    def bind_pool(self, num_blocks: int) -> None:
+        """Allocate a pool ``[layers, 2, num_blocks, page_size, Hkv, D]`` and bind the models to it."""
+        m = self.model
+        self.kv_cache = torch.zeros(len(m.layers), 2, num_blocks, self.config.page_size, m.num_kv_heads,
+                                    m.head_dim, dtype=self.dtype, device=self.device)
+        self.bind_kv_cache()
 
     def bind_kv_cache(self) -> None:
         self.model.bind_kv_cache(self.kv_cache)
@@ -102,12 +107,10 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_peak(self) -> None:
         """One prefill of the largest chunk over a scratch pool, so the KV budget leaves room for activations."""
-        c, m = self.config, self.model
+        c = self.config
         T = min(c.max_num_batched_tokens, c.max_model_len)
         blocks = -(-T // c.page_size) + 1
-        self.kv_cache = torch.zeros(len(m.layers), 2, blocks, c.page_size, m.num_kv_heads, m.head_dim,
-                                    dtype=self.dtype, device=self.device)
-        self.bind_kv_cache()
+        self.bind_pool(blocks)
         torch.cuda.reset_peak_memory_stats(self.device)
         ids = torch.zeros(T, dtype=torch.long, device=self.device)
         md = AttnMetadata("prefill", torch.arange(1, blocks, dtype=torch.int32, device=self.device)[None],
@@ -144,7 +147,7 @@ class ModelRunner:
         slots = [self.allocator.slots(r, p, p + 1)[0] for r, p in zip(reqs, pos)]
         md = AttnMetadata("decode", block_table_tensor(reqs, self.device), self._tensor([p + 1 for p in pos],
                           torch.int32), self._tensor(slots), num_splits=num_kv_splits(max(pos) + 1))
-        return self._tensor([r.all_token_ids[-1] for r in reqs]), self._tensor(pos), md
+        return self._tensor([r.last_token for r in reqs]), self._tensor(pos), md
 
     # ---- running -------------------------------------------------------------------------------------
     @torch.inference_mode()

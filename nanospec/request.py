@@ -39,6 +39,11 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def last_token(self) -> int:
+        """The newest token (not in KV while decoding); no list copy on the decode hot path."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
     def prefill_len(self) -> int:
         """Tokens a prefill must put in KV: the whole prompt when new; all but the last token when resumed after
         preemption (that token, already emitted, is the next step's input / bonus token, so nothing is resampled)."""
