@@ -7,6 +7,7 @@ Backend choice: the Triton kernel runs for CUDA tensors, the torch reference for
 launch, CPU tensors then run through Triton's interpreter); ``set_backend("torch")`` forces the references.
 The environment variable ``NANOSPEC_BACKEND`` sets the initial choice.
 """
+import contextlib
 import os
 
 import torch
@@ -29,6 +30,18 @@ def set_backend(name: str) -> None:
 def get_backend() -> str:
     """The current backend name ("auto", "torch" or "triton")."""
     return _backend
+
+
+@contextlib.contextmanager
+def using_backend(name: str):
+    """``with using_backend("torch"): ...`` runs the block on that backend and restores the previous one (the
+    trainer uses it: autograd flows through the torch references, not through Triton kernels)."""
+    old = _backend
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(old)
 
 
 def use_triton(t: torch.Tensor) -> bool:

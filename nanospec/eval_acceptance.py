@@ -18,21 +18,12 @@ import time
 
 
 def build_prompts(tokenizer, datasets: list[str], num_prompts: int, max_prompt_tokens: int) -> dict[str, list]:
-    from .datasets import load_humaneval, load_sharegpt
+    from .datasets import chat_prompts, load_humaneval, load_sharegpt
 
     out = {}
     if "sharegpt" in datasets:
-        ps = []
-        for conv in load_sharegpt("eval"):
-            ids = tokenizer.encode(conv[0]["content"][: 8 * max_prompt_tokens], add_special_tokens=False)
-            if not ids:
-                continue
-            msgs = [{"role": "user", "content": tokenizer.decode(ids[:max_prompt_tokens])}]
-            text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-            ps.append(tokenizer.encode(text, add_special_tokens=False))
-            if len(ps) == num_prompts:
-                break
-        out["sharegpt-eval"] = ps
+        texts = [conv[0]["content"] for conv in load_sharegpt("eval")]
+        out["sharegpt-eval"] = chat_prompts(tokenizer, texts, max_prompt_tokens)[:num_prompts]
     if "humaneval" in datasets:
         out["humaneval"] = [tokenizer.encode(p, add_special_tokens=False)[-max_prompt_tokens:]
                             for p in load_humaneval(num_prompts)]
