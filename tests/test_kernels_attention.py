@@ -15,7 +15,7 @@ def make_paged(lens, hkv, d, page, dtype=torch.float32, seed=0):
     """Per-request contiguous K/V scattered into a paged cache through a random permutation of blocks.
 
     Unused block-table entries hold an out-of-range id, so any read of them would fail or show."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(torch.get_default_device()).manual_seed(seed)
     nblk = [cdiv(L, page) for L in lens]
     nb = sum(nblk) + 3
     perm = torch.randperm(nb, generator=g)
@@ -52,7 +52,7 @@ def random_tree(n, g):
 
 def extend_inputs(lens, ns, hq, hkv, d, page, dtype=torch.float32, seed=0, tree=False):
     kc, vc, bt, ks, vs = make_paged(lens, hkv, d, page, dtype, seed)
-    g = torch.Generator().manual_seed(seed + 1)
+    g = torch.Generator(torch.get_default_device()).manual_seed(seed + 1)
     cu = torch.tensor([0] + list(torch.tensor(ns).cumsum(0).tolist()), dtype=torch.int32)
     q = torch.randn(sum(ns), hq, d, generator=g).to(dtype)
     tm = torch.stack([random_tree(ns[0], g) for _ in lens]) if tree else None
@@ -149,7 +149,7 @@ def test_tree_triton_general_mask():
     # any bool mask is honoured as given (here the root key is hidden from some rows; a row may see nothing)
     lens, N = [4, 9, 12], 4
     q, kc, vc, bt, cu, sl, _, _, _ = extend_inputs(lens, [N] * 3, 2, 1, 16, 4, seed=7)
-    tm = torch.rand(3, N, N, generator=torch.Generator().manual_seed(7)) < 0.5
+    tm = torch.rand(3, N, N, generator=torch.Generator(torch.get_default_device()).manual_seed(7)) < 0.5
     tm[0, 1] = False  # prefix 0: query 1 of request 0 sees no key -> zeros
     tm[1:, :, 0] = False
     got = A.extend_attention_triton(q, kc, vc, bt, cu, sl, 0.3, N, tree_mask=tm)
@@ -223,8 +223,9 @@ def test_dispatch(monkeypatch, triton_backend):
     calls = []
     monkeypatch.setattr(A, "decode_attention_triton", lambda *a: calls.append("triton") or "t")
     monkeypatch.setattr(A, "decode_attention_ref", lambda *a: calls.append("ref") or "r")
-    args = (torch.zeros(1, 1, 16), torch.zeros(1, 4, 1, 16), torch.zeros(1, 4, 1, 16),
-            torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0)
+    cpu = torch.device("cpu")  # explicit: "auto" must pick the reference for CPU tensors, also on GPU machines
+    args = (torch.zeros(1, 1, 16, device=cpu), torch.zeros(1, 4, 1, 16, device=cpu), torch.zeros(1, 4, 1, 16, device=cpu),
+            torch.zeros(1, 1, dtype=torch.int32, device=cpu), torch.ones(1, dtype=torch.int32, device=cpu), 1.0)
     assert A.decode_attention(*args) == "t"
     set_backend("torch")
     assert A.decode_attention(*args) == "r"

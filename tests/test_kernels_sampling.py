@@ -12,7 +12,7 @@ TOPK = [0, 5, 50, 0, 200, 100000, 1, -1, 3]
 TOPP = [1.0, 0.9, 1.0, 0.8, 0.6, 0.95, 1.0, 0.05, 0.5]
 
 
-def params(device="cpu"):
+def params(device=None):  # None: the default device (CUDA under NANOSPEC_TEST_DEVICE=cuda)
     return (torch.tensor(TEMP, device=device), torch.tensor(TOPK, dtype=torch.int32, device=device),
             torch.tensor(TOPP, device=device))
 
@@ -117,7 +117,7 @@ def _chi2_ok(observed, expected):
 
 @pytest.mark.parametrize("t,k,p", [(1.0, 0, 1.0), (0.8, 6, 0.9), (1.5, 0, 0.7)])
 def test_sample_distribution_matches_filtered_probs(t, k, p):
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(3)
     n, V = 20000, 8
     row = torch.tensor([2.0, 1.5, 1.0, 0.7, 0.3, 0.0, -0.5, -1.0])
     logits = row.expand(n, V)

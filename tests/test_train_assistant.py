@@ -7,6 +7,7 @@ import torch
 
 from conftest import make_tiny_model, randomize
 from nanospec import LLM, SamplingParams
+from nanospec.datasets import chat_prompts, regenerate_sequences
 from nanospec.loader import load_config
 from nanospec.model_runner import build_target
 from nanospec.models.gemma4_assistant import Gemma4Assistant
@@ -107,6 +108,33 @@ def test_tiny_training_improves_acceptance(smollm2_tokenizer, tmp_path):
     acc_trained = mean_accept(tiny_llama_dir, tmp_path / "trained", prompts, T, S)
     print(f"loss {loss0:.3f} -> {loss1:.3f}; mean acceptance random {acc_rand:.2f} -> trained {acc_trained:.2f}")
     assert acc_rand < 1.5 and acc_trained > acc_rand + 0.8, (acc_rand, acc_trained)
+
+
+def test_sample_positions_skip_the_prompt():
+    """With prompt starts, committed lengths cover exactly [start, len-1]; a sequence with no response has none."""
+    lens, starts = torch.tensor([10, 6, 5]), torch.tensor([4, 6, 0])
+    Ls, valid = sample_positions(lens, 16, torch.Generator().manual_seed(0), starts)
+    got = [sorted(Ls[b][valid[b]].tolist()) for b in range(3)]
+    assert got == [list(range(4, 10)), [], list(range(1, 5))]
+
+
+def test_regenerate_sequences(tiny_llama_dir, smollm2_tokenizer):
+    """Self-distillation data: per temperature round, each first user turn's chat prompt + the target's own
+    response as nanospec generates it (greedy rounds equal a plain generate), with the prompt lengths."""
+    convs = [[{"role": "user", "content": t}, {"role": "assistant", "content": "x"}]
+             for t in ("Hello there", "Write a poem about the sea", "2+2?")]
+    engine = {k: v for k, v in ENGINE.items() if k != "max_model_len"}  # sized by regenerate_sequences
+    seqs, starts, stats = regenerate_sequences(str(tiny_llama_dir), smollm2_tokenizer, convs, [0.0, 0.7],
+                                               max_prompt_tokens=4, max_new_tokens=6, progress=False, **engine)
+    prompts = chat_prompts(smollm2_tokenizer, [c[0]["content"] for c in convs], 4)
+    greedy = LLM(str(tiny_llama_dir), **ENGINE).generate(prompts, SamplingParams(temperature=0, max_tokens=6),
+                                                       use_tqdm=False)
+    assert starts == [len(p) for p in prompts] * 2 and stats["rounds"] == 2 and stats["sequences"] == 6
+    assert seqs[:3] == [p + o["token_ids"] for p, o in zip(prompts, greedy)]
+    assert all(q[:len(p)] == p and len(p) < len(q) <= len(p) + 6 for q, p in zip(seqs[3:], prompts))
+    assert stats["generated_tokens"] == sum(len(q) - s for q, s in zip(seqs, starts))
+    with pytest.raises(ValueError, match="temperatures"):
+        regenerate_sequences(str(tiny_llama_dir), smollm2_tokenizer, convs, [], **engine)
 
 
 @pytest.mark.skipif(not (DEFAULT_ASSISTANT / "config.json").exists(),
