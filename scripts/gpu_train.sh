@@ -16,12 +16,12 @@ LOG="$OUT/train.log"
 py() { python3 "$@" 2>&1 | tr '\r' '\n' | grep -v -E '^\s*$' | tee -a "$LOG"; }
 
 py -c "from nanospec.loader import resolve_model_dir; print('model:', resolve_model_dir(None))"
-TRAIN_MIN=${TRAIN_MIN:-3.5}
+TRAIN_MIN=${TRAIN_MIN:-3.0}
 TRAIN="python3 -m nanospec.train_assistant --layers 1 --num-steps 5 --seq-len 448 --batch-size 48 \
   --positions-per-seq 160 --lr 2e-3 --warmup 50 --epochs 100 --time-budget-min $TRAIN_MIN --save-every-min 1 --amp \
   --out $OUT/assistant ${TRAIN_EXTRA:-}"
 echo "== train ($(left) s left)" | tee -a "$LOG"
-timeout $(( $(left) - 70 )) $TRAIN --regenerate 0,0.7,1.0 --regen-budget-min ${REGEN_MIN:-2.0} \
+timeout $(( $(left) - 70 )) $TRAIN --regenerate 0,0.7,1.0 --regen-budget-min ${REGEN_MIN:-3.0} --all-turns \
   --max-prompt-tokens 192 --max-new-tokens 256 2>&1 | tr '\r' '\n' | grep -v -E '^\s*$|^(train|Generating): ' | tee -a "$LOG"
 if [ ! -f "$OUT/assistant/model.safetensors" ]; then  # regeneration failed: original responses, torch kernels
   echo "== fallback: original responses, NANOSPEC_BACKEND=torch ($(left) s left)" | tee -a "$LOG"

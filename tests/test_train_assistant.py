@@ -133,6 +133,13 @@ def test_regenerate_sequences(tiny_llama_dir, smollm2_tokenizer):
     assert seqs[:3] == [p + o["token_ids"] for p, o in zip(prompts, greedy)]
     assert all(q[:len(p)] == p and len(p) < len(q) <= len(p) + 6 for q, p in zip(seqs[3:], prompts))
     assert stats["generated_tokens"] == sum(len(q) - s for q, s in zip(seqs, starts))
+    convs[0] += [{"role": "user", "content": "More"}, {"role": "assistant", "content": "y"},
+                 {"role": "user", "content": "2+2?"}]  # a new text, then a repeat of another first turn
+    convs[1] += [{"role": "user", "content": "More"}]
+    seqs, starts, stats = regenerate_sequences(str(tiny_llama_dir), smollm2_tokenizer, convs, [0.0], 4, 2,
+                                               progress=False, all_turns=True, **engine)
+    more = chat_prompts(smollm2_tokenizer, ["More"], 4)
+    assert stats["prompts"] == 4 and [q[:s] for q, s in zip(seqs, starts)] == prompts + more
     with pytest.raises(ValueError, match="temperatures"):
         regenerate_sequences(str(tiny_llama_dir), smollm2_tokenizer, convs, [], **engine)
 
