@@ -10,8 +10,11 @@ default model's GGUF alone is 94 MiB): run here, then on one warm device machine
         reply <= 1200 chars; xz);
 .gpu2 = second half of the GGUF and the converted tokenizer/config files (the device's older transformers
         converts the GGUF tokenizer differently, so the weights are converted there and these files copied over).
-Both folders must be git-ignored (add /.gpu/ and /.gpu2/ to .git/info/exclude). The tracked tree travels too: keep
-it small during the two calls (the shipped assistant is 14 MB; gpu_train.sh does not need it).
+Both folders must be git-ignored (add /.gpu/ and /.gpu2/ to .git/info/exclude). The tracked tree travels too, and
+with the shipped assistant (14 MB) each call would pass 64 MiB; gpu_train.sh does not need it, so for the two calls
+untrack it and put it back after (commit nothing in between):
+  mv nanospec/assets /tmp/assets_bak && git rm -r -q --cached nanospec/assets     # before
+  git reset -q -- nanospec/assets && mv /tmp/assets_bak nanospec/assets            # after
 """
 import json
 import lzma
