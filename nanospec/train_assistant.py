@@ -191,20 +191,6 @@ def init_assistant(assistant, seed: int = 0) -> None:
         layer.layer_scalar.fill_(1.0)
 
 
-def hf_state_dict(assistant) -> dict[str, torch.Tensor]:
-    """Parameters under HF ``Gemma4AssistantForCausalLM`` names (gate_up_proj unpacked to gate_proj / up_proj)."""
-    out = {}
-    for name, p in assistant.named_parameters():
-        t = p.detach().cpu().contiguous()
-        if name.endswith("gate_up_proj.weight"):
-            i = t.shape[0] // 2
-            out[name.replace("gate_up_proj", "gate_proj")] = t[:i].clone()
-            out[name.replace("gate_up_proj", "up_proj")] = t[i:].clone()
-        else:
-            out[name] = t
-    return out
-
-
 def save_checkpoint(assistant, out_dir, info: dict | None = None, max_mb: float = 16.0) -> pathlib.Path:
     """Write config.json + model.safetensors (+ training_info.json) into ``out_dir``; each file is replaced
     atomically, so a killed run leaves the previous complete checkpoint. fp32 if it fits ``max_mb``, else bf16."""
@@ -212,7 +198,7 @@ def save_checkpoint(assistant, out_dir, info: dict | None = None, max_mb: float 
 
     d = pathlib.Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
-    sd = hf_state_dict(assistant)
+    sd = {k: v.detach().cpu().contiguous().clone() for k, v in assistant.hf_tensors().items()}
     if sum(t.numel() * 4 for t in sd.values()) > max_mb * 2**20:
         sd = {k: v.to(torch.bfloat16) for k, v in sd.items()}
 
@@ -356,6 +342,12 @@ def main(argv=None):
     add("--all-positions", action="store_true",
         help="also train at committed lengths inside the prompt (default: response positions only)")
     a = ap.parse_args(argv)
+    try:  # checked before any work: a bad list must not cost a model load and a regeneration
+        temps = [float(x) for x in a.regenerate.split(",")] if a.regenerate else []
+    except ValueError:
+        temps = [-1.0]
+    if not all(0 <= t < float("inf") for t in temps):
+        ap.error(f"--regenerate must be a comma-separated list of temperatures >= 0, got {a.regenerate!r}")
     if a.threads:
         torch.set_num_threads(a.threads)
     t0 = time.time()
@@ -365,7 +357,6 @@ def main(argv=None):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     convs = load_sharegpt("train", a.num_conversations)
     if a.regenerate:
-        temps = [float(x) for x in a.regenerate.split(",")]
         engine = dict(max_num_seqs=1024, gpu_memory_utilization=0.3) if device == "cuda" else {}
         seqs, starts, regen = regenerate_sequences(str(model_dir), tok, convs, temps, a.max_prompt_tokens,
                                                    a.max_new_tokens, a.regen_budget_min and a.regen_budget_min * 60,

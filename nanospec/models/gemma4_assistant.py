@@ -176,10 +176,10 @@ class Gemma4Assistant(nn.Module):
         model.load_checkpoint(iter_safetensors(d))
         return model.to(dtype).eval()
 
-    def load_checkpoint(self, tensors) -> None:
-        """Strict load of HF-named tensors: packs gate/up, takes ``lm_head`` from ``lm_head.weight`` or (tied)
-        ``model.embed_tokens.weight``; every parameter must get exactly its tensor with the right shape."""
-        slots = {}  # checkpoint name -> destination view
+    def hf_tensors(self) -> dict[str, torch.Tensor]:
+        """Every parameter as views under HF ``Gemma4AssistantForCausalLM`` names (the packed gate_up_proj split
+        back into gate_proj / up_proj): what a checkpoint holds, for loading into and for saving."""
+        slots = {}
         for name, p in self.named_parameters():
             if name.endswith("gate_up_proj.weight"):
                 i = p.shape[0] // 2
@@ -187,6 +187,12 @@ class Gemma4Assistant(nn.Module):
                 slots[name.replace("gate_up_proj", "up_proj")] = p.data[i:]
             else:
                 slots[name] = p.data
+        return slots
+
+    def load_checkpoint(self, tensors) -> None:
+        """Strict load of HF-named tensors: packs gate/up, takes ``lm_head`` from ``lm_head.weight`` or (tied)
+        ``model.embed_tokens.weight``; every parameter must get exactly its tensor with the right shape."""
+        slots = self.hf_tensors()  # checkpoint name -> destination view
         tied = bool(getattr(self.config, "tie_word_embeddings", True))
         got, embed = set(), None
         for name, t in tensors:
