@@ -3,8 +3,9 @@
     python -m nanospec.eval_acceptance [--assistant DIR|default] [--num-prompts 16] [--max-tokens 64]
         [--steps 1,3,5] [--topks 1,3] [--temperatures 0,0.7] [--datasets sharegpt,humaneval]
 
-Prompts: the first user turn of the held-out ShareGPT "eval" split (``nanospec.datasets``; never used in training)
-through the target's chat template, and HumanEval code prompts (raw, as a completion). Each configuration
+Prompts: the first user turn of the held-out ShareGPT "eval" split (``nanospec.datasets``; never used in training),
+less any text that also occurs as a user turn in the train split (ShareGPT repeats some), through the target's
+chat template, and HumanEval code prompts (raw, as a completion). Each configuration
 (dataset x temperature x num_steps x topk) generates ``--max-tokens`` tokens per prompt (``ignore_eos``) and
 reports the mean acceptance length (tokens emitted per verify step = 1 + accepted drafts) and per-position
 acceptance: the fraction of verify steps with accept_length >= i + 1, i = 1..S.
@@ -22,7 +23,8 @@ def build_prompts(tokenizer, datasets: list[str], num_prompts: int, max_prompt_t
 
     out = {}
     if "sharegpt" in datasets:
-        texts = [conv[0]["content"] for conv in load_sharegpt("eval")]
+        seen = {m["content"] for conv in load_sharegpt("train") for m in conv if m["role"] == "user"}
+        texts = [conv[0]["content"] for conv in load_sharegpt("eval") if conv[0]["content"] not in seen]
         out["sharegpt-eval"] = chat_prompts(tokenizer, texts, max_prompt_tokens)[:num_prompts]
     if "humaneval" in datasets:
         out["humaneval"] = [tokenizer.encode(p, add_special_tokens=False)[-max_prompt_tokens:]
@@ -47,33 +49,41 @@ def measure(model, assistant, prompts, S, k, temperature, max_tokens, tree_token
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .cli import HelpFormatter, check_ranges, number_list
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--model", default=None, help="target dir (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--assistant", default="default")
-    ap.add_argument("--num-prompts", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--max-prompt-tokens", type=int, default=256)
-    ap.add_argument("--steps", default="1,3,5")
-    ap.add_argument("--topks", default="1,3")
-    ap.add_argument("--temperatures", default="0,0.7")
-    ap.add_argument("--datasets", default="sharegpt,humaneval")
+    ap.add_argument("--assistant", default="default", help="gemma4_assistant dir or 'default'")
+    ap.add_argument("--num-prompts", type=int, default=16, help="prompts per dataset")
+    ap.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt")
+    ap.add_argument("--max-prompt-tokens", type=int, default=256, help="prompts clipped to N tokens")
+    ap.add_argument("--steps", default="1,3,5", help="num_steps values")
+    ap.add_argument("--topks", default="1,3", help="topk values")
+    ap.add_argument("--temperatures", default="0,0.7", help="sampling temperatures")
+    ap.add_argument("--datasets", default="sharegpt,humaneval", help="sharegpt and/or humaneval")
     ap.add_argument("--tree-tokens", type=int, default=None, help="num_draft_tokens for topk > 1")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     a = ap.parse_args(argv)
+    check_ranges(ap, a, dict(num_prompts=(1, False), max_tokens=(1, False), max_prompt_tokens=(1, False),
+                             tree_tokens=(2, False), threads=(1, False)))
+    steps, topks = number_list(ap, "--steps", a.steps, int, 1), number_list(ap, "--topks", a.topks, int, 1)
+    temps = number_list(ap, "--temperatures", a.temperatures)
+    datasets = a.datasets.split(",")
+    if not set(datasets) <= {"sharegpt", "humaneval"}:
+        ap.error(f"--datasets must name sharegpt and/or humaneval, got {a.datasets!r}")
     import torch
 
     from .loader import load_tokenizer, resolve_model_dir
     if a.threads:
         torch.set_num_threads(a.threads)
     tok = load_tokenizer(resolve_model_dir(a.model))
-    sets = build_prompts(tok, a.datasets.split(","), a.num_prompts, a.max_prompt_tokens)
+    sets = build_prompts(tok, datasets, a.num_prompts, a.max_prompt_tokens)
     max_len = max(len(p) for ps in sets.values() for p in ps) + a.max_tokens + 16
     engine = dict(dtype=a.dtype, max_model_len=max_len)
-    steps, topks = [int(x) for x in a.steps.split(",")], [int(x) for x in a.topks.split(",")]
-    temps = [float(x) for x in a.temperatures.split(",")]
     S_max = max(steps)
-    print(f"assistant={a.assistant} prompts={a.num_prompts} max_tokens={a.max_tokens} dtype={a.dtype}")
+    print(f"assistant={a.assistant} prompts={ {k: len(v) for k, v in sets.items()} } max_tokens={a.max_tokens} "
+          f"dtype={a.dtype}")
     head = ["dataset", "temp", "S", "k", "N", "mean acc len"] + [f"p{i}" for i in range(1, S_max + 1)] + ["tok/s"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head), flush=True)
     for name, prompts in sets.items():

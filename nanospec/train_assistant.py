@@ -19,6 +19,7 @@ q_assistant) (+ optional CE on x_{L+s}), weighted ``step_decay ** (s-1)``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -235,7 +236,10 @@ def train(target, seqs, out_dir=None, layers=1, num_steps=5, batch_size=8, posit
     ``amp``: the frozen target runs in bf16 and the assistant's GEMMs in bf16 autocast (CPUs with AVX512-BF16 /
     AMX are ~4x faster); the assistant's weights stay fp32. ``train_vocab``: train on the most frequent
     ``train_vocab`` tokens of ``seqs`` only (see ``distill_loss``); None = the full vocabulary. ``starts``:
-    per sequence, the first committed length to train on (its prompt length; see ``sample_positions``)."""
+    per sequence, the first committed length to train on (its prompt length; see ``sample_positions``).
+    Raises ValueError without sequences, RuntimeError when no step ran (nothing is saved then)."""
+    if not seqs:
+        raise ValueError("no training sequences")
     torch.manual_seed(seed)
     target.requires_grad_(False)
     if assistant is None:
@@ -303,6 +307,8 @@ def train(target, seqs, out_dir=None, layers=1, num_steps=5, batch_size=8, posit
             save_checkpoint(assistant, out_dir, summary)
             last_save = time.time()
     bar.close()
+    if not summary:
+        raise RuntimeError("no training step ran (the time or token budget was spent first); nothing saved")
     if out_dir:
         save_checkpoint(assistant, out_dir, summary)
     return assistant, summary
@@ -315,15 +321,17 @@ def hidden_dev(target):
 def main(argv=None):
     from .loader import load_config, load_tokenizer, resolve_model_dir
     from .model_runner import build_target
+    from .cli import HelpFormatter, check_ranges, number_list
     from .datasets import build_sequences, load_sharegpt, regenerate_sequences
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add = ap.add_argument
     add("--target", default=None, help="HF-format target dir (default: SmolLM2-135M-Instruct)")
-    add("--out", default=None, help="output dir (default: the shipped asset dir for the default target)")
+    add("--out", default="assistant_out", help="output checkpoint dir")
     for name, typ, default, hlp in (
             ("layers", int, 1, None), ("num-steps", int, 5, "draft steps S unrolled in training"),
-            ("seq-len", int, 256, None), ("num-conversations", int, None, "ShareGPT train conversations to use"),
+            ("seq-len", int, None, "default 256; with --regenerate the longest prompt + response"),
+            ("num-conversations", int, None, "ShareGPT train conversations to use"),
             ("max-tokens", int, None, "stop after this many target tokens"), ("epochs", float, 1.0, None),
             ("batch-size", int, 8, None), ("positions-per-seq", int, 64, "committed lengths L sampled per sequence"),
             ("lr", float, 1e-3, None), ("warmup", int, 30, None),
@@ -342,25 +350,28 @@ def main(argv=None):
     add("--all-positions", action="store_true",
         help="also train at committed lengths inside the prompt (default: response positions only)")
     a = ap.parse_args(argv)
-    try:  # checked before any work: a bad list must not cost a model load and a regeneration
-        temps = [float(x) for x in a.regenerate.split(",")] if a.regenerate else []
-    except ValueError:
-        temps = [-1.0]
-    if not all(0 <= t < float("inf") for t in temps):
-        ap.error(f"--regenerate must be a comma-separated list of temperatures >= 0, got {a.regenerate!r}")
+    # every value checked before any work: a bad one must not cost a model load and a regeneration
+    check_ranges(ap, a, {k: (1, False) for k in ("layers", "num_steps", "num_conversations", "max_tokens", "batch_size",
+                                                 "positions_per_seq", "warmup", "threads", "train_vocab",
+                                                 "max_prompt_tokens", "max_new_tokens")})
+    check_ranges(ap, a, {k: (0, True) for k in ("epochs", "lr", "step_decay", "time_budget_min", "save_every_min",
+                                                "regen_budget_min")} | {"ce_weight": (0, False), "seed": (0, False),
+                                                                        "seq_len": (8, False)})
+    temps = number_list(ap, "--regenerate", a.regenerate) if a.regenerate is not None else []
+    a.seq_len = a.seq_len or (a.max_prompt_tokens + a.max_new_tokens + 64 if temps else 256)  # 64: chat template
     if a.threads:
         torch.set_num_threads(a.threads)
     t0 = time.time()
     model_dir = resolve_model_dir(a.target)
     cfg, tok = load_config(model_dir), load_tokenizer(model_dir)
-    out = a.out or (pathlib.Path(__file__).parent / "assets" / "smollm2-135m-instruct-assistant")
+    out = a.out
     device = "cuda" if torch.cuda.is_available() else "cpu"
     convs = load_sharegpt("train", a.num_conversations)
-    if a.regenerate:
+    if temps:
         engine = dict(max_num_seqs=1024, gpu_memory_utilization=0.3) if device == "cuda" else {}
         seqs, starts, regen = regenerate_sequences(str(model_dir), tok, convs, temps, a.max_prompt_tokens,
                                                    a.max_new_tokens, a.regen_budget_min and a.regen_budget_min * 60,
-                                                   all_turns=a.all_turns, **engine)
+                                                   all_turns=a.all_turns, seed=a.seed, **engine)
         seqs = [q[:a.seq_len] for q in seqs]
         source = f"responses regenerated by the target with nanospec, temperatures {temps[:regen['rounds']]}"
         print(f"regenerated: {regen}", flush=True)
@@ -369,20 +380,16 @@ def main(argv=None):
     if a.all_positions:
         starts = None
     target = build_target(cfg, device, torch.float32, a.seq_len + 8, model_dir)
-    if a.max_tokens:  # keep only the data we will use (the epoch order is over this subset)
-        acc, keep = 0, []
-        for s in seqs:
-            if acc >= a.max_tokens / max(a.epochs, 1e-9):
-                break
-            keep.append(s)
-            acc += len(s)
-        seqs = keep  # starts[i] still belongs to seqs[i]
+    if a.max_tokens:  # keep only the data we will use (the epoch order is over this subset; starts stay aligned)
+        cum = itertools.accumulate(map(len, seqs))
+        seqs = seqs[:next((i for i, c in enumerate(cum) if c >= a.max_tokens / a.epochs), len(seqs) - 1) + 1]
     hardware = torch.cuda.get_device_name() if device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     info = dict(target=str(model_dir), data=f"ShareGPT train split, {source}", regeneration=regen,
                 conversations=len(convs), num_sequences_available=len(seqs), seq_len=a.seq_len,
                 num_steps=a.num_steps, layers=a.layers, lr=a.lr, batch_size=a.batch_size,
                 positions_per_seq=a.positions_per_seq, step_decay=a.step_decay, ce_weight=a.ce_weight, amp=a.amp,
-                train_vocab=a.train_vocab, response_positions_only=not a.all_positions, hardware=hardware)
+                train_vocab=a.train_vocab, response_positions_only=not a.all_positions, hardware=hardware,
+                args=vars(a))
     print(f"data: {len(convs)} conversations -> {len(seqs)} sequences, {sum(map(len, seqs))} tokens "
           f"({source})", flush=True)
     _, summary = train(target, seqs, out, a.layers, a.num_steps, a.batch_size, a.positions_per_seq, a.lr,

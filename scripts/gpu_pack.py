@@ -6,8 +6,8 @@ default model's GGUF alone is 94 MiB): run here, then on one warm device machine
                            OUT=$OUT bash scripts/gpu_train.sh
 
 .gpu  = first half of the GGUF, the `gguf` wheel (the device image lacks it), a trimmed ShareGPT (every
-        conversation in file order, so the train/eval split is unchanged; first user turn <= 2048 chars, first
-        reply <= 1200 chars; xz);
+        conversation in file order, so the train/eval split is unchanged; user turns <= 2048 chars, the first
+        reply <= 1200 chars, later replies emptied; xz);
 .gpu2 = second half of the GGUF and the converted tokenizer/config files (the device's older transformers
         converts the GGUF tokenizer differently, so the weights are converted there and these files copied over).
 Both folders must be git-ignored (add /.gpu/ and /.gpu2/ to .git/info/exclude). The tracked tree travels too, and
@@ -45,9 +45,14 @@ half = len(gguf) // 2
 (a / "gguf.partA").write_bytes(gguf[:half])
 (b / "gguf.partB").write_bytes(gguf[half:])
 convs = datasets.load_sharegpt("train") + datasets.load_sharegpt("eval")
-trimmed = [{"conversations": [{"from": "human", "value": c[0]["content"][:2048]}]
-            + ([{"from": "gpt", "value": c[1]["content"][:1200]}] if len(c) > 1 and c[1]["role"] == "assistant"
-               else [])} for c in convs]
+
+def trim(c):  # every user turn (<= 2048 chars: what a 256-token prompt reads), the first reply (<= 1200 chars)
+    msgs = [{"from": "human", "value": m["content"][:2048]} if m["role"] == "user" else
+            {"from": "gpt", "value": m["content"][:1200] if i == 1 else ""} for i, m in enumerate(c)]
+    return {"conversations": msgs}
+
+
+trimmed = [trim(c) for c in convs]
 (a / "sharegpt.json.xz").write_bytes(lzma.compress(json.dumps(trimmed).encode()))
 model = loader.resolve_model_dir(None)
 for f in model.iterdir():

@@ -12,6 +12,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TQDM_MININT
 unset TRITON_INTERPRET
 [ -e nanospec/kernels ] || ln -s ../kernels nanospec/kernels  # the package-dir mapping of an install, without one
 left() { echo $((BUDGET_S - SECONDS)); }
+upto() { local t=$(( $(left) - $1 )); echo $(( t > 10 ? t : 10 )); }  # seconds for a step that leaves $1 s
 LOG="$OUT/train.log"
 py() { python3 "$@" 2>&1 | tr '\r' '\n' | grep -v -E '^\s*$' | tee -a "$LOG"; }
 
@@ -21,19 +22,19 @@ TRAIN="python3 -m nanospec.train_assistant --layers 1 --num-steps 5 --seq-len 44
   --positions-per-seq 160 --lr 2e-3 --warmup 50 --epochs 100 --time-budget-min $TRAIN_MIN --save-every-min 1 --amp \
   --out $OUT/assistant ${TRAIN_EXTRA:-}"
 echo "== train ($(left) s left)" | tee -a "$LOG"
-timeout $(( $(left) - 70 )) $TRAIN --regenerate 0,0.7,1.0 --regen-budget-min ${REGEN_MIN:-3.0} --all-turns \
+timeout "$(upto 70)" $TRAIN --regenerate 0,0.7,1.0 --regen-budget-min ${REGEN_MIN:-3.0} --all-turns \
   --max-prompt-tokens 192 --max-new-tokens 256 2>&1 | tr '\r' '\n' | grep -v -E '^\s*$|^(train|Generating): ' | tee -a "$LOG"
 if [ ! -f "$OUT/assistant/model.safetensors" ]; then  # regeneration failed: original responses, torch kernels
   echo "== fallback: original responses, NANOSPEC_BACKEND=torch ($(left) s left)" | tee -a "$LOG"
-  NANOSPEC_BACKEND=torch timeout $(( $(left) - 40 )) $TRAIN 2>&1 | tr '\r' '\n' | grep -v -E '^\s*$|^(train|Generating): ' \
+  NANOSPEC_BACKEND=torch timeout "$(upto 40)" $TRAIN 2>&1 | tr '\r' '\n' | grep -v -E '^\s*$|^(train|Generating): ' \
     | tee -a "$LOG"
 fi
 echo "== eval ($(left) s left)" | tee -a "$LOG"
-timeout $(( $(left) > 20 ? $(left) - 10 : 10 )) python3 -m nanospec.eval_acceptance --assistant "$OUT/assistant" \
+timeout "$(upto 10)" python3 -m nanospec.eval_acceptance --assistant "$OUT/assistant" \
   --num-prompts ${EVAL_PROMPTS:-64} --max-tokens 64 --steps 5 --topks 1,3 --temperatures ${EVAL_TEMPS:-0,0.7} --datasets sharegpt 2>&1 \
   | grep -E '^\||assistant=|Error|error' | tee "$OUT/eval.txt"
 if [ "$(left)" -gt 100 ]; then
   echo "== graphs vs eager ($(left) s left)" | tee -a "$LOG"
-  timeout $(( $(left) - 10 )) python3 scripts/gpu_graphs.py 2>&1 | tail -n 5 | tee "$OUT/graphs.txt"
+  timeout "$(upto 10)" python3 scripts/gpu_graphs.py 2>&1 | tail -n 5 | tee "$OUT/graphs.txt"
 fi
 echo "== done ($(left) s left)" | tee -a "$LOG"

@@ -3,6 +3,7 @@
 # ShareGPT into /tmp/nc/data. Part 2 (carry .gpu2): join the GGUF, dequantize it with the device's transformers and
 # lay the default model dir out in /tmp/nc with this machine's tokenizer/config files.
 set -euo pipefail
+[ "${1:-}" = 1 ] || [ "${1:-}" = 2 ] || { echo "usage: bash scripts/gpu_unpack.sh 1|2 (see scripts/gpu_pack.py)"; exit 2; }
 [ -e nanospec/kernels ] || ln -s ../kernels nanospec/kernels  # the package-dir mapping of an install, without one
 if [ "$1" = 1 ]; then
   mkdir -p /tmp/dev /tmp/site /tmp/nc/data

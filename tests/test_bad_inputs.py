@@ -185,3 +185,23 @@ def test_checkpoint_with_wrong_shapes(tmp_path, tiny_llama_dir):
     (bad / "config.json").write_text(json.dumps({**cfg, "intermediate_size": cfg["intermediate_size"] + 8}))
     with pytest.raises(ValueError, match="mlp"):
         LLM(str(bad), device="cpu", max_model_len=32, page_size=4)
+
+
+@pytest.mark.parametrize("module,argv,option", [
+    ("train_assistant", ["--regenerate", ""], "--regenerate"),
+    ("train_assistant", ["--regenerate", "0,-1"], "--regenerate"),
+    ("train_assistant", ["--layers", "0"], "--layers"), ("train_assistant", ["--lr", "nan"], "--lr"),
+    ("train_assistant", ["--epochs", "0"], "--epochs"),
+    ("train_assistant", ["--time-budget-min", "-1"], "--time-budget"),
+    ("train_assistant", ["--seq-len", "4"], "--seq-len"), ("eval_acceptance", ["--temperatures", "0,-1"], "--temper"),
+    ("eval_acceptance", ["--steps", "0"], "--steps"), ("eval_acceptance", ["--datasets", "sharegtp"], "--datasets"),
+    ("eval_acceptance", ["--num-prompts", "0"], "--num-prompts")])
+def test_cli_rejects_bad_values_before_loading(monkeypatch, capsys, module, argv, option):
+    """Both CLIs stop in argparse, naming the option, before any model, tokenizer or data is touched."""
+    import importlib
+
+    from nanospec import loader
+    monkeypatch.setattr(loader, "resolve_model_dir", lambda *a, **k: pytest.fail("loaded a model first"))
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(f"nanospec.{module}").main(argv)
+    assert e.value.code == 2 and option in capsys.readouterr().err

@@ -224,8 +224,9 @@ def test_dispatch(monkeypatch, triton_backend):
     monkeypatch.setattr(A, "decode_attention_triton", lambda *a: calls.append("triton") or "t")
     monkeypatch.setattr(A, "decode_attention_ref", lambda *a: calls.append("ref") or "r")
     cpu = torch.device("cpu")  # explicit: "auto" must pick the reference for CPU tensors, also on GPU machines
-    args = (torch.zeros(1, 1, 16, device=cpu), torch.zeros(1, 4, 1, 16, device=cpu), torch.zeros(1, 4, 1, 16, device=cpu),
-            torch.zeros(1, 1, dtype=torch.int32, device=cpu), torch.ones(1, dtype=torch.int32, device=cpu), 1.0)
+    kv = torch.zeros(1, 4, 1, 16, device=cpu)
+    args = (torch.zeros(1, 1, 16, device=cpu), kv, kv, torch.zeros(1, 1, dtype=torch.int32, device=cpu),
+            torch.ones(1, dtype=torch.int32, device=cpu), 1.0)
     assert A.decode_attention(*args) == "t"
     set_backend("torch")
     assert A.decode_attention(*args) == "r"
