@@ -358,6 +358,8 @@ def main(argv=None):
                                                 "regen_budget_min")} | {"ce_weight": (0, False), "seed": (0, False),
                                                                         "seq_len": (8, False)})
     temps = number_list(ap, "--regenerate", a.regenerate) if a.regenerate is not None else []
+    if pathlib.Path(a.out).exists() and not pathlib.Path(a.out).is_dir():
+        ap.error(f"--out must be a directory (it is written into), got the file {a.out!r}")
     a.seq_len = a.seq_len or (a.max_prompt_tokens + a.max_new_tokens + 64 if temps else 256)  # 64: chat template
     if a.threads:
         torch.set_num_threads(a.threads)
