@@ -9,7 +9,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 [ -e nanospec/kernels ] || ln -s ../kernels nanospec/kernels  # the package-dir mapping of an install, without one
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+  python3 -c "import torch, triton, transformers as t; print(torch.__version__, triton.__version__, t.__version__)"
 } 2>&1 | tee "$OUT/gpu.txt"
 NANOSPEC_TEST_DEVICE=cuda timeout "${KERNEL_TEST_S:-90}" python3 -m pytest -q -p no:cacheprovider \
   tests/test_kernels_attention.py tests/test_kernels_basic.py tests/test_kernels_sampling.py 2>&1 \

@@ -23,7 +23,8 @@ TRAIN="python3 -m nanospec.train_assistant --layers 1 --num-steps 5 --seq-len 44
   --out $OUT/assistant ${TRAIN_EXTRA:-}"
 echo "== train ($(left) s left)" | tee -a "$LOG"
 timeout "$(upto 70)" $TRAIN --regenerate 0,0.7,1.0 --regen-budget-min ${REGEN_MIN:-3.0} --all-turns \
-  --max-prompt-tokens 192 --max-new-tokens 256 2>&1 | tr '\r' '\n' | grep -v -E '^\s*$|^(train|Generating): ' | tee -a "$LOG"
+  --max-prompt-tokens 192 --max-new-tokens 256 2>&1 | tr '\r' '\n' | grep -v -E '^\s*$|^(train|Generating): ' \
+  | tee -a "$LOG"
 if [ ! -f "$OUT/assistant/model.safetensors" ]; then  # regeneration failed: original responses, torch kernels
   echo "== fallback: original responses, NANOSPEC_BACKEND=torch ($(left) s left)" | tee -a "$LOG"
   NANOSPEC_BACKEND=torch timeout "$(upto 40)" $TRAIN 2>&1 | tr '\r' '\n' | grep -v -E '^\s*$|^(train|Generating): ' \
@@ -31,7 +32,8 @@ if [ ! -f "$OUT/assistant/model.safetensors" ]; then  # regeneration failed: ori
 fi
 echo "== eval ($(left) s left)" | tee -a "$LOG"
 timeout "$(upto 10)" python3 -m nanospec.eval_acceptance --assistant "$OUT/assistant" \
-  --num-prompts ${EVAL_PROMPTS:-64} --max-tokens 64 --steps 5 --topks 1,3 --temperatures ${EVAL_TEMPS:-0,0.7} --datasets sharegpt 2>&1 \
+  --num-prompts ${EVAL_PROMPTS:-64} --max-tokens 64 --steps 5 --topks 1,3 --temperatures ${EVAL_TEMPS:-0,0.7} \
+  --datasets sharegpt 2>&1 \
   | grep -E '^\||assistant=|Error|error' | tee "$OUT/eval.txt"
 if [ "$(left)" -gt 100 ]; then
   echo "== graphs vs eager ($(left) s left)" | tee -a "$LOG"
