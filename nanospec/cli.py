@@ -7,7 +7,7 @@ import math
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Module docstring kept as written; every option's default shown."""
+    """Module docstring kept as written; options with help text show their default."""
 
 
 def number_list(ap: argparse.ArgumentParser, option: str, text: str, typ=float, lo: float = 0) -> list:

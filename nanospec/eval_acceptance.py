@@ -55,7 +55,7 @@ def main(argv=None):
     ap.add_argument("--model", default=None, help="target dir (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--assistant", default="default", help="gemma4_assistant dir or 'default'")
     ap.add_argument("--num-prompts", type=int, default=16, help="prompts per dataset")
-    ap.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt")
+    ap.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (>= 2: the first is prefill's)")
     ap.add_argument("--max-prompt-tokens", type=int, default=256, help="prompts clipped to N tokens")
     ap.add_argument("--steps", default="1,3,5", help="num_steps values")
     ap.add_argument("--topks", default="1,3", help="topk values")
@@ -65,7 +65,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     a = ap.parse_args(argv)
-    check_ranges(ap, a, dict(num_prompts=(1, False), max_tokens=(1, False), max_prompt_tokens=(1, False),
+    check_ranges(ap, a, dict(num_prompts=(1, False), max_tokens=(2, False), max_prompt_tokens=(1, False),
                              tree_tokens=(2, False), threads=(1, False)))
     steps, topks = number_list(ap, "--steps", a.steps, int, 1), number_list(ap, "--topks", a.topks, int, 1)
     temps = number_list(ap, "--temperatures", a.temperatures)

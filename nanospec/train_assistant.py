@@ -330,7 +330,7 @@ def main(argv=None):
     add("--out", default="assistant_out", help="output checkpoint dir")
     for name, typ, default, hlp in (
             ("layers", int, 1, None), ("num-steps", int, 5, "draft steps S unrolled in training"),
-            ("seq-len", int, None, "default 256; with --regenerate the longest prompt + response"),
+            ("seq-len", int, None, "default 256; with --regenerate max-prompt-tokens + max-new-tokens + 64"),
             ("num-conversations", int, None, "ShareGPT train conversations to use"),
             ("max-tokens", int, None, "stop after this many target tokens"), ("epochs", float, 1.0, None),
             ("batch-size", int, 8, None), ("positions-per-seq", int, 64, "committed lengths L sampled per sequence"),
@@ -356,10 +356,12 @@ def main(argv=None):
                                                  "max_prompt_tokens", "max_new_tokens")})
     check_ranges(ap, a, {k: (0, True) for k in ("epochs", "lr", "step_decay", "time_budget_min", "save_every_min",
                                                 "regen_budget_min")} | {"ce_weight": (0, False), "seed": (0, False),
-                                                                        "seq_len": (8, False)})
+                                                                        "seq_len": (16, False)})
     temps = number_list(ap, "--regenerate", a.regenerate) if a.regenerate is not None else []
-    if pathlib.Path(a.out).exists() and not pathlib.Path(a.out).is_dir():
-        ap.error(f"--out must be a directory (it is written into), got the file {a.out!r}")
+    try:  # made now: a bad path must fail before training, not at the first save
+        pathlib.Path(a.out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        ap.error(f"--out must be a directory that can be created, got {a.out!r}: {e.strerror}")
     a.seq_len = a.seq_len or (a.max_prompt_tokens + a.max_new_tokens + 64 if temps else 256)  # 64: chat template
     if a.threads:
         torch.set_num_threads(a.threads)

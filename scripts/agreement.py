@@ -1,4 +1,5 @@
-"""Teacher-forced agreement of an assistant with the target on prompts from the train and the eval split: the
+"""Teacher-forced agreement of an assistant with the target on prompts from the train and the eval split (eval
+prompts as ``eval_acceptance`` picks them: none that also occurs in train): the
 target answers each prompt greedily, then for every committed length past the prompt the trainer's own unroll
 (``nanospec.train_assistant``) gives per-step KL and top-1 agreement. A large train/eval gap means memorisation.
 
@@ -13,6 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from nanospec import LLM, SamplingParams  # noqa: E402
 from nanospec.datasets import chat_prompts, load_sharegpt  # noqa: E402
+from nanospec.eval_acceptance import build_prompts  # noqa: E402
 from nanospec.loader import load_config, resolve_model_dir  # noqa: E402
 from nanospec.model_runner import build_target  # noqa: E402
 from nanospec.models.gemma4_assistant import Gemma4Assistant  # noqa: E402
@@ -29,9 +31,10 @@ llm = LLM(str(md), dtype="float32", device="cpu", max_model_len=512)
 target = build_target(load_config(md), "cpu", torch.float32, 512, md)
 assistant = Gemma4Assistant.from_pretrained(resolve_assistant(a.assistant, target_is_default=True))
 assistant.bind_target(target, kv=False)
+eval_prompts = build_prompts(llm.tokenizer, ["sharegpt"], a.num_prompts, 192)["sharegpt-eval"]  # held-out only
 for split in ("train", "eval"):
-    texts = [c[0]["content"] for c in load_sharegpt(split)[:a.num_prompts]]
-    prompts = chat_prompts(llm.tokenizer, texts, 192)
+    texts = [c[0]["content"] for c in load_sharegpt("train")[:a.num_prompts]]
+    prompts = chat_prompts(llm.tokenizer, texts, 192) if split == "train" else eval_prompts
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=a.max_tokens), use_tqdm=False)
     tokens, lens, hidden, kv = capture_target(target, [p + o["token_ids"] for p, o in zip(prompts, outs)],
                                               assistant.layer_map(target.kv_layer_types))

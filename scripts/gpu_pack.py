@@ -5,7 +5,8 @@ back (it goes back after 30 s idle):
   call 1, carry [".gpu1"]: bash scripts/gpu_unpack.sh 1 && OUT=$OUT bash scripts/gpu_check.sh
   call 2, carry [".gpu2"]: bash scripts/gpu_unpack.sh 2
   call 3, carry [".gpu3"]: bash scripts/gpu_unpack.sh 3 && NANOSPEC_CACHE=/tmp/nc PYTHONPATH=/tmp/site \\
-                           OUT=$OUT bash scripts/gpu_train.sh
+                           OUT=$OUT BUDGET_S=480 bash scripts/gpu_train.sh   (timeout_s ~560: the
+                           dequantization takes ~40 s before the budget starts)
 
 .gpu1 = GGUF part 1, the `gguf` wheel (the device image lacks it), a trimmed ShareGPT (every conversation in file
         order, so the train/eval split is unchanged; user turns <= 2048 chars, the first reply <= 1200 chars, later

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# GPU run, part 2 (one H200, ~8 min): regenerate ShareGPT responses with the target (nanospec, bf16, CUDA graphs),
-# distill the Frozen-KV MTP assistant on them, evaluate its acceptance with nanospec, then (time left) CUDA graphs
-# vs eager and batch-1 latency. The assistant lands in $OUT/assistant; the log in $OUT/train.log.
+# GPU run (one H200, BUDGET_S seconds, default 540): regenerate ShareGPT responses with the target (nanospec, bf16,
+# CUDA graphs), distill the Frozen-KV MTP assistant on them, evaluate its acceptance with nanospec, then (time left)
+# compare CUDA graphs with eager. The assistant lands in $OUT/assistant; the log in $OUT/train.log.
 # Usage on the GPU machine, from the repo root:  OUT=/some/dir BUDGET_S=540 bash scripts/gpu_train.sh
 # Needs the default model and the ShareGPT data resolvable (NANOSPEC_CACHE); scripts/gpu_pack.py brings both.
 set -uo pipefail
@@ -17,12 +17,12 @@ LOG="$OUT/train.log"
 py() { python3 "$@" 2>&1 | tr '\r' '\n' | grep -v -E '^\s*$' | tee -a "$LOG"; }
 
 py -c "from nanospec.loader import resolve_model_dir; print('model:', resolve_model_dir(None))"
-TRAIN_MIN=${TRAIN_MIN:-3.0}
-TRAIN="python3 -m nanospec.train_assistant --layers 1 --num-steps 5 --seq-len 448 --batch-size 48 \
+TRAIN_MIN=${TRAIN_MIN:-2.5}
+TRAIN="python3 -m nanospec.train_assistant --layers 1 --num-steps 5 --batch-size 48 \
   --positions-per-seq 160 --lr 2e-3 --warmup 50 --epochs 100 --time-budget-min $TRAIN_MIN --save-every-min 1 --amp \
   --out $OUT/assistant ${TRAIN_EXTRA:-}"
 echo "== train ($(left) s left)" | tee -a "$LOG"
-timeout "$(upto 70)" $TRAIN --regenerate 0,0.7,1.0 --regen-budget-min ${REGEN_MIN:-3.0} --all-turns \
+timeout "$(upto 70)" $TRAIN --regenerate 0,0.7,1.0 --regen-budget-min ${REGEN_MIN:-2.5} --all-turns \
   --max-prompt-tokens 192 --max-new-tokens 256 2>&1 | tr '\r' '\n' | grep -v -E '^\s*$|^(train|Generating): ' \
   | tee -a "$LOG"
 if [ ! -f "$OUT/assistant/model.safetensors" ]; then  # regeneration failed: original responses, torch kernels

@@ -205,3 +205,22 @@ def test_cli_rejects_bad_values_before_loading(monkeypatch, capsys, module, argv
     with pytest.raises(SystemExit) as e:
         importlib.import_module(f"nanospec.{module}").main(argv)
     assert e.value.code == 2 and option in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module,argv", [
+    ("train_assistant", []), ("train_assistant", ["--regenerate", "0", "--ce-weight", "0", "--seed", "0"]),
+    ("train_assistant", ["--time-budget-min", "0.5", "--seq-len", "16", "--out", "{tmp}/a/b"]),
+    ("eval_acceptance", []), ("eval_acceptance", ["--max-tokens", "2", "--tree-tokens", "2", "--steps", "1"])])
+def test_cli_accepts_valid_values(monkeypatch, tmp_path, module, argv):
+    """Defaults and edge-valid values get past the checks (to the model load, stubbed here)."""
+    import importlib
+
+    from nanospec import loader
+
+    class Reached(Exception):
+        pass
+
+    monkeypatch.chdir(tmp_path)  # train_assistant creates its --out dir (default ./assistant_out) up front
+    monkeypatch.setattr(loader, "resolve_model_dir", lambda *a, **k: (_ for _ in ()).throw(Reached()))
+    with pytest.raises(Reached):
+        importlib.import_module(f"nanospec.{module}").main([x.format(tmp=tmp_path) for x in argv])
