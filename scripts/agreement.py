@@ -31,10 +31,9 @@ llm = LLM(str(md), dtype="float32", device="cpu", max_model_len=512)
 target = build_target(load_config(md), "cpu", torch.float32, 512, md)
 assistant = Gemma4Assistant.from_pretrained(resolve_assistant(a.assistant, target_is_default=True))
 assistant.bind_target(target, kv=False)
-eval_prompts = build_prompts(llm.tokenizer, ["sharegpt"], a.num_prompts, 192)["sharegpt-eval"]  # held-out only
-for split in ("train", "eval"):
-    texts = [c[0]["content"] for c in load_sharegpt("train")[:a.num_prompts]]
-    prompts = chat_prompts(llm.tokenizer, texts, 192) if split == "train" else eval_prompts
+splits = {"train": chat_prompts(llm.tokenizer, [c[0]["content"] for c in load_sharegpt("train")[:a.num_prompts]], 192),
+          "eval": build_prompts(llm.tokenizer, ["sharegpt"], a.num_prompts, 192)["sharegpt-eval"]}  # held-out only
+for split, prompts in splits.items():
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=a.max_tokens), use_tqdm=False)
     tokens, lens, hidden, kv = capture_target(target, [p + o["token_ids"] for p, o in zip(prompts, outs)],
                                               assistant.layer_map(target.kv_layer_types))
