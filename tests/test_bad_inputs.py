@@ -193,7 +193,8 @@ def test_checkpoint_with_wrong_shapes(tmp_path, tiny_llama_dir):
     ("train_assistant", ["--layers", "0"], "--layers"), ("train_assistant", ["--lr", "nan"], "--lr"),
     ("train_assistant", ["--epochs", "0"], "--epochs"),
     ("train_assistant", ["--time-budget-min", "-1"], "--time-budget"),
-    ("train_assistant", ["--seq-len", "4"], "--seq-len"), ("eval_acceptance", ["--temperatures", "0,-1"], "--temper"),
+    ("train_assistant", ["--seq-len", "4"], "--seq-len"), ("train_assistant", ["--init", "/nonexistent"], "--init"),
+    ("eval_acceptance", ["--temperatures", "0,-1"], "--temper"),
     ("eval_acceptance", ["--steps", "0"], "--steps"), ("eval_acceptance", ["--datasets", "sharegtp"], "--datasets"),
     ("eval_acceptance", ["--num-prompts", "0"], "--num-prompts")])
 def test_cli_rejects_bad_values_before_loading(monkeypatch, capsys, module, argv, option):
@@ -209,7 +210,7 @@ def test_cli_rejects_bad_values_before_loading(monkeypatch, capsys, module, argv
 
 @pytest.mark.parametrize("module,argv", [
     ("train_assistant", []), ("train_assistant", ["--regenerate", "0", "--ce-weight", "0", "--seed", "0"]),
-    ("train_assistant", ["--time-budget-min", "0.5", "--seq-len", "16", "--out", "{tmp}/a/b"]),
+    ("train_assistant", ["--time-budget-min", "0.5", "--seq-len", "16", "--out", "{tmp}/a/b", "--init", "default"]),
     ("eval_acceptance", []), ("eval_acceptance", ["--max-tokens", "2", "--tree-tokens", "2", "--steps", "1"])])
 def test_cli_accepts_valid_values(monkeypatch, tmp_path, module, argv):
     """Defaults and edge-valid values get past the checks (to the model load, stubbed here)."""

@@ -12,8 +12,8 @@ from nanospec.loader import load_config
 from nanospec.model_runner import build_target
 from nanospec.models.gemma4_assistant import Gemma4Assistant
 from nanospec.spec.worker import DEFAULT_ASSISTANT
-from nanospec.train_assistant import (capture_target, distill_loss, new_assistant, sample_positions, save_checkpoint,
-                                      train, unroll)
+from nanospec.train_assistant import (capture_target, distill_loss, main, new_assistant, sample_positions, train,
+                                      unroll)
 
 ENGINE = dict(dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=200, page_size=4)
 
@@ -48,7 +48,7 @@ def test_train_infer_consistency(tiny_llama_dir, tmp_path):
     target = tiny_target(tiny_llama_dir)
     assistant = new_assistant(target, layers=2, seed=0)
     randomize(assistant, 5, std=0.15)  # far from the near-identity init so that every weight matters
-    save_checkpoint(assistant, tmp_path / "a")
+    assistant.save_pretrained(tmp_path / "a")
     llm = LLM(str(tiny_llama_dir), assistant=str(tmp_path / "a"), num_steps=S, **ENGINE)
     records = record_drafts(llm)
     prompts = [[5, 17, 300, 42, 9, 1000, 7], [123, 8, 4000]]
@@ -94,7 +94,7 @@ def test_tiny_training_improves_acceptance(smollm2_tokenizer, tmp_path):
     seqs = [p + o["token_ids"] for p, o in zip(prompts, outs)]
     target = tiny_target(tiny_llama_dir)
     rand = new_assistant(target, layers=1, seed=0)
-    save_checkpoint(rand, tmp_path / "random")
+    rand.save_pretrained(tmp_path / "random")
     tokens, lens, hidden, kv = capture_target(target, seqs, rand.layer_map(target.kv_layer_types))
     Ls, valid = sample_positions(lens, 64, torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -108,6 +108,25 @@ def test_tiny_training_improves_acceptance(smollm2_tokenizer, tmp_path):
     acc_trained = mean_accept(tiny_llama_dir, tmp_path / "trained", prompts, T, S)
     print(f"loss {loss0:.3f} -> {loss1:.3f}; mean acceptance random {acc_rand:.2f} -> trained {acc_trained:.2f}")
     assert acc_rand < 1.5 and acc_trained > acc_rand + 0.8, (acc_rand, acc_trained)
+
+
+def test_cli_init_continues_from_checkpoint(tiny_llama_dir, tmp_path):
+    """``--init DIR`` trains that checkpoint (its layer count, its weights) rather than a fresh assistant: with a
+    vanishing learning rate the saved weights are the initial ones, and training_info records the init."""
+    target = tiny_target(tiny_llama_dir)
+    start = new_assistant(target, layers=2, seed=0)
+    randomize(start, 7, std=0.15)  # unlike any fresh init
+    start.save_pretrained(tmp_path / "init")
+    main(["--target", str(tiny_llama_dir), "--init", str(tmp_path / "init"), "--num-conversations", "3",
+          "--max-tokens", "60", "--seq-len", "24", "--batch-size", "1", "--lr", "1e-12", "--out",
+          str(tmp_path / "out")])
+    got = Gemma4Assistant.from_pretrained(tmp_path / "out").hf_tensors()
+    want = start.hf_tensors()
+    assert got.keys() == want.keys() and any(".layers.1." in k for k in got)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k].detach(), rtol=0, atol=1e-6)
+    info = json.loads((tmp_path / "out" / "training_info.json").read_text())
+    assert info["layers"] == 2 and info["args"]["init"] == str(tmp_path / "init") and info["steps"] >= 1
 
 
 def test_sample_positions_skip_the_prompt():

@@ -15,6 +15,7 @@ and their RoPE may be "proportional" (partial rotary with zero frequencies), whi
 HF's assistant forward applies no ``final_logit_softcapping`` and Gemma4 attention has no logit softcap.
 """
 import json
+import os
 import pathlib
 
 import torch
@@ -188,6 +189,31 @@ class Gemma4Assistant(nn.Module):
             else:
                 slots[name] = p.data
         return slots
+
+    def save_pretrained(self, out_dir, info: dict | None = None, max_mb: float = 16.0) -> pathlib.Path:
+        """Write config.json + model.safetensors (HF names, ``hf_tensors``) + training_info.json (``info``) into
+        ``out_dir``; each file is replaced atomically, so a killed run leaves the previous complete checkpoint.
+        fp32 if the weights fit ``max_mb`` MiB, else bf16. Returns the dir."""
+        from safetensors.torch import save_file
+
+        d = pathlib.Path(out_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        sd = {k: v.detach().cpu().contiguous().clone() for k, v in self.hf_tensors().items()}
+        if sum(t.numel() * 4 for t in sd.values()) > max_mb * 2**20:
+            sd = {k: v.to(torch.bfloat16) for k, v in sd.items()}
+
+        def replace(name, write):
+            tmp = d / f".{name}.tmp"
+            write(tmp)
+            os.chmod(tmp, 0o644)  # package data: readable by everyone
+            os.replace(tmp, d / name)
+        replace("model.safetensors", lambda p: save_file(sd, str(p), metadata={"format": "pt"}))
+        cfg = self.config.to_dict()
+        cfg["dtype"] = str(next(iter(sd.values())).dtype).removeprefix("torch.")
+        replace("config.json", lambda p: p.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n"))
+        if info is not None:
+            replace("training_info.json", lambda p: p.write_text(json.dumps(info, indent=2) + "\n"))
+        return d
 
     def load_checkpoint(self, tensors) -> None:
         """Strict load of HF-named tensors: packs gate/up, takes ``lm_head`` from ``lm_head.weight`` or (tied)
