@@ -4,6 +4,8 @@ Logits parity drives the model runner directly (prepare_prefill / prepare_decode
 paged cache, page boundaries, chunked extend over a cached prefix and decode are all checked against HF's own
 incremental (KV-cached) forward. Greedy parity goes through the public ``LLM.generate``.
 """
+import inspect
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -57,6 +59,8 @@ def _decode(llm, reqs, tokens):
 def _hf_reference(model_dir, prompts, decode_tokens):
     """Per prompt: HF prefill logits [T, V] and the logits of each KV-cached incremental decode step."""
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # transformers 5.24 renamed the forward kwarg past_key_values -> cache (the old name warns until 5.40)
+    cache_kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
     pre, dec = [], []
     with torch.no_grad():
         for i, p in enumerate(prompts):
@@ -64,7 +68,7 @@ def _hf_reference(model_dir, prompts, decode_tokens):
             pre.append(out.logits[0])
             past, steps = out.past_key_values, []
             for toks in decode_tokens:
-                out = hf(torch.tensor([[toks[i]]]), past_key_values=past, use_cache=True)
+                out = hf(torch.tensor([[toks[i]]]), use_cache=True, **{cache_kw: past})
                 past = out.past_key_values
                 steps.append(out.logits[0, -1])
             dec.append(steps)
