@@ -24,7 +24,7 @@ INIT=${INIT:-default}
 INIT_ARGS="--init $INIT" PEAK=1e-3  # a warm start already sits in a minimum: half the fresh peak lr
 [ "$INIT" = none ] && INIT_ARGS="" PEAK=2e-3
 LR=${LR:-$PEAK}
-TRAIN="python3 -m nanospec.train_assistant --layers 1 --num-steps 5 --batch-size 48 --positions-per-seq 160 \
+TRAIN="python3 -m nanospec.train_assistant --num-steps 5 --batch-size 48 --positions-per-seq 160 \
   --lr $LR --warmup 50 $INIT_ARGS --epochs 100 --time-budget-min $TRAIN_MIN --save-every-min 1 --amp \
   --out $OUT/assistant ${TRAIN_EXTRA:-}"
 echo "== train ($(left) s left)" | tee -a "$LOG"

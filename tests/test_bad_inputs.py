@@ -194,6 +194,7 @@ def test_checkpoint_with_wrong_shapes(tmp_path, tiny_llama_dir):
     ("train_assistant", ["--epochs", "0"], "--epochs"),
     ("train_assistant", ["--time-budget-min", "-1"], "--time-budget"),
     ("train_assistant", ["--seq-len", "4"], "--seq-len"), ("train_assistant", ["--init", "/nonexistent"], "--init"),
+    ("train_assistant", ["--init", "default", "--layers", "2"], "--layers"),
     ("eval_acceptance", ["--temperatures", "0,-1"], "--temper"),
     ("eval_acceptance", ["--steps", "0"], "--steps"), ("eval_acceptance", ["--datasets", "sharegtp"], "--datasets"),
     ("eval_acceptance", ["--num-prompts", "0"], "--num-prompts")])
