@@ -7,7 +7,10 @@ import math
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Module docstring kept as written; options with help text show their default."""
+    """Module docstring kept as written; options with help text show their default (unless unset: None)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
 
 
 def number_list(ap: argparse.ArgumentParser, option: str, text: str, typ=float, lo: float = 0) -> list:

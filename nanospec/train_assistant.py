@@ -292,7 +292,7 @@ def hidden_dev(target):
 
 
 def main(argv=None):
-    from .loader import load_config, load_tokenizer, resolve_model_dir
+    from .loader import is_default_target, load_config, load_tokenizer, resolve_model_dir
     from .model_runner import build_target
     from .cli import HelpFormatter, check_ranges, number_list
     from .datasets import build_sequences, load_sharegpt, regenerate_sequences
@@ -302,7 +302,7 @@ def main(argv=None):
     add("--target", default=None, help="HF-format target dir (default: SmolLM2-135M-Instruct)")
     add("--out", default="assistant_out", help="output checkpoint dir")
     for name, typ, default, hlp in (
-            ("layers", int, None, "default 1; with --init the checkpoint's"), ("num-steps", int, 5, "draft steps S unrolled in training"),
+            ("layers", int, None, "unset: 1, or --init's"), ("num-steps", int, 5, "draft steps S unrolled in training"),
             ("seq-len", int, None, "default 256; with --regenerate max-prompt-tokens + max-new-tokens + 64"),
             ("num-conversations", int, None, "ShareGPT train conversations to use"),
             ("max-tokens", int, None, "stop after this many target tokens"), ("epochs", float, 1.0, None),
@@ -333,29 +333,31 @@ def main(argv=None):
                                                 "regen_budget_min")} | {"ce_weight": (0, False), "seed": (0, False),
                                                                         "seq_len": (16, False)})
     temps = number_list(ap, "--regenerate", a.regenerate) if a.regenerate is not None else []
+    init, init_dir = None, None
+    if a.init is not None:  # loaded now (CPU, a few MB): a bad checkpoint must not cost a regeneration first
+        from .models.gemma4_assistant import Gemma4Assistant
+        from .spec.worker import resolve_assistant
+        try:
+            init_dir = resolve_assistant(a.init, target_is_default=True)  # 'default' vs --target: checked below
+            init = Gemma4Assistant.from_pretrained(init_dir)
+        except (ValueError, OSError, KeyError, TypeError) as e:
+            ap.error(f"--init must be 'default' or an HF gemma4_assistant checkpoint dir, got {a.init!r}: {e}")
+        n = init.text_config.num_hidden_layers
+        if a.layers not in (None, n):
+            ap.error(f"--layers {a.layers} contradicts --init {a.init!r}, which has {n} layer(s)")
+    a.layers = a.layers or (init.text_config.num_hidden_layers if init else 1)
     try:  # made now: a bad path must fail before training, not at the first save
         pathlib.Path(a.out).mkdir(parents=True, exist_ok=True)
     except OSError as e:
         ap.error(f"--out must be a directory that can be created, got {a.out!r}: {e.strerror}")
-    if a.init:
-        from .spec.worker import resolve_assistant
-        try:
-            a.init = str(resolve_assistant(a.init, target_is_default=a.target is None))
-            n = json.loads((pathlib.Path(a.init) / "config.json").read_text())["text_config"]["num_hidden_layers"]
-        except ValueError as e:
-            ap.error(f"--init: {e}")
-        except (OSError, KeyError, TypeError):
-            ap.error(f"--init {a.init!r} is not an HF gemma4_assistant dir (config.json with text_config)")
-        if a.layers not in (None, n):
-            ap.error(f"--layers {a.layers} contradicts --init {a.init!r}, which has {n} layer(s)")
-        a.layers = n
-    a.layers = a.layers or 1
     a.seq_len = a.seq_len or (a.max_prompt_tokens + a.max_new_tokens + 64 if temps else 256)  # 64: chat template
     if a.threads:
         torch.set_num_threads(a.threads)
     t0 = time.time()
     model_dir = resolve_model_dir(a.target)
     cfg, tok = load_config(model_dir), load_tokenizer(model_dir)
+    if a.init == "default" and not is_default_target(cfg, tok):
+        ap.error("--init default is SmolLM2-135M-Instruct's assistant; pass --init DIR for this --target")
     out = a.out
     device = "cuda" if torch.cuda.is_available() else "cpu"
     convs = load_sharegpt("train", a.num_conversations)
@@ -372,11 +374,8 @@ def main(argv=None):
     if a.all_positions:
         starts = None
     target = build_target(cfg, device, torch.float32, a.seq_len + 8, model_dir)
-    assistant = None
-    if a.init:
-        from .models.gemma4_assistant import Gemma4Assistant
-        assistant = Gemma4Assistant.from_pretrained(a.init, device=hidden_dev(target))
-        assistant.bind_target(target, kv=False)
+    if init is not None:
+        init.to(hidden_dev(target)).bind_target(target, kv=False)
     if a.max_tokens:  # keep only the data we will use (the epoch order is over this subset; starts stay aligned)
         cum = itertools.accumulate(map(len, seqs))
         seqs = seqs[:next((i for i, c in enumerate(cum) if c >= a.max_tokens / a.epochs), len(seqs) - 1) + 1]
@@ -387,12 +386,15 @@ def main(argv=None):
                 positions_per_seq=a.positions_per_seq, step_decay=a.step_decay, ce_weight=a.ce_weight, amp=a.amp,
                 train_vocab=a.train_vocab, response_positions_only=not a.all_positions, hardware=hardware,
                 args=vars(a))
+    if init_dir is not None:  # a warm start keeps its history: what the init checkpoint was trained on
+        prev = init_dir / "training_info.json"
+        info["init"] = dict(dir=str(init_dir), training_info=json.loads(prev.read_text()) if prev.is_file() else None)
     print(f"data: {len(convs)} conversations -> {len(seqs)} sequences, {sum(map(len, seqs))} tokens "
           f"({source})", flush=True)
     _, summary = train(target, seqs, out, a.layers, a.num_steps, a.batch_size, a.positions_per_seq, a.lr,
                        a.warmup, a.epochs, a.max_tokens, a.time_budget_min, a.step_decay, a.ce_weight,
                        a.save_every_min, a.seed, info=info, amp=a.amp, train_vocab=a.train_vocab,
-                       starts=starts, assistant=assistant)
+                       starts=starts, assistant=init)
     print(f"done: {summary.get('steps', 0)} steps, {summary.get('sequences', 0)} sequences, "
           f"{summary.get('tokens_seen', 0)} tokens seen, final loss {summary.get('final_loss', float('nan')):.4f}, "
           f"train time {summary.get('train_time_s', 0):.0f} s (total {time.time() - t0:.0f} s), data: {source}; "

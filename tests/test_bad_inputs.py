@@ -195,18 +195,20 @@ def test_checkpoint_with_wrong_shapes(tmp_path, tiny_llama_dir):
     ("train_assistant", ["--time-budget-min", "-1"], "--time-budget"),
     ("train_assistant", ["--seq-len", "4"], "--seq-len"), ("train_assistant", ["--init", "/nonexistent"], "--init"),
     ("train_assistant", ["--init", "default", "--layers", "2"], "--layers"),
+    ("train_assistant", ["--init", ""], "--init"), ("train_assistant", ["--init", "{tmp}"], "--init"),
     ("eval_acceptance", ["--temperatures", "0,-1"], "--temper"),
     ("eval_acceptance", ["--steps", "0"], "--steps"), ("eval_acceptance", ["--datasets", "sharegtp"], "--datasets"),
     ("eval_acceptance", ["--num-prompts", "0"], "--num-prompts")])
-def test_cli_rejects_bad_values_before_loading(monkeypatch, capsys, module, argv, option):
+def test_cli_rejects_bad_values_before_loading(monkeypatch, capsys, tmp_path, module, argv, option):
     """Both CLIs stop in argparse, naming the option, before any model, tokenizer or data is touched."""
     import importlib
 
     from nanospec import loader
+    monkeypatch.chdir(tmp_path)  # nothing may be left behind (train_assistant's --out is made after the checks)
     monkeypatch.setattr(loader, "resolve_model_dir", lambda *a, **k: pytest.fail("loaded a model first"))
     with pytest.raises(SystemExit) as e:
-        importlib.import_module(f"nanospec.{module}").main(argv)
-    assert e.value.code == 2 and option in capsys.readouterr().err
+        importlib.import_module(f"nanospec.{module}").main([x.format(tmp=tmp_path) for x in argv])
+    assert e.value.code == 2 and option in capsys.readouterr().err and not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("module,argv", [

@@ -127,6 +127,8 @@ def test_cli_init_continues_from_checkpoint(tiny_llama_dir, tmp_path):
         torch.testing.assert_close(got[k], want[k].detach(), rtol=0, atol=1e-6)
     info = json.loads((tmp_path / "out" / "training_info.json").read_text())
     assert info["layers"] == 2 and info["args"]["init"] == str(tmp_path / "init") and info["steps"] >= 1
+    assert info["init"] == {"dir": str(tmp_path / "init"), "training_info": None}
+    assert "_name_or_path" not in json.loads((tmp_path / "out" / "config.json").read_text())
 
 
 def test_sample_positions_skip_the_prompt():

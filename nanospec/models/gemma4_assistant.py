@@ -192,8 +192,9 @@ class Gemma4Assistant(nn.Module):
 
     def save_pretrained(self, out_dir, info: dict | None = None, max_mb: float = 16.0) -> pathlib.Path:
         """Write config.json + model.safetensors (HF names, ``hf_tensors``) + training_info.json (``info``) into
-        ``out_dir``; each file is replaced atomically, so a killed run leaves the previous complete checkpoint.
-        fp32 if the weights fit ``max_mb`` MiB, else bf16. Returns the dir."""
+        ``out_dir``, each file replaced atomically (a kill between two files can pair new weights with the old
+        config; the trainer keeps one architecture per dir). fp32 if the weights fit ``max_mb`` MiB, else bf16.
+        Returns the dir."""
         from safetensors.torch import save_file
 
         d = pathlib.Path(out_dir)
@@ -209,6 +210,7 @@ class Gemma4Assistant(nn.Module):
             os.replace(tmp, d / name)
         replace("model.safetensors", lambda p: save_file(sd, str(p), metadata={"format": "pt"}))
         cfg = self.config.to_dict()
+        cfg.pop("_name_or_path", None)  # where it was loaded from: machine-specific
         cfg["dtype"] = str(next(iter(sd.values())).dtype).removeprefix("torch.")
         replace("config.json", lambda p: p.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n"))
         if info is not None:
