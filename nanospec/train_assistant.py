@@ -109,7 +109,8 @@ def distill_loss(assistant, target, tokens, lens, hidden, kv, Ls, valid, num_ste
 
     ``vocab`` (LongTensor [V'] or None): train on that vocabulary subset only (both distributions renormalised
     over it; the assistant then shares the target's LM head rows ``vocab``) to cut the LM-head cost.
-    Returns ``(loss, per_step_kl list[float], per_step_top1_agreement list[float])``."""
+    Returns ``(loss, per_step_kl list[float], per_step_top1_agreement list[float])``; a step that no valid
+    position reaches reports nan."""
     B, n = Ls.shape
     T = tokens.shape[1]
     b = torch.arange(B, device=Ls.device)[:, None].expand(B, n)
@@ -146,8 +147,9 @@ def distill_loss(assistant, target, tokens, lens, hidden, kv, Ls, valid, num_ste
             step = step + ce_weight * (ce * mc).sum() / mc.sum().clamp(min=1)
         w = step_decay ** (s - 1)
         total, wsum = total + w * step, wsum + w
-        kls.append(float((kl.detach() * m).sum() / denom))
-        accs.append(float(((a_logp.argmax(-1) == t_logp.argmax(-1)).float() * m).sum() / denom))
+        none = float("nan") if not m.any() else 0.0  # no position reaches this step: nan, not a perfect 0 KL
+        kls.append(float((kl.detach() * m).sum() / denom) + none)
+        accs.append(float(((a_logp.argmax(-1) == t_logp.argmax(-1)).float() * m).sum() / denom) + none)
     return total / wsum, kls, accs
 
 

@@ -131,6 +131,18 @@ def test_cli_init_continues_from_checkpoint(tiny_llama_dir, tmp_path):
     assert "_name_or_path" not in json.loads((tmp_path / "out" / "config.json").read_text())
 
 
+def test_steps_past_the_sequence_report_nan(tiny_llama_dir):
+    """A draft step that no sampled position reaches has no KL to report: nan, not a perfect 0.0."""
+    target = tiny_target(tiny_llama_dir)
+    a = new_assistant(target, layers=1, seed=0)
+    tokens, lens, hidden, kv = capture_target(target, [[5, 6, 7]], a.layer_map(target.kv_layer_types))
+    Ls, valid = torch.tensor([[2]]), torch.tensor([[True]])  # step 1 predicts row 2; step 2 would need row 3
+    with torch.no_grad():
+        loss, kls, accs = distill_loss(a, target, tokens, lens, hidden, kv, Ls, valid, 2)
+    assert kls[0] > 0 and 0 <= accs[0] <= 1 and torch.isfinite(loss)
+    assert kls[1] != kls[1] and accs[1] != accs[1]
+
+
 def test_sample_positions_skip_the_prompt():
     """With prompt starts, committed lengths cover exactly [start, len-1]; a sequence with no response has none."""
     lens, starts = torch.tensor([10, 6, 5]), torch.tensor([4, 6, 0])
