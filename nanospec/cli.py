@@ -1,9 +1,11 @@
-"""Argument checks shared by nanospec's command-line tools (train_assistant, eval_acceptance): every bad value
-stops argparse with a message naming the option and its allowed range, before any model or data is loaded."""
+"""Argument checks of nanospec's command-line tools (train_assistant, eval_acceptance): every bad value stops
+argparse with a message naming the option and its allowed range, before any model or data is loaded."""
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import pathlib
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -30,3 +32,30 @@ def check_ranges(ap: argparse.ArgumentParser, args: argparse.Namespace, bounds: 
         v = getattr(args, dest)
         if v is not None and (not math.isfinite(v) or v < lo or (strict and v == lo)):
             ap.error(f"--{dest.replace('_', '-')} must be {'>' if strict else '>='} {lo:g}, got {v}")
+
+
+def check_out_dir(ap: argparse.ArgumentParser, option: str, path: str) -> None:
+    """``ap.error`` unless ``path`` is a directory or could be created as one (its nearest existing ancestor is a
+    writable directory); creates nothing, so a command rejected later leaves no trace."""
+    p = pathlib.Path(path).expanduser().absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if not p.is_dir() or not os.access(p, os.W_OK | os.X_OK):
+        ap.error(f"{option} must be a directory that can be created, got {path!r} ({str(p)!r} is not a writable dir)")
+
+
+def load_init(ap: argparse.ArgumentParser, init: str, layers: int | None):
+    """``--init``: load that assistant checkpoint (CPU, a few MB) while checking arguments, so a bad one costs no
+    data work; ``ap.error`` if it does not load or has other than ``layers`` layers. Returns (assistant, dir).
+    'default' is resolved whatever the target; the caller checks that the target is the default one."""
+    from .models.gemma4_assistant import Gemma4Assistant
+    from .spec.worker import resolve_assistant
+    try:
+        d = resolve_assistant(init, target_is_default=True)
+        assistant = Gemma4Assistant.from_pretrained(d)
+    except (ValueError, OSError, KeyError, TypeError) as e:
+        ap.error(f"--init must be 'default' or an HF gemma4_assistant checkpoint dir, got {init!r}: {e}")
+    n = assistant.text_config.num_hidden_layers
+    if layers not in (None, n):
+        ap.error(f"--layers {layers} contradicts --init {init!r}, which has {n} layer(s)")
+    return assistant, d

@@ -273,8 +273,9 @@ def train(target, seqs, out_dir=None, layers=1, num_steps=5, batch_size=8, posit
         bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}", acc1=f"{accs[0]:.2f}",
                         accS=f"{accs[-1]:.2f}", lr=f"{cur:.1e}")
         summary = dict(steps=step + 1, sequences=seqs_seen, tokens_seen=tokens_seen,
-                       final_loss=sum(losses[-20:]) / len(losses[-20:]), per_step_kl=kls, per_step_top1_agree=accs,
-                       train_time_s=round(time.time() - t0, 1), **(info or {}))
+                       final_loss=sum(losses[-20:]) / len(losses[-20:]),  # nan -> null: strict JSON
+                       per_step_kl=[x if x == x else None for x in kls],
+                       per_step_top1_agree=[x if x == x else None for x in accs], train_time_s=round(time.time() - t0, 1), **(info or {}))
         if progress and log_every and step % log_every == 0:
             tqdm.write(f"step {step} loss {summary['final_loss']:.4f} kl {[round(k, 3) for k in kls]} "
                        f"agree {[round(a, 3) for a in accs]} tokens {tokens_seen} t {summary['train_time_s']}s")
@@ -296,7 +297,7 @@ def hidden_dev(target):
 def main(argv=None):
     from .loader import is_default_target, load_config, load_tokenizer, resolve_model_dir
     from .model_runner import build_target
-    from .cli import HelpFormatter, check_ranges, number_list
+    from .cli import HelpFormatter, check_out_dir, check_ranges, load_init, number_list
     from .datasets import build_sequences, load_sharegpt, regenerate_sequences
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
@@ -335,31 +336,24 @@ def main(argv=None):
                                                 "regen_budget_min")} | {"ce_weight": (0, False), "seed": (0, False),
                                                                         "seq_len": (16, False)})
     temps = number_list(ap, "--regenerate", a.regenerate) if a.regenerate is not None else []
-    init, init_dir = None, None
-    if a.init is not None:  # loaded now (CPU, a few MB): a bad checkpoint must not cost a regeneration first
-        from .models.gemma4_assistant import Gemma4Assistant
-        from .spec.worker import resolve_assistant
-        try:
-            init_dir = resolve_assistant(a.init, target_is_default=True)  # 'default' vs --target: checked below
-            init = Gemma4Assistant.from_pretrained(init_dir)
-        except (ValueError, OSError, KeyError, TypeError) as e:
-            ap.error(f"--init must be 'default' or an HF gemma4_assistant checkpoint dir, got {a.init!r}: {e}")
-        n = init.text_config.num_hidden_layers
-        if a.layers not in (None, n):
-            ap.error(f"--layers {a.layers} contradicts --init {a.init!r}, which has {n} layer(s)")
+    init, init_dir = load_init(ap, a.init, a.layers) if a.init is not None else (None, None)
     a.layers = a.layers or (init.text_config.num_hidden_layers if init else 1)
-    try:  # made now: a bad path must fail before training, not at the first save
-        pathlib.Path(a.out).mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        ap.error(f"--out must be a directory that can be created, got {a.out!r}: {e.strerror}")
+    check_out_dir(ap, "--out", a.out)  # a bad path must fail now, not at the first save
     a.seq_len = a.seq_len or (a.max_prompt_tokens + a.max_new_tokens + 64 if temps else 256)  # 64: chat template
     if a.threads:
         torch.set_num_threads(a.threads)
     t0 = time.time()
-    model_dir = resolve_model_dir(a.target)
-    cfg, tok = load_config(model_dir), load_tokenizer(model_dir)
+    try:
+        model_dir = resolve_model_dir(a.target)
+        cfg, tok = load_config(model_dir), load_tokenizer(model_dir)
+    except ValueError as e:
+        ap.error(f"--target: {e}")
     if a.init == "default" and not is_default_target(cfg, tok):
         ap.error("--init default is SmolLM2-135M-Instruct's assistant; pass --init DIR for this --target")
+    try:
+        pathlib.Path(a.out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        ap.error(f"--out must be a directory that can be created, got {a.out!r}: {e.strerror}")
     out = a.out
     device = "cuda" if torch.cuda.is_available() else "cpu"
     convs = load_sharegpt("train", a.num_conversations)

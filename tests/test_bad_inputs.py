@@ -196,6 +196,7 @@ def test_checkpoint_with_wrong_shapes(tmp_path, tiny_llama_dir):
     ("train_assistant", ["--seq-len", "4"], "--seq-len"), ("train_assistant", ["--init", "/nonexistent"], "--init"),
     ("train_assistant", ["--init", "default", "--layers", "2"], "--layers"),
     ("train_assistant", ["--init", ""], "--init"), ("train_assistant", ["--init", "{tmp}"], "--init"),
+    ("train_assistant", ["--out", "/dev/null/x"], "--out"),
     ("eval_acceptance", ["--temperatures", "0,-1"], "--temper"),
     ("eval_acceptance", ["--steps", "0"], "--steps"), ("eval_acceptance", ["--datasets", "sharegtp"], "--datasets"),
     ("eval_acceptance", ["--num-prompts", "0"], "--num-prompts")])
