@@ -147,9 +147,10 @@ def distill_loss(assistant, target, tokens, lens, hidden, kv, Ls, valid, num_ste
             step = step + ce_weight * (ce * mc).sum() / mc.sum().clamp(min=1)
         w = step_decay ** (s - 1)
         total, wsum = total + w * step, wsum + w
-        none = float("nan") if not m.any() else 0.0  # no position reaches this step: nan, not a perfect 0 KL
-        kls.append(float((kl.detach() * m).sum() / denom) + none)
-        accs.append(float(((a_logp.argmax(-1) == t_logp.argmax(-1)).float() * m).sum() / denom) + none)
+        reached = bool(m.any())  # else nan: no position reaches this step (0.0 would read as a perfect match)
+        agree = (a_logp.argmax(-1) == t_logp.argmax(-1)).float()
+        kls.append(float((kl.detach() * m).sum() / denom) if reached else math.nan)
+        accs.append(float((agree * m).sum() / denom) if reached else math.nan)
     return total / wsum, kls, accs
 
 
@@ -212,9 +213,13 @@ def train(target, seqs, out_dir=None, layers=1, num_steps=5, batch_size=8, posit
     AMX are ~4x faster); the assistant's weights stay fp32. ``train_vocab``: train on the most frequent
     ``train_vocab`` tokens of ``seqs`` only (see ``distill_loss``); None = the full vocabulary. ``starts``:
     per sequence, the first committed length to train on (its prompt length; see ``sample_positions``).
-    Raises ValueError without sequences, RuntimeError when no step ran (nothing is saved then)."""
+    Raises ValueError without sequences or without any response position, RuntimeError when no step ran
+    (nothing is saved then)."""
     if not seqs:
         raise ValueError("no training sequences")
+    if starts is not None and not any(len(q) - 1 >= max(1, st) for q, st in zip(seqs, starts)):
+        raise ValueError("no sequence reaches past its prompt (seq_len cuts them all): raise --seq-len, or train "
+                         "all positions (--all-positions / starts=None)")
     torch.manual_seed(seed)
     target.requires_grad_(False)
     if assistant is None:
@@ -274,8 +279,9 @@ def train(target, seqs, out_dir=None, layers=1, num_steps=5, batch_size=8, posit
                         accS=f"{accs[-1]:.2f}", lr=f"{cur:.1e}")
         summary = dict(steps=step + 1, sequences=seqs_seen, tokens_seen=tokens_seen,
                        final_loss=sum(losses[-20:]) / len(losses[-20:]),  # nan -> null: strict JSON
-                       per_step_kl=[x if x == x else None for x in kls],
-                       per_step_top1_agree=[x if x == x else None for x in accs], train_time_s=round(time.time() - t0, 1), **(info or {}))
+                       per_step_kl=[None if math.isnan(x) else x for x in kls],
+                       per_step_top1_agree=[None if math.isnan(x) else x for x in accs],
+                       train_time_s=round(time.time() - t0, 1), **(info or {}))
         if progress and log_every and step % log_every == 0:
             tqdm.write(f"step {step} loss {summary['final_loss']:.4f} kl {[round(k, 3) for k in kls]} "
                        f"agree {[round(a, 3) for a in accs]} tokens {tokens_seen} t {summary['train_time_s']}s")

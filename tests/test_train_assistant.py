@@ -118,7 +118,7 @@ def test_cli_init_continues_from_checkpoint(tiny_llama_dir, tmp_path):
     randomize(start, 7, std=0.15)  # unlike any fresh init
     start.save_pretrained(tmp_path / "init")
     main(["--target", str(tiny_llama_dir), "--init", str(tmp_path / "init"), "--num-conversations", "3",
-          "--max-tokens", "60", "--seq-len", "24", "--batch-size", "1", "--lr", "1e-12", "--out",
+          "--max-tokens", "60", "--seq-len", "24", "--all-positions", "--batch-size", "1", "--lr", "1e-12", "--out",
           str(tmp_path / "out")])
     got = Gemma4Assistant.from_pretrained(tmp_path / "out").hf_tensors()
     want = start.hf_tensors()
@@ -128,6 +128,7 @@ def test_cli_init_continues_from_checkpoint(tiny_llama_dir, tmp_path):
     info = json.loads((tmp_path / "out" / "training_info.json").read_text())
     assert info["layers"] == 2 and info["args"]["init"] == str(tmp_path / "init") and info["steps"] >= 1
     assert info["init"] == {"dir": str(tmp_path / "init"), "training_info": None}
+    assert info["per_step_kl"][0] > 0  # it trained on real positions
     assert "_name_or_path" not in json.loads((tmp_path / "out" / "config.json").read_text())
 
 
@@ -141,6 +142,8 @@ def test_steps_past_the_sequence_report_nan(tiny_llama_dir):
         loss, kls, accs = distill_loss(a, target, tokens, lens, hidden, kv, Ls, valid, 2)
     assert kls[0] > 0 and 0 <= accs[0] <= 1 and torch.isfinite(loss)
     assert kls[1] != kls[1] and accs[1] != accs[1]
+    with pytest.raises(ValueError, match="past its prompt"):  # every sequence cut inside its prompt
+        train(target, [[5, 6, 7], [8, 9]], layers=1, num_steps=2, starts=[3, 2], progress=False)
 
 
 def test_sample_positions_skip_the_prompt():
