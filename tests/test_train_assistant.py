@@ -1,6 +1,7 @@
 """The Frozen-KV MTP assistant trainer (nanospec.train_assistant): train/infer consistency against nanospec's own
 draft loop, a tiny training run that improves real acceptance, and the shipped checkpoint (CPU, fp32)."""
 import json
+import random
 
 import pytest
 import torch
@@ -162,7 +163,10 @@ def test_regenerate_sequences(tiny_llama_dir, smollm2_tokenizer):
     engine = {k: v for k, v in ENGINE.items() if k != "max_model_len"}  # sized by regenerate_sequences
     seqs, starts, stats = regenerate_sequences(str(tiny_llama_dir), smollm2_tokenizer, convs, [0.0, 0.7],
                                                max_prompt_tokens=4, max_new_tokens=6, progress=False, **engine)
-    prompts = chat_prompts(smollm2_tokenizer, [c[0]["content"] for c in convs], 4)
+    texts = [c[0]["content"] for c in convs]
+    random.Random(0).shuffle(texts)  # seed 0's prompt order, the same in every round
+    prompts = chat_prompts(smollm2_tokenizer, texts, 4)
+    assert [q[:s] for q, s in zip(seqs, starts)] == prompts * 2
     greedy = LLM(str(tiny_llama_dir), **ENGINE).generate(prompts, SamplingParams(temperature=0, max_tokens=6),
                                                        use_tqdm=False)
     assert starts == [len(p) for p in prompts] * 2 and stats["rounds"] == 2 and stats["sequences"] == 6
@@ -174,8 +178,9 @@ def test_regenerate_sequences(tiny_llama_dir, smollm2_tokenizer):
     convs[1] += [{"role": "user", "content": "More"}]
     seqs, starts, stats = regenerate_sequences(str(tiny_llama_dir), smollm2_tokenizer, convs, [0.0], 4, 2,
                                                progress=False, all_turns=True, **engine)
-    more = chat_prompts(smollm2_tokenizer, ["More"], 4)
-    assert stats["prompts"] == 4 and [q[:s] for q, s in zip(seqs, starts)] == prompts + more
+    texts = [c[0]["content"] for c in convs] + ["More"]  # distinct texts, first turns first, then shuffled
+    random.Random(0).shuffle(texts)
+    assert stats["prompts"] == 4 and [q[:s] for q, s in zip(seqs, starts)] == chat_prompts(smollm2_tokenizer, texts, 4)
     with pytest.raises(ValueError, match="temperatures"):
         regenerate_sequences(str(tiny_llama_dir), smollm2_tokenizer, convs, [], **engine)
 
