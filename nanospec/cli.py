@@ -44,18 +44,30 @@ def check_out_dir(ap: argparse.ArgumentParser, option: str, path: str) -> None:
         ap.error(f"{option} must be a directory that can be created, got {path!r} ({str(p)!r} is not a writable dir)")
 
 
-def load_init(ap: argparse.ArgumentParser, init: str, layers: int | None):
-    """``--init``: load that assistant checkpoint (CPU, a few MB) while checking arguments, so a bad one costs no
-    data work; ``ap.error`` if it does not load or has other than ``layers`` layers. Returns (assistant, dir).
-    'default' is resolved whatever the target; the caller checks that the target is the default one."""
+def make_out_dir(ap: argparse.ArgumentParser, option: str, path: str) -> None:
+    """Create ``path`` (and parents) once every other check passed; ``ap.error`` if that fails."""
+    try:
+        pathlib.Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        ap.error(f"{option} must be a directory that can be created, got {path!r}: {e.strerror}")
+
+
+def load_assistant(ap: argparse.ArgumentParser, option: str, value: str, layers: int | None = None):
+    """``--init`` / ``--assistant``: load that assistant checkpoint (CPU, a few MB) while checking arguments, so a
+    bad one costs no model or data work; ``ap.error`` if it does not load or (``layers`` given) has another layer
+    count. Returns (assistant, dir). 'default' is resolved whatever the target; the caller checks that the target is
+    the default one (``loader.is_default_target``)."""
     from .models.gemma4_assistant import Gemma4Assistant
     from .spec.worker import resolve_assistant
+    what = "'default' or an HF gemma4_assistant checkpoint dir"
+    if value != "default" and not (value and pathlib.Path(value).is_dir()):
+        ap.error(f"{option} must be {what}, got {value!r} (no such dir)")
     try:
-        d = resolve_assistant(init, target_is_default=True)
+        d = resolve_assistant(value, target_is_default=True)
         assistant = Gemma4Assistant.from_pretrained(d)
     except (ValueError, OSError, KeyError, TypeError) as e:
-        ap.error(f"--init must be 'default' or an HF gemma4_assistant checkpoint dir, got {init!r}: {e}")
+        ap.error(f"{option} must be {what}, got {value!r}: {e}")
     n = assistant.text_config.num_hidden_layers
     if layers not in (None, n):
-        ap.error(f"--layers {layers} contradicts --init {init!r}, which has {n} layer(s)")
+        ap.error(f"--layers {layers} contradicts {option} {value!r}, which has {n} layer(s)")
     return assistant, d

@@ -49,7 +49,7 @@ def measure(model, assistant, prompts, S, k, temperature, max_tokens, tree_token
 
 
 def main(argv=None):
-    from .cli import HelpFormatter, check_ranges, number_list
+    from .cli import HelpFormatter, check_ranges, load_assistant, number_list
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--model", default=None, help="target dir (default: SmolLM2-135M-Instruct)")
@@ -62,7 +62,7 @@ def main(argv=None):
     ap.add_argument("--temperatures", default="0,0.7", help="sampling temperatures")
     ap.add_argument("--datasets", default="sharegpt,humaneval", help="sharegpt and/or humaneval")
     ap.add_argument("--tree-tokens", type=int, default=None, help="num_draft_tokens for topk > 1")
-    ap.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     a = ap.parse_args(argv)
     check_ranges(ap, a, dict(num_prompts=(1, False), max_tokens=(2, False), max_prompt_tokens=(1, False),
@@ -72,12 +72,19 @@ def main(argv=None):
     datasets = a.datasets.split(",")
     if not set(datasets) <= {"sharegpt", "humaneval"}:
         ap.error(f"--datasets must name sharegpt and/or humaneval, got {a.datasets!r}")
+    load_assistant(ap, "--assistant", a.assistant)  # a few MB on CPU: a bad one fails before the target loads
     import torch
 
-    from .loader import load_tokenizer, resolve_model_dir
+    from .loader import is_default_target, load_config, load_tokenizer, resolve_model_dir
     if a.threads:
         torch.set_num_threads(a.threads)
-    tok = load_tokenizer(resolve_model_dir(a.model))
+    try:
+        model_dir = resolve_model_dir(a.model)
+        tok = load_tokenizer(model_dir)
+    except (ValueError, OSError) as e:
+        ap.error(f"--model: {e}")
+    if a.assistant == "default" and not is_default_target(load_config(model_dir), tok):
+        ap.error("--assistant default is SmolLM2-135M-Instruct's assistant; pass --assistant DIR for this --model")
     sets = build_prompts(tok, datasets, a.num_prompts, a.max_prompt_tokens)
     max_len = max(len(p) for ps in sets.values() for p in ps) + a.max_tokens + 16
     engine = dict(dtype=a.dtype, max_model_len=max_len)

@@ -22,7 +22,6 @@ import argparse
 import itertools
 import json
 import math
-import pathlib
 import random
 import time
 
@@ -236,12 +235,9 @@ def train(target, seqs, out_dir=None, layers=1, num_steps=5, batch_size=8, posit
         frozen.cos_sin = target.cos_sin
     params = [p for p in assistant.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=weight_decay)
-    rng = random.Random(seed)
-    order = []
-    while len(order) < epochs * len(seqs):
-        perm = list(range(len(seqs)))
-        rng.shuffle(perm)
-        order += perm
+    rng, order = random.Random(seed), []
+    while len(order) < epochs * len(seqs):  # whole shuffled epochs, then cut
+        order += rng.sample(range(len(seqs)), len(seqs))
     order = order[: max(1, int(epochs * len(seqs)))]
     total_steps = -(-len(order) // batch_size)
     budget_s = time_budget_min * 60 if time_budget_min else None
@@ -303,8 +299,8 @@ def hidden_dev(target):
 def main(argv=None):
     from .loader import is_default_target, load_config, load_tokenizer, resolve_model_dir
     from .model_runner import build_target
-    from .cli import HelpFormatter, check_out_dir, check_ranges, load_init, number_list
-    from .datasets import build_sequences, load_sharegpt, regenerate_sequences
+    from .cli import HelpFormatter, check_out_dir, check_ranges, load_assistant, make_out_dir, number_list
+    from .datasets import build_sequences, chat_prompts, load_sharegpt, regenerate_sequences
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add = ap.add_argument
@@ -321,8 +317,8 @@ def main(argv=None):
             ("time-budget-min", float, None, "stop (and save) after M minutes"), ("save-every-min", float, 5.0, None),
             ("threads", int, None, None), ("train-vocab", int, None, "train on the N most frequent tokens only"),
             ("seed", int, 0, None), ("regen-budget-min", float, None, "start no new regeneration chunk after M min"),
-            ("max-prompt-tokens", int, 192, "--regenerate: user turn clipped to N tokens"),
-            ("max-new-tokens", int, 256, "--regenerate: response length cap")):
+            ("max-prompt-tokens", int, None, "--regenerate: user turn clipped to N tokens (default: 192)"),
+            ("max-new-tokens", int, None, "--regenerate: response length cap (default: 256)")):
         add(f"--{name}", type=typ, default=default, help=hlp)
     add("--init", default=None, metavar="DIR",
         help="continue from this assistant checkpoint ('default': the shipped one) instead of a fresh init")
@@ -342,7 +338,11 @@ def main(argv=None):
                                                 "regen_budget_min")} | {"ce_weight": (0, False), "seed": (0, False),
                                                                         "seq_len": (16, False)})
     temps = number_list(ap, "--regenerate", a.regenerate) if a.regenerate is not None else []
-    init, init_dir = load_init(ap, a.init, a.layers) if a.init is not None else (None, None)
+    for opt in ("all_turns", "regen_budget_min", "max_prompt_tokens", "max_new_tokens"):
+        if getattr(a, opt) not in (None, False) and not temps:
+            ap.error(f"--{opt.replace('_', '-')} only applies with --regenerate")
+    a.max_prompt_tokens, a.max_new_tokens = a.max_prompt_tokens or 192, a.max_new_tokens or 256
+    init, init_dir = load_assistant(ap, "--init", a.init, a.layers) if a.init is not None else (None, None)
     a.layers = a.layers or (init.text_config.num_hidden_layers if init else 1)
     check_out_dir(ap, "--out", a.out)  # a bad path must fail now, not at the first save
     a.seq_len = a.seq_len or (a.max_prompt_tokens + a.max_new_tokens + 64 if temps else 256)  # 64: chat template
@@ -352,15 +352,15 @@ def main(argv=None):
     try:
         model_dir = resolve_model_dir(a.target)
         cfg, tok = load_config(model_dir), load_tokenizer(model_dir)
+        shortest = len(chat_prompts(tok, ["x"], 1)[0])  # the chat template around a 1-token user turn
     except ValueError as e:
         ap.error(f"--target: {e}")
+    if not a.all_positions and a.seq_len <= shortest:
+        ap.error(f"--seq-len must exceed {shortest} (this target's shortest chat prompt: no response position would "
+                 f"be left to train) or come with --all-positions, got {a.seq_len}")
     if a.init == "default" and not is_default_target(cfg, tok):
         ap.error("--init default is SmolLM2-135M-Instruct's assistant; pass --init DIR for this --target")
-    try:
-        pathlib.Path(a.out).mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        ap.error(f"--out must be a directory that can be created, got {a.out!r}: {e.strerror}")
-    out = a.out
+    make_out_dir(ap, "--out", a.out)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     convs = load_sharegpt("train", a.num_conversations)
     if temps:
@@ -383,24 +383,22 @@ def main(argv=None):
         seqs = seqs[:next((i for i, c in enumerate(cum) if c >= a.max_tokens / a.epochs), len(seqs) - 1) + 1]
     hardware = torch.cuda.get_device_name() if device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     info = dict(target=str(model_dir), data=f"ShareGPT train split, {source}", regeneration=regen,
-                conversations=len(convs), num_sequences_available=len(seqs), seq_len=a.seq_len,
-                num_steps=a.num_steps, layers=a.layers, lr=a.lr, batch_size=a.batch_size,
-                positions_per_seq=a.positions_per_seq, step_decay=a.step_decay, ce_weight=a.ce_weight, amp=a.amp,
-                train_vocab=a.train_vocab, response_positions_only=not a.all_positions, hardware=hardware,
-                args=vars(a))
+                conversations=len(convs), num_sequences_available=len(seqs), **{k: getattr(a, k) for k in (
+                    "seq_len", "num_steps", "layers", "lr", "batch_size", "positions_per_seq", "step_decay",
+                    "ce_weight", "amp", "train_vocab")}, response_positions_only=not a.all_positions,
+                hardware=hardware, args=vars(a))
     if init_dir is not None:  # a warm start keeps its history: what the init checkpoint was trained on
         prev = init_dir / "training_info.json"
         info["init"] = dict(dir=str(init_dir), training_info=json.loads(prev.read_text()) if prev.is_file() else None)
     print(f"data: {len(convs)} conversations -> {len(seqs)} sequences, {sum(map(len, seqs))} tokens "
           f"({source})", flush=True)
-    _, summary = train(target, seqs, out, a.layers, a.num_steps, a.batch_size, a.positions_per_seq, a.lr,
+    _, summary = train(target, seqs, a.out, a.layers, a.num_steps, a.batch_size, a.positions_per_seq, a.lr,
                        a.warmup, a.epochs, a.max_tokens, a.time_budget_min, a.step_decay, a.ce_weight,
                        a.save_every_min, a.seed, info=info, amp=a.amp, train_vocab=a.train_vocab,
                        starts=starts, assistant=init)
-    print(f"done: {summary.get('steps', 0)} steps, {summary.get('sequences', 0)} sequences, "
-          f"{summary.get('tokens_seen', 0)} tokens seen, final loss {summary.get('final_loss', float('nan')):.4f}, "
-          f"train time {summary.get('train_time_s', 0):.0f} s (total {time.time() - t0:.0f} s), data: {source}; "
-          f"checkpoint -> {out}", flush=True)
+    print("done: {steps} steps, {sequences} sequences, {tokens_seen} tokens seen, final loss {final_loss:.4f}, train "
+          "time {train_time_s:.0f} s".format(**summary), f"(total {time.time() - t0:.0f} s), data: {source}; "
+          f"checkpoint -> {a.out}", flush=True)
 
 
 if __name__ == "__main__":

@@ -196,7 +196,12 @@ def test_checkpoint_with_wrong_shapes(tmp_path, tiny_llama_dir):
     ("train_assistant", ["--seq-len", "4"], "--seq-len"), ("train_assistant", ["--init", "/nonexistent"], "--init"),
     ("train_assistant", ["--init", "default", "--layers", "2"], "--layers"),
     ("train_assistant", ["--init", ""], "--init"), ("train_assistant", ["--init", "{tmp}"], "--init"),
-    ("train_assistant", ["--out", "/dev/null/x"], "--out"),
+    ("train_assistant", ["--out", "/dev/null/x"], "--out"), ("train_assistant", ["--all-turns"], "--all-turns"),
+    ("train_assistant", ["--max-new-tokens", "64"], "--max-new-tokens"),
+    ("train_assistant", ["--regen-budget-min", "1"], "--regen-budget-min"),
+    ("eval_acceptance", ["--dtype", "int8"], "--dtype"),
+    ("eval_acceptance", ["--assistant", "/nonexistent"], "--assistant"),
+    ("eval_acceptance", ["--assistant", "{tmp}"], "--assistant"),
     ("eval_acceptance", ["--temperatures", "0,-1"], "--temper"),
     ("eval_acceptance", ["--steps", "0"], "--steps"), ("eval_acceptance", ["--datasets", "sharegtp"], "--datasets"),
     ("eval_acceptance", ["--num-prompts", "0"], "--num-prompts")])
@@ -214,7 +219,9 @@ def test_cli_rejects_bad_values_before_loading(monkeypatch, capsys, tmp_path, mo
 
 @pytest.mark.parametrize("module,argv", [
     ("train_assistant", []), ("train_assistant", ["--regenerate", "0", "--ce-weight", "0", "--seed", "0"]),
-    ("train_assistant", ["--time-budget-min", "0.5", "--seq-len", "16", "--out", "{tmp}/a/b", "--init", "default"]),
+    ("train_assistant", ["--time-budget-min", "0.5", "--seq-len", "16", "--all-positions", "--out", "{tmp}/a/b",
+                         "--init", "default"]),
+    ("train_assistant", ["--regenerate", "0", "--all-turns", "--regen-budget-min", "1", "--max-new-tokens", "8"]),
     ("eval_acceptance", []), ("eval_acceptance", ["--max-tokens", "2", "--tree-tokens", "2", "--steps", "1"])])
 def test_cli_accepts_valid_values(monkeypatch, tmp_path, module, argv):
     """Defaults and edge-valid values get past the checks (to the model load, stubbed here)."""
@@ -229,3 +236,24 @@ def test_cli_accepts_valid_values(monkeypatch, tmp_path, module, argv):
     monkeypatch.setattr(loader, "resolve_model_dir", lambda *a, **k: (_ for _ in ()).throw(Reached()))
     with pytest.raises(Reached):
         importlib.import_module(f"nanospec.{module}").main([x.format(tmp=tmp_path) for x in argv])
+
+
+def test_cli_checks_that_need_the_tokenizer(monkeypatch, capsys, tmp_path, smollm2_dir):
+    """Checks made once the target's tokenizer is loaded, still before any data or model work: a --seq-len that
+    ends inside every chat prompt (nothing left to train), a --model that does not resolve."""
+    from nanospec import datasets, eval_acceptance, train_assistant
+    from nanospec.loader import load_tokenizer
+
+    class Reached(Exception):
+        pass
+
+    monkeypatch.setattr(datasets, "load_sharegpt", lambda *a, **k: (_ for _ in ()).throw(Reached()))
+    shortest = len(datasets.chat_prompts(load_tokenizer(smollm2_dir), ["x"], 1)[0])
+    out = ["--out", str(tmp_path / "out")]
+    for module, argv, option in [(train_assistant, ["--seq-len", str(shortest)] + out, "--seq-len"),
+                                 (eval_acceptance, ["--model", str(tmp_path / "none")], "--model")]:
+        with pytest.raises(SystemExit) as e:
+            module.main(argv)
+        assert e.value.code == 2 and option in capsys.readouterr().err and not any(tmp_path.iterdir())
+    with pytest.raises(Reached):  # one token more passes the check (on to the data load, stubbed here)
+        train_assistant.main(["--seq-len", str(shortest + 1)] + out)

@@ -181,6 +181,9 @@ def test_regenerate_sequences(tiny_llama_dir, smollm2_tokenizer):
     texts = [c[0]["content"] for c in convs] + ["More"]  # distinct texts, first turns first, then shuffled
     random.Random(0).shuffle(texts)
     assert stats["prompts"] == 4 and [q[:s] for q, s in zip(seqs, starts)] == chat_prompts(smollm2_tokenizer, texts, 4)
+    seqs1, starts1, _ = regenerate_sequences(str(tiny_llama_dir), smollm2_tokenizer, convs, [0.0], 4, 2,
+                                             progress=False, all_turns=True, seed=1, **engine)
+    assert seqs1 != seqs and sorted(seqs1) == sorted(seqs)  # another order of the same greedy sequences
     with pytest.raises(ValueError, match="temperatures"):
         regenerate_sequences(str(tiny_llama_dir), smollm2_tokenizer, convs, [], **engine)
 
