@@ -1,8 +1,9 @@
 """Benchmark nanospec: the nano-vllm workload, ShareGPT prompts, batch-1 latency, speculation and HF transformers.
 
-    python bench.py                                          # nano-vllm workload (256 seqs) on the default SmolLM2
+    python bench.py                                          # nano-vllm workload (256 seqs), default SmolLM2 +
+                                                             # its shipped assistant (--assistant none: without)
     python bench.py --shape qwen3-0.6b --compare-hf --hf-num-seqs 16      # random weights, HF ratio in the same run
-    python bench.py --workload sharegpt --batch-1 --assistant default     # latency with the shipped assistant
+    python bench.py --workload sharegpt --batch-1                         # latency with the shipped assistant
     python bench.py --shape smollm2-135m --num-seqs 4 --max-input-len 64 --max-output-len 16 --device cpu
 
 Prints the nano-vllm line `Total: Ntok, Time: ts, Throughput: xtok/s` (N = generated tokens), the HF line with the
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from nanospec import LLM, SamplingParams, loader
+from nanospec.spec.worker import DEFAULT_ASSISTANT
 
 QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                   head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
@@ -198,7 +200,8 @@ def parse_args(argv=None):
     a("--num-seqs", type=int, default=None, help="requests (default 256; 16 with --batch-1)")
     a("--temperature", type=float, default=None, help="default 0.6 (nanovllm), 0.0 (sharegpt)")
     a("--ignore-eos", action="store_true", help="sharegpt: always generate output_len tokens (nanovllm always does)")
-    a("--assistant", default="none", help="gemma4_assistant DIR | default | random | none")
+    a("--assistant", default="auto",
+      help="gemma4_assistant DIR | default | random | none | auto (the shipped one on the default model, else none)")
     for name in ("--num-steps", "--topk", "--num-draft-tokens"):
         a(name, type=int, default=None)
     a("--compare-hf", action="store_true", help="also run HF transformers on the same workload")
@@ -223,6 +226,9 @@ def main(argv=None) -> dict:
     temperature = args.temperature if args.temperature is not None else 0.6 if args.workload == "nanovllm" else 0.0
     with tempfile.TemporaryDirectory(prefix="nanospec-bench-") as tmp:
         model_dir = write_shape_dir(args.shape, Path(tmp)) if args.shape else loader.resolve_model_dir(args.model)
+        if args.assistant == "auto":  # as example.py: speculation is what nanospec is for
+            shipped = args.model is None and args.shape is None and (DEFAULT_ASSISTANT / "config.json").exists()
+            args.assistant = "default" if shipped else "none"
         assistant = None if args.assistant in ("none", "random") else args.assistant
         if args.assistant == "random":
             assistant = str(write_random_assistant(model_dir, Path(tmp) / "assistant", args.seed))

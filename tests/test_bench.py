@@ -88,6 +88,7 @@ def test_tiny_run_with_hf(capsys, monkeypatch, two_layers):
     assert (res["workload"], res["shape"], res["device"], res["dtype"]) == ("nanovllm", "smollm2-135m", "cpu",
                                                                              "float32")
     assert res["temperature"] == 0.6 and res["ignore_eos"] and res["mean_accept_length"] is None
+    assert res["assistant"] is None  # --assistant auto: no shipped assistant for a random-weight shape
     assert res["hf_num_seqs"] == 2 and res["hf_total_tokens"] == sum(max_tokens)
     assert res["hf_throughput_tok_s"] == pytest.approx(res["hf_total_tokens"] / res["hf_time_s"])
     assert res["hf_ratio"] == pytest.approx(res["throughput_tok_s"] / res["hf_throughput_tok_s"])
@@ -109,3 +110,16 @@ def test_batch_1_with_random_assistant(capsys, monkeypatch, two_layers):
     assert (total - 2) / 3 <= res["num_verify_steps"] <= total - 2
     assert 1 <= res["mean_accept_length"] <= 3 and len(res["per_position_acceptance"]) == 2
     assert 1 >= res["per_position_acceptance"][0] >= res["per_position_acceptance"][1] >= 0
+
+
+def test_default_model_speculates_with_the_shipped_assistant(capsys, monkeypatch):
+    """`--assistant auto` (the default) on the default model is the shipped assistant, as in example.py;
+    `--assistant none` turns speculation off."""
+    argv = ["--num-seqs", "1", "--max-input-len", "16", "--max-output-len", "6", "--device", "cpu", "--dtype",
+            "float32", "--max-model-len", "64", "--max-num-seqs", "2", "--temperature", "0"]
+    res, _, outputs = run_bench(capsys, monkeypatch, argv)
+    assert res["assistant"] == "default" and res["num_steps"] >= 1 and res["num_verify_steps"] >= 1
+    assert [a for o in outputs for a in o["accept_lengths"]] and res["mean_accept_length"] >= 1
+    res, _, outputs = run_bench(capsys, monkeypatch, argv + ["--assistant", "none"])
+    assert res["assistant"] is None and res["mean_accept_length"] is None
+    assert all("accept_lengths" not in o for o in outputs)
