@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from nanospec import LLM, SamplingParams, loader
-from nanospec.spec.worker import DEFAULT_ASSISTANT
+from nanospec.mtp.worker import DEFAULT_ASSISTANT
 
 QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                   head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,

@@ -7,7 +7,7 @@ import argparse
 import time
 
 from nanospec import LLM, SamplingParams
-from nanospec.spec.worker import DEFAULT_ASSISTANT
+from nanospec.mtp.worker import DEFAULT_ASSISTANT
 
 PROMPTS = [
     "Introduce yourself in two sentences.",

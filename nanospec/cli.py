@@ -58,7 +58,7 @@ def load_assistant(ap: argparse.ArgumentParser, option: str, value: str, layers:
     count. Returns (assistant, dir). 'default' is resolved whatever the target; the caller checks that the target is
     the default one (``loader.is_default_target``)."""
     from .models.gemma4_assistant import Gemma4Assistant
-    from .spec.worker import resolve_assistant
+    from .mtp.worker import resolve_assistant
     what = "'default' or an HF gemma4_assistant checkpoint dir"
     if value != "default" and not (value and pathlib.Path(value).is_dir()):
         ap.error(f"{option} must be {what}, got {value!r} (no such dir)")

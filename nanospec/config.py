@@ -17,13 +17,15 @@ class EngineConfig:
     max_num_batched_tokens: most tokens in one prefill step (longer prompts are chunked);
     page_size: tokens per KV block; gpu_memory_utilization: fraction of GPU memory nanospec may use;
     cpu_kv_cache_gb: KV pool budget on CPU (GiB); num_kv_blocks: fixed pool size (overrides both budgets);
-    seed: seed of the engine's sampling generator (requests may carry their own);
+    seed: seed of the engine's sampling generator, in [0, 2**63) (requests may carry their own);
     enforce_eager: never use CUDA graphs; load_format: "auto" (safetensors) | "dummy" (random weights of the
     config's shape, for speed runs; the dir then needs only config.json and a tokenizer).
     Speculation (Frozen-KV MTP): assistant = dir | "default" | None (off); num_steps >= 1 draft steps;
     topk >= 1 branches per step; num_draft_tokens N (tokens verified per request, root included) defaults to
     num_steps + 1 for topk 1 and must be given for topk > 1, with 2 <= N <= 1 + num_steps * topk;
     draft_position_offset: RoPE position of every draft step is L + offset (-1 follows SGLang, 0 follows HF).
+    trace: None | True (print the Frozen-KV MTP lifecycle events per engine step) | a callable
+    ``(step, event, fields)`` receiving them; needs an assistant.
     Raises ValueError / TypeError naming the field and the allowed range.
     """
 
@@ -45,6 +47,7 @@ class EngineConfig:
     topk: int | None = None
     num_draft_tokens: int | None = None
     draft_position_offset: int = -1
+    trace: object = None
 
     def __post_init__(self):
         for name, lo in (("max_model_len", 2), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
@@ -57,6 +60,12 @@ class EngineConfig:
                 raise TypeError(f"{name} must be an int, got {v!r}")
             if v < lo:
                 raise ValueError(f"{name} must be >= {lo}, got {v}")
+        if self.seed >= 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.trace is not None and self.trace is not True and not callable(self.trace):
+            raise TypeError(f"trace must be None, True or a callable (step, event, fields), got {self.trace!r}")
+        if self.trace is not None and self.assistant is None:
+            raise ValueError("trace shows the Frozen-KV MTP lifecycle: it needs an assistant")
         if self.draft_position_offset > 0:
             raise ValueError(f"draft_position_offset must be -1 or 0, got {self.draft_position_offset}")
         if self.dtype not in ("auto", *DTYPES):
@@ -102,7 +111,7 @@ class EngineConfig:
         return cls(model=model, **kwargs)
 
     @property
-    def spec(self) -> bool:
+    def speculative(self) -> bool:
         return self.assistant is not None
 
     def torch_device(self) -> torch.device:

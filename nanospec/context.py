@@ -1,20 +1,28 @@
-"""Per-forward attention metadata, set by the model runner and read by attention layers (as nano-vllm does)."""
+"""Per-forward attention metadata and how layers find it.
+
+Convention (one for the target and the drafter): the caller builds an ``AttnMetadata`` with one of the named
+constructors and makes it current with ``with attn_metadata(md):`` around the forward; attention layers read it with
+``get_attn_metadata()``. As in nano-vllm, this keeps every model's ``forward(ids, positions)`` HF-shaped, and a CUDA
+graph captures the same static tensors the eager path reads. The constructors are the only place a mode's fields
+are chosen: ``draft`` takes no write slots at all, so the drafter cannot write KV by construction (DESIGN §4 rule 3).
+"""
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttnMetadata:
     """What attention layers need for one forward.
 
     mode: "prefill" (causal extend over a paged prefix), "decode" (one query per request), "verify" (tree
     tokens over the paged prefix + tree mask) or "draft" (frozen-KV queries; nothing is written).
-    slot_mapping [T] int64: pool slot each new token's K/V goes to (-1 = skip); always None for "draft".
     block_table [B, W] int32; seq_lens [B] int32: KV length per request including the new tokens;
-    cu_seqlens_q [B+1] int32 and max_seqlen_q (host int) for prefill/verify; tree_mask [B, N, N] bool for
-    verify; row_to_req [R] int32 maps draft query rows to requests; num_splits: split-KV count for decode/draft.
+    slot_mapping [T] int64: pool slot each new token's K/V goes to; None for "draft";
+    cu_seqlens_q [B+1] int32 and max_seqlen_q (host int) for prefill/verify; tree_mask [B, N, N] bool for a
+    tree verify (None: causal chain); row_to_req [R] int32 maps draft query rows to requests (None: row b is
+    request b); num_splits: split-KV count for decode/draft (None: chosen from seq_lens, one host sync).
     """
 
     mode: str
@@ -27,11 +35,35 @@ class AttnMetadata:
     row_to_req: torch.Tensor | None = None
     num_splits: int | None = None
 
+    @classmethod
+    def prefill(cls, block_table, seq_lens, slot_mapping, cu_seqlens_q, max_seqlen_q: int) -> "AttnMetadata":
+        """Chunks of new tokens per request (``cu_seqlens_q``) over each request's cached prefix, causal."""
+        return cls("prefill", block_table, seq_lens, slot_mapping, cu_seqlens_q, max_seqlen_q)
+
+    @classmethod
+    def decode(cls, block_table, seq_lens, slot_mapping, num_splits: int | None = None) -> "AttnMetadata":
+        """One new token per request at position ``seq_lens - 1``."""
+        return cls("decode", block_table, seq_lens, slot_mapping, num_splits=num_splits)
+
+    @classmethod
+    def verify(cls, block_table, committed_lens, slot_mapping, num_tokens: int, tree_mask=None) -> "AttnMetadata":
+        """``num_tokens`` tree tokens per request after ``committed_lens`` [B] int32 cached rows; the tree mask
+        (None for a chain) says which tree tokens each one sees."""
+        B = committed_lens.shape[0]
+        cu = torch.arange(0, (B + 1) * num_tokens, num_tokens, dtype=torch.int32, device=committed_lens.device)
+        return cls("verify", block_table, committed_lens + num_tokens, slot_mapping, cu, num_tokens, tree_mask)
+
+    @classmethod
+    def draft(cls, block_table, committed_lens, row_to_req=None, num_splits: int | None = None) -> "AttnMetadata":
+        """Frozen-KV draft queries over exactly rows [0, L) of each request; no write slots exist."""
+        return cls("draft", block_table, committed_lens, row_to_req=row_to_req, num_splits=num_splits)
+
 
 _current: AttnMetadata | None = None
 
 
 def get_attn_metadata() -> AttnMetadata:
+    """The metadata of the forward in progress; RuntimeError outside ``attn_metadata``."""
     if _current is None:
         raise RuntimeError("no attention metadata set: run the model through the model runner")
     return _current
@@ -41,7 +73,8 @@ def get_attn_metadata() -> AttnMetadata:
 def attn_metadata(md: AttnMetadata):
     """Make ``md`` current for the forwards inside the block."""
     global _current
-    prev, _current = _current, md
+    prev = _current
+    _current = md
     try:
         yield md
     finally:

@@ -1,15 +1,16 @@
-"""CUDA graphs per batch-size bucket for the three hot phases: plain decode, the draft loop, verify + accept.
+"""CUDA graphs per batch-size bucket for the hot phases: plain decode and the whole speculative step.
 
-Each phase is a pure tensor function of static input buffers (no host syncs), captured once per bucket and
-replayed after the live batch is copied into the buffers' first rows. Padding rows point at the reserved dummy
-block (block 0): their K/V writes land there and they read one dummy key, so they can never touch a live
-request's KV. A batch larger than the largest bucket, or any phase not captured, runs eagerly.
+Each phase is a pure tensor function of named inputs (no host syncs). ``GraphRunner.run`` is the one place that
+decides graph or eager: a batch that fits a bucket is copied into the first rows of static buffers and the
+bucket's graph replays (padding rows point at the reserved dummy block 0, so their K/V writes land there and they
+read one dummy key: they never touch a live request's KV); a batch larger than every bucket, or a phase with no
+buckets (CPU, ``enforce_eager``), runs the same function eagerly on the live tensors. On CPU, tests give buckets
+explicitly: the function then runs eagerly on the padded static buffers, exactly what a graph would replay.
 """
 from collections.abc import Callable
 
 import torch
 
-from .kernels.attention import num_kv_splits
 from .kv_cache import DUMMY_BLOCK
 
 
@@ -27,17 +28,16 @@ def select_bucket(batch_size: int, sizes: list[int]) -> int | None:
 
 
 class StaticBuffers:
-    """Named static tensors of ``max_rows`` rows (times ``rows_per_req`` for per-token buffers).
+    """Named static tensors of ``max_rows`` rows (times ``shape[0]`` for per-token buffers).
 
-    ``fill(name, live, pad)`` copies the live rows to the front and writes ``pad`` into the rest, so a captured
-    graph always sees a fully defined batch.
+    ``fill(name, live)`` copies the live rows to the front and writes the buffer's pad value into the rest, so a
+    captured graph always sees a fully defined batch.
     """
 
-    def __init__(self, device, max_bs: int, specs: dict[str, tuple[tuple[int, ...], torch.dtype, float]]):
-        self.max_bs = max_bs
+    def __init__(self, device, max_rows: int, specs: dict[str, tuple[tuple[int, ...], torch.dtype, float]]):
         self.pads = {}
         for name, (shape, dtype, pad) in specs.items():
-            setattr(self, name, torch.full((max_bs * shape[0], *shape[1:]), pad, dtype=dtype, device=device))
+            setattr(self, name, torch.full((max_rows * shape[0], *shape[1:]), pad, dtype=dtype, device=device))
             self.pads[name] = pad
 
     def fill(self, name: str, live: torch.Tensor) -> None:
@@ -84,68 +84,39 @@ class BucketGraphs:
         return self.fn(bs)
 
 
-def dummy_slot(page_size: int) -> int:
-    """Pool slot of padding rows: the first slot of the reserved dummy block."""
-    return DUMMY_BLOCK * page_size
-
-
 class GraphRunner:
-    """The model runner's graphs: plain decode (forward + logits) and, with an assistant, one graph per bucket
-    holding the whole draft loop and the verify + greedy accept that consumes its tree.
+    """Phases run through bucketed graphs or eagerly: the one place that decides (``run``).
 
-    Static buffers are sized for the largest bucket; block tables are ``ceil((max_model_len + lookahead) /
-    page_size)`` wide, so a live table always fits. Split-KV counts are fixed from max_model_len (no host sync).
-    Sampling batches of the speculative step run eagerly (the noise and filtered distributions stay outside).
+    ``phases``: name -> (fn, input names); ``fn(num_splits=..., **inputs)`` is pure tensor code. ``buffers``
+    declares every static input: name -> (per-row shape, dtype, pad value). Block tables are
+    ``ceil((max_model_len + lookahead) / page_size)`` wide so a live table always fits; the split-KV count is fixed
+    (``num_splits``, from max_model_len) so captured graphs never sync. ``sizes`` empty = always eager.
     """
 
-    def __init__(self, runner, sizes: list[int] | None = None):
-        c, m, dev = runner.config, runner.model, runner.device
-        self.runner = runner
-        self.sizes = sizes or graph_batch_sizes(c.max_num_seqs)
-        width = -(-(c.max_model_len + runner.lookahead) // c.page_size)
-        self.num_splits = num_kv_splits(c.max_model_len)
-        i64, i32 = torch.long, torch.int32
-        self.buf = StaticBuffers(dev, self.sizes[-1], {
-            "ids": ((1,), i64, 0), "pos": ((1,), i64, 0), "slots": ((1,), i64, dummy_slot(c.page_size)),
-            "block_table": ((1, width), i32, DUMMY_BLOCK), "seq_lens": ((1,), i32, 1), "L": ((1,), i32, 0),
-            "bonus": ((1,), i64, 0), "hidden": ((1, m.config.hidden_size), runner.dtype, 0)})
-        self.decode = BucketGraphs(self._decode, self.sizes, dev)
-        self.spec = BucketGraphs(self._spec, self.sizes, dev) if runner.spec is not None else None
+    def __init__(self, phases: dict[str, tuple[Callable, list[str]]], buffers: dict, sizes: list[int],
+                 num_splits: int, device):
+        self.phases, self.sizes, self.num_splits, self.buffer_specs = phases, sizes, num_splits, buffers
+        self.buf = StaticBuffers(device, sizes[-1], buffers) if sizes else None
+        self.graphs = {name: BucketGraphs(lambda bs, name=name: self._static_call(name, bs), sizes, device)
+                       for name in phases}
+
+    def _static_call(self, phase: str, bs: int):
+        fn, names = self.phases[phase]
+        return fn(num_splits=self.num_splits, **{k: getattr(self.buf, k)[:bs] for k in names})
 
     def capture(self) -> None:
-        self.decode.capture()
-        if self.spec is not None:
-            self.spec.capture()
+        """Capture every phase for every bucket (CUDA only; a no-op elsewhere)."""
+        for g in self.graphs.values():
+            g.capture()
 
-    def _decode(self, bs: int) -> torch.Tensor:
-        from .context import AttnMetadata, attn_metadata
-
-        b = self.buf
-        md = AttnMetadata("decode", b.block_table[:bs], b.seq_lens[:bs], b.slots[:bs], num_splits=self.num_splits)
-        with attn_metadata(md):
-            return self.runner.model.compute_logits(self.runner.model(b.ids[:bs], b.pos[:bs]))
-
-    def _spec(self, bs: int):
-        b = self.buf
-        return self.runner.spec.draft_verify(b.bonus[:bs], b.hidden[:bs], b.block_table[:bs], b.L[:bs],
-                                             self.runner.kv_cache, None, self.num_splits)
-
-    def has_decode(self, bs: int) -> bool:
-        return select_bucket(bs, self.sizes) is not None
-
-    has_spec = has_decode
-
-    def run_decode(self, ids, pos, md) -> torch.Tensor:
-        """Logits [bs, V] of one plain decode step through the bucket's graph (padding rows dropped)."""
-        bs = ids.shape[0]
-        for name, t in (("ids", ids), ("pos", pos), ("slots", md.slot_mapping), ("block_table", md.block_table),
-                        ("seq_lens", md.seq_lens)):
+    def run(self, phase: str, inputs: dict[str, torch.Tensor], num_splits: int | None, **eager_kwargs):
+        """The phase's outputs for the live batch (padding rows dropped). ``num_splits`` and ``eager_kwargs``
+        serve only the eager call (a graph has its own fixed split count and sees tensors only)."""
+        bs = next(iter(inputs.values())).shape[0]
+        bucket = select_bucket(bs, self.sizes)
+        if bucket is None:
+            return self.phases[phase][0](num_splits=num_splits, **inputs, **eager_kwargs)
+        for name, t in inputs.items():
             self.buf.fill(name, t)
-        return self.decode.run(select_bucket(bs, self.sizes))[:bs]
-
-    def run_spec(self, bonus, hidden, block_table, L):
-        """(emitted, accept_len, bonus, next hidden) of one greedy speculative step, padding rows dropped."""
-        bs = bonus.shape[0]
-        for name, t in (("bonus", bonus), ("hidden", hidden), ("block_table", block_table), ("L", L)):
-            self.buf.fill(name, t)
-        return tuple(x[:bs] for x in self.spec.run(select_bucket(bs, self.sizes)))
+        out = self.graphs[phase].run(bucket)
+        return out[:bs] if isinstance(out, torch.Tensor) else tuple(x[:bs] for x in out)

@@ -1,4 +1,4 @@
-"""Paged KV pool: block allocator, per-request block tables and slot mapping."""
+"""Paged KV pool: block allocator, per-request block tables and the slot mapping."""
 from collections import deque
 
 import torch
@@ -8,11 +8,26 @@ from .request import Request
 DUMMY_BLOCK = 0  # reserved: padding rows (CUDA graphs, idle slots) point here and never touch a live block
 
 
+def slot_mapping(block_table: torch.Tensor, rows: torch.Tensor, token_idx: torch.Tensor, page_size: int):
+    """Pool slots of token ``token_idx`` of request row ``rows`` (broadcast together; int64 result).
+
+    Token j of a request lives at slot ``block_table[row, j // page_size] * page_size + j % page_size``: the one
+    place this formula is written (prefill, decode, verify writes and the tree compaction all use it).
+    """
+    return block_table.long()[rows, token_idx // page_size] * page_size + token_idx % page_size
+
+
+def block_table_tensor(reqs: list[Request], device) -> torch.Tensor:
+    """[B, W] int32 block tables, padded with the dummy block (W >= 1)."""
+    width = max((len(r.block_table) for r in reqs), default=1) or 1
+    rows = [r.block_table + [DUMMY_BLOCK] * (width - len(r.block_table)) for r in reqs]
+    return torch.tensor(rows, dtype=torch.int32).reshape(len(reqs), width).to(device)
+
+
 class BlockAllocator:
     """Hands out fixed-size KV blocks of ``page_size`` tokens; block 0 is reserved as the dummy block.
 
-    A request owns ``req.block_table`` (block ids in order); token j of a request lives at slot
-    ``block_table[j // page_size] * page_size + j % page_size`` of the pool.
+    A request owns ``req.block_table`` (block ids in order); ``slot_mapping`` turns token indices into slots.
     """
 
     def __init__(self, num_blocks: int, page_size: int):
@@ -47,15 +62,3 @@ class BlockAllocator:
         """Return every block of ``req`` (the committed rows and any rejected-draft tail) to the pool."""
         self.free_blocks.extend(req.block_table)
         req.block_table = []
-
-    def slots(self, req: Request, start: int, end: int) -> list[int]:
-        """Pool slots of the request's token indices [start, end)."""
-        ps, bt = self.page_size, req.block_table
-        return [bt[j // ps] * ps + j % ps for j in range(start, end)]
-
-
-def block_table_tensor(reqs: list[Request], device, width: int | None = None) -> torch.Tensor:
-    """[B, W] int32 block tables, padded with the dummy block."""
-    width = width or max((len(r.block_table) for r in reqs), default=1) or 1
-    rows = [r.block_table + [DUMMY_BLOCK] * (width - len(r.block_table)) for r in reqs]
-    return torch.tensor(rows, dtype=torch.int32).reshape(len(reqs), width).to(device)

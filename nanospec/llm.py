@@ -8,8 +8,14 @@ from . import loader
 from .config import EngineConfig
 from .model_runner import ModelRunner
 from .request import Request
+from .mtp.worker import FrozenKVMTPWorker, resolve_assistant
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+
+
+def _print_event(step: int, event: str, fields: dict) -> None:
+    """``trace=True``: one line per lifecycle event."""
+    print(f"[step {step}] {event:<12} " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
 
 
 def _eos_ids(model_dir, hf_config, tokenizer) -> set[int]:
@@ -38,14 +44,30 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs):
-        self.config = EngineConfig.from_kwargs(model, kwargs)
-        model_dir = loader.resolve_model_dir(model, need_weights=self.config.load_format != "dummy")
+        self.config = c = EngineConfig.from_kwargs(model, kwargs)
+        model_dir = loader.resolve_model_dir(model, need_weights=c.load_format != "dummy")
         hf_config = loader.load_config(model_dir)
         self.tokenizer = loader.load_tokenizer(model_dir)
         self.eos_token_ids = _eos_ids(model_dir, hf_config, self.tokenizer)
-        self.runner = ModelRunner(self.config, hf_config, model_dir,
-                                  loader.is_default_target(hf_config, self.tokenizer))
-        self.scheduler = Scheduler(self.config, self.runner.allocator, self.runner.lookahead)
+        # DESIGN §4 rule 2: check every option, then construct, then allocate, then bind
+        assistant = None
+        if c.speculative:  # a bad assistant path fails before the target's weights load
+            assistant = resolve_assistant(c.assistant, loader.is_default_target(hf_config, self.tokenizer))
+        self.runner = ModelRunner(c, hf_config, model_dir)
+        self.worker = None
+        self.num_steps_run = 0
+        if assistant is not None:
+            trace = c.trace if callable(c.trace) else _print_event if c.trace else None
+            emit = None if trace is None else lambda event, fields: trace(self.num_steps_run, event, fields)
+            self.worker = FrozenKVMTPWorker(c, self.runner.model, assistant, self.runner.sampler, emit)
+        allocator = self.runner.allocate_kv_cache()
+        if self.worker is not None:
+            self.worker.bind(self.runner.kv_pools)
+        graphs = self.runner.capture_graphs(mtp=self.worker.draft_verify if self.worker else None)
+        if self.worker is not None:
+            self.worker.set_graphs(graphs)
+        release = self.worker.on_release if self.worker else None
+        self.scheduler = Scheduler(c, allocator, self.runner.lookahead, on_release=release)
         self._next_id = 0
         self._stash: list[Request] = []  # finished add_request() requests seen by generate(), kept for step()
 
@@ -81,15 +103,32 @@ class LLM:
         return req.request_id
 
     def step(self) -> list[Request]:
-        """One engine step: plan -> run -> process results. Returns the requests that finished in it (and any
-        finished earlier inside a ``generate`` call that did not own them)."""
+        """One engine step: plan -> run -> commit. Returns the requests that finished in it (and any finished
+        earlier inside a ``generate`` call that did not own them, or aborted)."""
         stashed, self._stash = self._stash, []
         batch = self.scheduler.schedule()
         if batch is None:
             return stashed
-        finished = self.scheduler.postprocess(batch, self.runner.run(batch))
-        self.runner.release(finished)
+        self.num_steps_run += 1
+        if batch.kind == "prefill":
+            out = self.runner.prefill(batch)
+            if self.worker is not None and out.done:
+                self.worker.on_prefill_done(out.done, out.bonus, out.hidden)
+            finished = self.scheduler.postprocess(batch, out.tokens)
+        elif self.worker is not None:
+            out = self.worker.step(batch.reqs)
+            finished = self.scheduler.postprocess(batch, out.tokens, out.accept_lens)
+        else:
+            finished = self.scheduler.postprocess(batch, self.runner.decode(batch.reqs))
         return stashed + finished
+
+    def abort_request(self, request_id: int) -> bool:
+        """Stop a queued or running request now (finish_reason "abort"; the next ``step`` returns it). Its KV
+        blocks and draft input are released at once. Returns False for an unknown or finished id."""
+        req = self.scheduler.abort(request_id)
+        if req is not None:
+            self._stash.append(req)
+        return req is not None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -97,7 +136,7 @@ class LLM:
     def output_dict(self, req: Request) -> dict:
         out = {"text": req.output_text(), "token_ids": list(req.output_token_ids),
                "finish_reason": req.finish_reason, "prompt_token_ids": list(req.prompt_token_ids)}
-        if self.config.spec:
+        if self.config.speculative:
             out["accept_lengths"] = list(req.accept_lengths)
         return out
 

@@ -1,18 +1,20 @@
-"""Builds the models, allocates the paged KV pool, turns scheduled batches into tensors and runs forwards."""
+"""The target side of the engine: builds the target, allocates its paged KV pools, turns scheduled batches into
+tensors and runs prefill / decode forwards (eagerly or through CUDA graphs, decided by ``GraphRunner.run``)."""
+from dataclasses import dataclass
+
 import torch
 
 from . import loader
 from .config import EngineConfig
 from .context import AttnMetadata, attn_metadata
-from .cuda_graph import GraphRunner
+from .cuda_graph import GraphRunner, graph_batch_sizes
 from .kernels.attention import num_kv_splits
-from .kernels.sampling import sample
-from .kv_cache import BlockAllocator, block_table_tensor
+from .kv_cache import DUMMY_BLOCK, BlockAllocator, block_table_tensor, slot_mapping
 from .models import init_random_weights, load_weights
 from .models.llama import LlamaForCausalLM
 from .request import Request
+from .sampler import Sampler
 from .scheduler import Batch
-from .spec.worker import FrozenKVMTPWorker, resolve_assistant
 
 
 def build_target(cfg, device, dtype, max_position: int, model_dir=None, seed: int = 0) -> LlamaForCausalLM:
@@ -30,39 +32,44 @@ def build_target(cfg, device, dtype, max_position: int, model_dir=None, seed: in
     return model
 
 
-class ModelRunner:
-    """Owns the target model (and, under speculation, the drafter), the KV pool and the sampler.
+@dataclass
+class PrefillOutput:
+    """``tokens[i]``: what request i emits (its first token; empty for an unfinished chunk or a resumed
+    request); ``done``: the requests whose prefill ended; ``bonus`` [len(done)] int64: each one's newest token
+    (the bonus token of its first draft); ``hidden`` [len(done), H]: the target's hidden at its last row."""
 
-    Order (DESIGN §4 rule 2): construct models -> allocate the pool -> bind layers to pool views.
-    ``run(batch)`` returns, per request of the batch, the list of tokens it emits this step.
+    tokens: list[list[int]]
+    done: list[Request]
+    bonus: torch.Tensor
+    hidden: torch.Tensor
+
+
+class ModelRunner:
+    """Owns the target model, its KV pools, the sampler and the graph runner.
+
+    ``LLM`` drives the order (DESIGN §4 rule 2): ``ModelRunner(...)`` builds the target; ``allocate_kv_cache()``
+    sizes the pools from the memory budget, allocates them and binds the target's layers;
+    ``capture_graphs(mtp=...)`` captures decode (and the speculative step) once everything is bound.
     """
 
-    def __init__(self, config: EngineConfig, hf_config=None, model_dir=None, target_is_default: bool = False):
+    def __init__(self, config: EngineConfig, hf_config, model_dir=None):
         self.config = config
         self.device, self.dtype = config.torch_device(), config.torch_dtype()
-        self.hf_config = hf_config
-        # options are checked before the target's weights load: a bad assistant path fails at once
-        assistant = resolve_assistant(config.assistant, target_is_default) if config.spec else None
         max_pos = config.max_model_len + (config.num_draft_tokens or 1)  # verify rows sit past the last token
         weights = None if config.load_format == "dummy" else model_dir
         self.model = build_target(hf_config, self.device, self.dtype, max_pos, weights, config.seed)
         self.vocab_size = hf_config.vocab_size
-        self.lookahead, self.spec = 1, None
-        if config.spec:  # construct the drafter before the pool exists; bind after allocation
-            self.spec = FrozenKVMTPWorker(config, self.model, assistant, self.device, self.dtype)
-            self.lookahead = config.num_draft_tokens
-        self.generator = torch.Generator(self.device).manual_seed(config.seed)
-        self.kv_cache, self.graphs = None, None
-        self.allocator = self.allocate_kv_cache()
-        if self.device.type == "cuda" and not config.enforce_eager:
-            self.graphs = GraphRunner(self)
-            self.graphs.capture()
+        self.lookahead = config.num_draft_tokens if config.speculative else 1
+        self.sampler = Sampler(self.device, config.seed)
+        self.kv_pools: list[torch.Tensor] = []
+        self.allocator: BlockAllocator | None = None
+        self.graphs: GraphRunner | None = None
 
-    # ---- KV pool -------------------------------------------------------------------------------------
+    # ---- KV pools --------------------------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        m = self.model
-        return (len(m.layers) * 2 * self.config.page_size * m.num_kv_heads * m.head_dim
-                * torch.finfo(self.dtype).bits // 8)
+        """Bytes of one block over every KV-owning layer (KV-shared layers own none)."""
+        per_layer = [2 * self.config.page_size * h * d for h, d in filter(None, self.model.kv_geometry)]
+        return sum(per_layer) * torch.finfo(self.dtype).bits // 8
 
     def num_kv_blocks(self) -> int:
         """Pool size from the memory budget (GPU: ``gpu_memory_utilization`` after weights and a profiled
@@ -86,126 +93,131 @@ class ModelRunner:
         return n
 
     def allocate_kv_cache(self) -> BlockAllocator:
+        """Size, allocate and bind the pools (after a profiled prefill on CUDA); returns the block allocator."""
         if self.device.type == "cuda":
             self._profile_peak()
         n = self.num_kv_blocks()
-        self.bind_pool(n)
-        return BlockAllocator(n, self.config.page_size)
+        self.bind_pools(n)
+        self.allocator = BlockAllocator(n, self.config.page_size)
+        return self.allocator
 
-    def bind_pool(self, num_blocks: int) -> None:
-        """Allocate a pool ``[layers, 2, num_blocks, page_size, Hkv, D]`` and bind the models to it."""
-        m = self.model
-        self.kv_cache = torch.zeros(len(m.layers), 2, num_blocks, self.config.page_size, m.num_kv_heads,
-                                    m.head_dim, dtype=self.dtype, device=self.device)
-        self.bind_kv_cache()
-
-    def bind_kv_cache(self) -> None:
-        self.model.bind_kv_cache(self.kv_cache)
-        if self.spec is not None:
-            self.spec.bind()
+    def bind_pools(self, num_blocks: int) -> None:
+        """One pool ``[layers, 2, num_blocks, page_size, Hkv, D]`` per KV geometry of the KV-owning layers (one
+        block table serves all of them); the target's layers are bound to their views."""
+        geometry = self.model.kv_geometry
+        shapes = sorted({g for g in geometry if g is not None})
+        pools = {g: torch.zeros(sum(x == g for x in geometry), 2, num_blocks, self.config.page_size, *g,
+                                dtype=self.dtype, device=self.device) for g in shapes}
+        caches, used = [], dict.fromkeys(shapes, 0)
+        for g in geometry:
+            if g is None:
+                caches.append(None)
+                continue
+            pool = pools[g]
+            caches.append((pool[used[g], 0], pool[used[g], 1]))
+            used[g] += 1
+        self.kv_pools = list(pools.values())
+        self.model.bind_kv_cache(caches)
 
     @torch.inference_mode()
     def _profile_peak(self) -> None:
-        """One prefill of the largest chunk over a scratch pool, so the KV budget leaves room for activations."""
+        """One prefill of the largest chunk over a scratch pool, so the KV budget leaves room for activations.
+        Only the target is bound to the scratch pool; the drafter binds after the real allocation."""
         c = self.config
         T = min(c.max_num_batched_tokens, c.max_model_len)
         blocks = -(-T // c.page_size) + 1
-        self.bind_pool(blocks)
+        self.bind_pools(blocks)
         torch.cuda.reset_peak_memory_stats(self.device)
-        ids = torch.zeros(T, dtype=torch.long, device=self.device)
-        md = AttnMetadata("prefill", torch.arange(1, blocks, dtype=torch.int32, device=self.device)[None],
-                          torch.tensor([T], dtype=torch.int32, device=self.device),
-                          torch.arange(c.page_size, c.page_size + T, device=self.device),
-                          torch.tensor([0, T], dtype=torch.int32, device=self.device), T)
+        dev = self.device
+        md = AttnMetadata.prefill(torch.arange(1, blocks, dtype=torch.int32, device=dev)[None],
+                                  torch.tensor([T], dtype=torch.int32, device=dev),
+                                  torch.arange(c.page_size, c.page_size + T, device=dev),
+                                  torch.tensor([0, T], dtype=torch.int32, device=dev), T)
         with attn_metadata(md):
-            self.model.compute_logits(self.model(ids, torch.arange(T, device=self.device))[-1:])
-        self.kv_cache = None
-        torch.cuda.synchronize(self.device)
+            ids = torch.zeros(T, dtype=torch.long, device=dev)
+            self.model.compute_logits(self.model(ids, torch.arange(T, device=dev))[-1:])
+        self.kv_pools = []
+        torch.cuda.synchronize(dev)
 
-    # ---- batch preparation ---------------------------------------------------------------------------
-    def _tensor(self, data, dtype=torch.int64):
+    # ---- graphs ----------------------------------------------------------------------------------------------------
+    def capture_graphs(self, mtp=None) -> GraphRunner:
+        """Build the graph runner: phase "decode" and, with ``mtp`` (the worker's ``draft_verify``), phase
+        "mtp". Buckets exist only on CUDA without ``enforce_eager``; elsewhere every phase runs eagerly."""
+        c, dev = self.config, self.device
+        use_graphs = dev.type == "cuda" and not c.enforce_eager
+        width = -(-(c.max_model_len + self.lookahead) // c.page_size)
+        i64, i32 = torch.long, torch.int32
+        buffers = {"ids": ((1,), i64, 0), "pos": ((1,), i64, 0), "slots": ((1,), i64, DUMMY_BLOCK * c.page_size),
+                   "block_table": ((1, width), i32, DUMMY_BLOCK), "seq_lens": ((1,), i32, 1), "L": ((1,), i32, 0),
+                   "bonus": ((1,), i64, 0), "hidden": ((1, self.model.config.hidden_size), self.dtype, 0)}
+        phases = {"decode": (self._decode_logits, ["ids", "pos", "slots", "block_table", "seq_lens"])}
+        if mtp is not None:
+            phases["mtp"] = (mtp, ["bonus", "hidden", "block_table", "L"])
+        sizes = graph_batch_sizes(c.max_num_seqs) if use_graphs else []
+        self.graphs = GraphRunner(phases, buffers, sizes, num_kv_splits(c.max_model_len), dev)
+        self.graphs.capture()
+        return self.graphs
+
+    def _decode_logits(self, ids, pos, slots, block_table, seq_lens, num_splits=None) -> torch.Tensor:
+        with attn_metadata(AttnMetadata.decode(block_table, seq_lens, slots, num_splits)):
+            return self.model.compute_logits(self.model(ids, pos))
+
+    # ---- batch preparation -------------------------------------------------------------------------------------------
+    def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
     def prepare_prefill(self, batch: Batch):
-        """Token ids, positions and metadata for one chunk of each request's prompt (+ outputs on resume)."""
-        ids, pos, slots, cu, lens = [], [], [], [0], []
-        for req, n in zip(batch.reqs, batch.num_new):
+        """Token ids, positions and metadata for one chunk of each request's prompt (+ outputs on resume);
+        returns (ids [T], positions [T], AttnMetadata, index of each request's last row)."""
+        ids, pos, rows, cu, lens = [], [], [], [0], []
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.num_new)):
             s = req.num_computed
             ids += req.all_token_ids[s:s + n]
             pos += range(s, s + n)
-            slots += self.allocator.slots(req, s, s + n)
+            rows += [i] * n
             cu.append(cu[-1] + n)
             lens.append(s + n)
-        md = AttnMetadata("prefill", block_table_tensor(batch.reqs, self.device), self._tensor(lens, torch.int32),
-                          self._tensor(slots), self._tensor(cu, torch.int32), max(batch.num_new))
-        last = [cu[i + 1] - 1 for i in range(len(batch.reqs))]
-        return self._tensor(ids), self._tensor(pos), md, last
+        bt, positions = block_table_tensor(batch.reqs, self.device), self._tensor(pos)
+        slots = slot_mapping(bt, self._tensor(rows), positions, self.config.page_size)
+        md = AttnMetadata.prefill(bt, self._tensor(lens, torch.int32), slots, self._tensor(cu, torch.int32),
+                                  max(batch.num_new))
+        return self._tensor(ids), positions, md, [c - 1 for c in cu[1:]]
 
     def prepare_decode(self, reqs: list[Request]):
-        """One query per request: its last token at position ``num_computed``."""
-        pos = [r.num_computed for r in reqs]
-        slots = [self.allocator.slots(r, p, p + 1)[0] for r, p in zip(reqs, pos)]
-        md = AttnMetadata("decode", block_table_tensor(reqs, self.device), self._tensor([p + 1 for p in pos],
-                          torch.int32), self._tensor(slots), num_splits=num_kv_splits(max(pos) + 1))
-        return self._tensor([r.last_token for r in reqs]), self._tensor(pos), md
+        """One query per request: its last token at position ``num_computed``; returns (ids, positions, md)."""
+        bt, pos = block_table_tensor(reqs, self.device), self._tensor([r.num_computed for r in reqs])
+        slots = slot_mapping(bt, torch.arange(len(reqs), device=self.device), pos, self.config.page_size)
+        md = AttnMetadata.decode(bt, (pos + 1).int(), slots, num_kv_splits(max(r.num_computed for r in reqs) + 1))
+        return self._tensor([r.last_token for r in reqs]), pos, md
 
-    # ---- running -------------------------------------------------------------------------------------
+    # ---- running -----------------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, batch: Batch) -> list[list[int]]:
-        """Run one scheduled step; returns each request's new tokens (empty for an unfinished chunk)."""
+    def prefill(self, batch: Batch) -> PrefillOutput:
+        """Run one prefill step (chunks of several requests). New requests whose prompt completes sample their
+        first token; resumed ones (after preemption) emit nothing: their newest token is already out."""
         if not batch.reqs:  # DESIGN §4 rule 4: an empty step never reaches attention metadata
-            return []
-        if batch.kind == "prefill":
-            ids, pos, md, last = self.prepare_prefill(batch)
-            done = [i for i in range(len(batch.reqs)) if batch.completes(i)]
-        elif self.spec is not None:
-            return self.spec.step(self, batch.reqs)
-        else:
-            ids, pos, md = self.prepare_decode(batch.reqs)
-            if self.graphs is not None and self.graphs.has_decode(len(batch.reqs)):
-                logits = self.graphs.run_decode(ids, pos, md)
-            else:
-                with attn_metadata(md):
-                    logits = self.model.compute_logits(self.model(ids, pos))
-            return [[t] for t in self.sample(batch.reqs, logits).tolist()]
+            return PrefillOutput([], [], torch.zeros(0, dtype=torch.long), torch.zeros(0))
+        ids, pos, md, last = self.prepare_prefill(batch)
         with attn_metadata(md):
             hidden = self.model(ids, pos)
+        done = [i for i in range(len(batch.reqs)) if batch.completes(i)]
         out = [[] for _ in batch.reqs]
-        new = [i for i in done if not batch.reqs[i].output_token_ids]  # resumed requests emit nothing
+        new = [i for i in done if not batch.reqs[i].output_token_ids]
         if new:
-            toks = self.sample([batch.reqs[i] for i in new], self.model.compute_logits(hidden[[last[i] for i in new]]))
+            reqs = [batch.reqs[i] for i in new]
+            toks = self.sampler.sample(reqs, self.model.compute_logits(hidden[[last[i] for i in new]]))
             for i, t in zip(new, toks.tolist()):
                 out[i] = [t]
-        if self.spec is not None and done:  # seed: (first / last emitted token, hidden of the last prefill row)
-            bonus = [out[i][0] if out[i] else batch.reqs[i].output_token_ids[-1] for i in done]
-            self.spec.add_seeds([batch.reqs[i].request_id for i in done], self._tensor(bonus),
-                                hidden[[last[i] for i in done]])
-        return out
+        bonus = [out[i][0] if out[i] else batch.reqs[i].last_token for i in done]
+        return PrefillOutput(out, [batch.reqs[i] for i in done], self._tensor(bonus), hidden[[last[i] for i in done]])
 
-    def release(self, reqs: list[Request]) -> None:
-        """Forget finished requests' drafter seeds."""
-        if self.spec is not None and reqs:
-            self.spec.release([r.request_id for r in reqs])
-
-    def sampling_tensors(self, reqs: list[Request]):
-        p = [r.params for r in reqs]
-        return (self._tensor([x.temperature for x in p], torch.float32), self._tensor([x.top_k for x in p],
-                torch.int32), self._tensor([x.top_p for x in p], torch.float32))
-
-    def noise(self, reqs: list[Request], width: int, offset: int = 0) -> torch.Tensor:
-        """Uniform (0, 1) noise [len(reqs), width]. A seeded request draws from its own generator keyed by
-        (seed, output index + offset), so its samples do not depend on the batch it runs in."""
-        u = torch.rand(len(reqs), width, generator=self.generator, device=self.device)
-        for i, r in enumerate(reqs):
-            if r.params.seed is not None:
-                g = torch.Generator(self.device).manual_seed(
-                    (r.params.seed * 1_000_003 + len(r.output_token_ids) + offset) % 2**63)
-                u[i] = torch.rand(width, generator=g, device=self.device)
-        return u.clamp_(min=1e-20)
-
-    def sample(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
-        """Next token per request [B] int64: argmax for greedy rows, else temperature/top-k/top-p sampling."""
-        if all(r.params.greedy for r in reqs):
-            return logits.argmax(-1)
-        t, k, p = self.sampling_tensors(reqs)
-        return sample(logits, t, k, p, self.noise(reqs, logits.shape[-1]))
+    @torch.inference_mode()
+    def decode(self, reqs: list[Request]) -> list[list[int]]:
+        """One plain decode step: each request's next token."""
+        if not reqs:  # DESIGN §4 rule 4
+            return []
+        ids, pos, md = self.prepare_decode(reqs)
+        inputs = {"ids": ids, "pos": pos, "slots": md.slot_mapping, "block_table": md.block_table,
+                  "seq_lens": md.seq_lens}
+        logits = self.graphs.run("decode", inputs, md.num_splits)
+        return [[t] for t in self.sampler.sample(reqs, logits).tolist()]

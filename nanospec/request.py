@@ -30,7 +30,6 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_str_index: int | None = None  # where the text is cut, when a stop string matched
         self.accept_lengths: list[int] = []
-        self.spec_state = None  # (bonus-free) seed hidden for the drafter, set by the model runner
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self._tokenizer = tokenizer
 

@@ -38,8 +38,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k}")
         if num("max_tokens", int) < 1:
             raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
-        if self.seed is not None and num("seed", int) < 0:
-            raise ValueError(f"SamplingParams.seed must be >= 0, got {self.seed}")
+        if self.seed is not None and not 0 <= num("seed", int) < 2**63:
+            raise ValueError(f"SamplingParams.seed must be in [0, 2**63), got {self.seed}")
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
         if isinstance(self.stop, str):

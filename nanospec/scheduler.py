@@ -28,12 +28,14 @@ class Scheduler:
     ``lookahead`` is how many KV rows beyond the committed length one decode step writes: 1 for plain
     decode, N (draft tokens verified) under speculation. Preempted requests free all their blocks, keep their
     outputs, and are recomputed by a later prefill over prompt + outputs (nothing is lost).
+    ``on_release(reqs, reason)`` is called by ``_release``, the one exit from the running set (finish, abort,
+    preemption), in the same call that frees the request's KV blocks: the MTP worker drops its draft input there.
     """
 
-    def __init__(self, config: EngineConfig, allocator: BlockAllocator, lookahead: int = 1):
+    def __init__(self, config: EngineConfig, allocator: BlockAllocator, lookahead: int = 1, on_release=None):
         self.max_num_seqs = config.max_num_seqs
         self.max_batched = config.max_num_batched_tokens
-        self.allocator, self.lookahead = allocator, lookahead
+        self.allocator, self.lookahead, self.on_release = allocator, lookahead, on_release
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -43,6 +45,23 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def abort(self, request_id: int) -> Request | None:
+        """Drop a waiting or running request (its blocks and draft input go); returns it, or None if unknown."""
+        for req in [*self.waiting, *self.running]:
+            if req.request_id == request_id:
+                (self.waiting if req in self.waiting else self.running).remove(req)
+                req.finish_reason = "abort"
+                req.status = Status.FINISHED
+                self._release(req, "aborted")
+                return req
+        return None
+
+    def _release(self, req: Request, reason: str) -> None:
+        """Free ``req``'s KV blocks and, in the same call, its draft input (reason: finished/aborted/preempted)."""
+        self.allocator.free(req)
+        if self.on_release is not None:
+            self.on_release([req], reason)
 
     def schedule(self) -> Batch | None:
         """Next step: a prefill batch when waiting requests fit, else a decode batch; None when idle."""
@@ -81,7 +100,7 @@ class Scheduler:
         return Batch("decode", list(scheduled), [1] * len(scheduled)) if scheduled else None
 
     def _preempt(self, req: Request) -> None:
-        self.allocator.free(req)
+        self._release(req, "preempted")
         req.num_computed = 0
         req.status = Status.WAITING
         # A half-prefilled head holds blocks and must finish first: queued in front of it, a victim that does not
@@ -89,10 +108,11 @@ class Scheduler:
         self.waiting.insert(1 if self.waiting and self.waiting[0].num_computed else 0, req)
         self.num_preemptions += 1
 
-    def postprocess(self, batch: Batch, new_tokens: list[list[int]]) -> list[Request]:
-        """Apply a step's results; returns the requests that finished. ``new_tokens[i]`` are request i's
+    def postprocess(self, batch: Batch, new_tokens: list[list[int]], accept_lens: list[int] | None = None):
+        """Commit a step's results; returns the requests that finished. ``new_tokens[i]`` are request i's
         sampled tokens (empty for an unfinished prefill chunk); under speculation they are the accepted drafts
-        plus the bonus token, whose K/V rows (all but the bonus) the verify step committed."""
+        plus the bonus token, whose K/V rows (all but the bonus) the verify step committed, and ``accept_lens[i]``
+        is recorded in ``accept_lengths`` (before any cut by a stop rule). The one place tokens are committed."""
         finished = []
         for i, (req, toks) in enumerate(zip(batch.reqs, new_tokens)):
             if batch.kind == "prefill":
@@ -105,9 +125,11 @@ class Scheduler:
                 self.running.append(req)
             else:
                 req.num_computed += len(toks)
+                if accept_lens is not None:
+                    req.accept_lengths.append(accept_lens[i])
             req.append_tokens(toks)
             if req.is_finished:
                 self.running.remove(req)
-                self.allocator.free(req)
+                self._release(req, "finished")
                 finished.append(req)
         return finished

@@ -11,7 +11,7 @@ committed lengths past the prompt are trained (``--all-positions``: all), since 
 Per batch the frozen target runs ONE forward through nanospec's own paged pool (a scratch pool, one block per
 sequence), and the trainer reads back the mapped layer's K/V exactly as stored (after RoPE) plus the post-final-norm
 hidden states. Then, for sampled committed lengths L (any number at once, the ordinary causal mask), the assistant
-is unrolled S steps exactly as ``nanospec.spec.draft.run_draft`` runs them (topk 1): step 1 input
+is unrolled S steps exactly as ``nanospec.mtp.draft.run_draft`` runs them (topk 1): step 1 input
 ``(x_L, h_{L-1})``, step s input ``(x_{L+s-1}, h_next of step s-1)``, every step at RoPE position
 ``L + position_offset`` (default L-1) over K/V rows ``[0, L)``. Loss of step s = KL(p_target(. | row L+s-1) ||
 q_assistant) (+ optional CE on x_{L+s}), weighted ``step_decay ** (s-1)``.
@@ -53,7 +53,7 @@ def capture_target(target, seqs: list[list[int]], layers: list[int]):
     slots = torch.cat([(b + 1) * T + torch.arange(len(s), device=dev) for b, s in enumerate(seqs)])
     cu = torch.tensor([0] + [len(s) for s in seqs], device=dev).cumsum(0).to(torch.int32)
     bt = torch.arange(1, B + 1, dtype=torch.int32, device=dev)[:, None]
-    with attn_metadata(AttnMetadata("prefill", bt, lens, slots, cu, T)):
+    with attn_metadata(AttnMetadata.prefill(bt, lens, slots, cu, T)):
         flat = target(ids, pos)
     hidden = flat.new_zeros(B, T, flat.shape[-1])
     tokens = torch.zeros(B, T, dtype=torch.long, device=dev)

@@ -18,7 +18,7 @@ from nanospec.eval_acceptance import build_prompts  # noqa: E402
 from nanospec.loader import load_config, resolve_model_dir  # noqa: E402
 from nanospec.model_runner import build_target  # noqa: E402
 from nanospec.models.gemma4_assistant import Gemma4Assistant  # noqa: E402
-from nanospec.spec.worker import resolve_assistant  # noqa: E402
+from nanospec.mtp.worker import resolve_assistant  # noqa: E402
 from nanospec.train_assistant import capture_target, distill_loss, sample_positions  # noqa: E402
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -37,6 +37,15 @@ def _engine(model_dir, **kw):
 PROMPTS = [[1, 2, 3, 4, 5], [9] * 11, [40, 41, 42]]
 
 
+def with_buckets(llm, sizes):
+    """Give the engine's graph runner these buckets: on CPU their phases run eagerly on the padded buffers."""
+    g = llm.runner.capture_graphs(mtp=llm.worker.draft_verify if llm.worker else None)
+    rebuilt = GraphRunner(g.phases, g.buffer_specs, sizes, g.num_splits, llm.runner.device)
+    llm.runner.graphs = rebuilt
+    if llm.worker is not None:
+        llm.worker.set_graphs(rebuilt)
+
+
 def _decode_batch(llm, n_prompts=3):
     for p in PROMPTS[:n_prompts]:
         llm.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True))
@@ -44,23 +53,24 @@ def _decode_batch(llm, n_prompts=3):
         batch = llm.scheduler.schedule()
         if batch.kind == "decode":
             return batch
-        llm.scheduler.postprocess(batch, llm.runner.run(batch))
+        llm.scheduler.postprocess(batch, llm.runner.prefill(batch).tokens)
 
 
 @torch.inference_mode()
 def test_padding_rows_never_touch_live_blocks(tiny_llama_dir):
     llm = _engine(tiny_llama_dir)
     r = llm.runner
-    r.graphs = GraphRunner(r, sizes=[8])  # 3 live rows + 5 padding rows
+    with_buckets(llm, [8])  # 3 live rows + 5 padding rows
     batch = _decode_batch(llm)
-    before = r.kv_cache.clone()
+    before = r.kv_pools[0].clone()
     ids, pos, md = r.prepare_decode(batch.reqs)
-    logits = r.graphs.run_decode(ids, pos, md)
+    inputs = {"ids": ids, "pos": pos, "slots": md.slot_mapping, "block_table": md.block_table, "seq_lens": md.seq_lens}
+    logits = r.graphs.run("decode", inputs, md.num_splits)
     from nanospec.context import attn_metadata
     with attn_metadata(md):
         ref = r.model.compute_logits(r.model(ids, pos))
     assert logits.shape == ref.shape and torch.allclose(logits, ref, atol=1e-5)
-    changed = (r.kv_cache != before).flatten(start_dim=4).any(-1)  # [layers, 2, blocks, page_size]
+    changed = (r.kv_pools[0] != before).flatten(start_dim=4).any(-1)  # [layers, 2, blocks, page_size]
     live = {(s // 4, s % 4) for s in md.slot_mapping.tolist()}
     touched = {(b, o) for b, o in changed.any(0).any(0).nonzero().tolist()}
     assert touched - live <= {(DUMMY_BLOCK, o) for o in range(4)}  # padding writes land in the dummy block only
@@ -79,7 +89,7 @@ def test_static_graph_path_matches_eager(tiny_llama_dir, tmp_path, spec):
     ref = [o["token_ids"] for o in _engine(tiny_llama_dir, **kw).generate(PROMPTS, sp, use_tqdm=False)]
     for sizes in ([4], [2]):  # [2] < 3 requests: the full batch falls back to eager, late batches use graphs
         llm = _engine(tiny_llama_dir, **kw)
-        llm.runner.graphs = GraphRunner(llm.runner, sizes=sizes)
+        with_buckets(llm, sizes)
         out = llm.generate(PROMPTS, sp, use_tqdm=False)
         assert [o["token_ids"] for o in out] == ref
         al = llm.runner.allocator

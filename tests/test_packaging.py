@@ -20,10 +20,10 @@ def test_nanospec_kernels_is_the_repo_folder():
     assert pathlib.Path(nanospec.kernels.__file__).resolve() == REPO / "kernels" / "__init__.py"
     assert pathlib.Path(attention.__file__).resolve().parent == REPO / "kernels"
     # the engine imports the same module objects (one backend switch for everyone)
-    from nanospec import model_runner
+    from nanospec import sampler
     from nanospec.kernels import sampling
 
-    assert model_runner.sample is sampling.sample
+    assert sampler.sample is sampling.sample
 
 
 def test_pyproject_maps_kernels_under_nanospec():
@@ -71,4 +71,4 @@ def test_wheel_contents(tmp_path):
     assert "kernels" not in tops and {"nanospec"} <= tops
     ours = {p.name for p in (REPO / "kernels").glob("*.py")}
     assert {n.split("/")[-1] for n in names if n.startswith("nanospec/kernels/")} >= ours
-    assert "nanospec/models/llama.py" in names and "nanospec/spec/__init__.py" in names
+    assert "nanospec/models/llama.py" in names and "nanospec/mtp/__init__.py" in names

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from nanospec import LLM, SamplingParams
-from nanospec.kv_cache import DUMMY_BLOCK, BlockAllocator, block_table_tensor
+from nanospec.kv_cache import DUMMY_BLOCK, BlockAllocator, block_table_tensor, slot_mapping
 from nanospec.request import Request, Status
 
 PAGE = 4
@@ -123,8 +123,8 @@ def test_max_num_seqs_caps_the_running_batch(micro_llama_dir, reference):
     prompts, ref = reference
     llm = _engine(micro_llama_dir, max_num_seqs=2)
     sizes = []
-    orig = llm.runner.run
-    llm.runner.run = lambda b: (sizes.append(len(b.reqs)), orig(b))[1]
+    orig = llm.scheduler.schedule
+    llm.scheduler.schedule = lambda: (b := orig(), sizes.append(len(b.reqs) if b else 0))[0]
     assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == ref
     assert max(sizes) == 2 and _all_free(llm)
 
@@ -196,22 +196,27 @@ def _req(n=3, **kw):
     return Request(0, list(range(n)), SamplingParams(**kw), set())
 
 
+def _slots(reqs, i, start, end, page_size=4):
+    bt = block_table_tensor(reqs, "cpu")
+    return slot_mapping(bt, torch.tensor(i), torch.arange(start, end), page_size).tolist()
+
+
 def test_allocator_slots_cross_pages():
     a = BlockAllocator(8, 4)
     assert (a.num_usable, a.num_free) == (7, 7)
     r = _req()
     a.allocate(r, 9)  # 9 slots -> 3 blocks
     assert r.block_table == [1, 2, 3] and a.num_free == 4 and DUMMY_BLOCK not in r.block_table
-    assert a.slots(r, 0, 9) == [4, 5, 6, 7, 8, 9, 10, 11, 12]
+    assert _slots([r], 0, 0, 9) == [4, 5, 6, 7, 8, 9, 10, 11, 12]
     # requests whose blocks interleave: token j maps through the table, not through a contiguous range
     r2, r3 = _req(), _req()
     a.allocate(r2, 1)
     a.allocate(r3, 4)
     a.allocate(r2, 5)
     assert (r2.block_table, r3.block_table) == ([4, 6], [5])
-    assert a.slots(r2, 2, 6) == [4 * 4 + 2, 4 * 4 + 3, 6 * 4 + 0, 6 * 4 + 1]
-    assert a.slots(r3, 0, 4) == [20, 21, 22, 23]
-    assert a.slots(r2, 3, 3) == []
+    assert _slots([r2, r3], 0, 2, 6) == [4 * 4 + 2, 4 * 4 + 3, 6 * 4 + 0, 6 * 4 + 1]
+    assert _slots([r2, r3], 1, 0, 4) == [20, 21, 22, 23]
+    assert _slots([r2, r3], 0, 3, 3) == []
 
 
 @pytest.mark.parametrize("num_slots, blocks", [(0, 0), (1, 1), (4, 1), (5, 2), (8, 2), (9, 3)])

@@ -18,19 +18,20 @@ from conftest import randomize
 from transformers import AutoConfig, Gemma4AssistantForCausalLM
 
 import nanospec.models.gemma4_assistant as g4
-import nanospec.spec.draft as draft_mod
+import nanospec.mtp.draft as draft_mod
 from nanospec import LLM, SamplingParams
 from nanospec.config import EngineConfig
 from nanospec.context import AttnMetadata, attn_metadata
 from nanospec.kernels.attention import decode_attention, draft_attention
 from nanospec.kv_cache import block_table_tensor
 from nanospec.model_runner import ModelRunner, build_target
+from nanospec.sampler import Sampler
 from nanospec.models.gemma4_assistant import assistant_config_for
 from nanospec.scheduler import Batch
-from nanospec.spec.draft import DraftTree, chain_tree, run_draft
-from nanospec.spec.state import DraftInput
-from nanospec.spec.verify import accept_greedy, accept_sampling, compact_accepted_kv, emitted_tokens
-from nanospec.spec.worker import FrozenKVMTPWorker
+from nanospec.mtp.draft import DraftTree, chain_tree, run_draft
+from nanospec.mtp.state import DraftInput
+from nanospec.mtp.verify import accept_greedy, accept_sampling, compact_accepted_kv, emitted_tokens
+from nanospec.mtp.worker import FrozenKVMTPWorker
 
 HB, V, S = 64, 49152, 5  # target hidden, vocab; draft steps of the oracle tests
 REF_LEN = 48
@@ -99,7 +100,7 @@ def oracle(monkeypatch, reference):
     """
     def install(wrong_at=None):
         def draft(self, reqs, block_table, seq_lens, num_splits=None):
-            seed = self.seeds.filter([r.request_id for r in reqs])
+            seed = self.draft_inputs.filter([r.request_id for r in reqs])
             assert seed.req_ids == [r.request_id for r in reqs]
             assert seed.bonus_tokens.tolist() == [r.all_token_ids[-1] for r in reqs]  # own, fresh seed per row
             assert seq_lens.tolist() == [r.num_tokens - 1 for r in reqs]  # own L: all but the bonus in KV
@@ -146,12 +147,12 @@ def test_rule1_all_finish_in_one_verify_leaves_idle_input(tiny_llama_dir, asst_d
     llm.add_request(pa, greedy(n_len))  # length
     llm.add_request(pb, greedy(20, stop_token_ids=[first_occurrence(rb, n_len - 1)]))  # stop token (EOS-like)
     assert llm.step() == []  # both prefills
-    assert llm.runner.spec.seeds.req_ids == [0, 1]
+    assert llm.worker.draft_inputs.req_ids == [0, 1]
     done = llm.step()  # one verify: both finish in it
     assert sorted((r.request_id, r.finish_reason) for r in done) == [(0, "length"), (1, "stop")]
     assert [r.output_token_ids for r in sorted(done, key=lambda r: r.request_id)] == [ra[:n_len], rb[:n_len]]
     assert not llm.has_unfinished()
-    seeds = llm.runner.spec.seeds
+    seeds = llm.worker.draft_inputs
     assert type(seeds) is DraftInput  # never a verify object / tree
     assert len(seeds) == 0 and seeds.req_ids == []
     assert seeds.bonus_tokens.shape == (0,) and seeds.bonus_tokens.dtype == torch.long
@@ -159,13 +160,13 @@ def test_rule1_all_finish_in_one_verify_leaves_idle_input(tiny_llama_dir, asst_d
     # the next prefill merges into the idle input and generation goes on
     rid = llm.add_request(pc, greedy(12))
     assert llm.step() == []
-    seeds = llm.runner.spec.seeds
+    seeds = llm.worker.draft_inputs
     assert seeds.req_ids == [rid] and seeds.bonus_tokens.shape == (1,) and seeds.hidden.shape == (1, HB)
     out = []
     while llm.has_unfinished():
         out += llm.step()
     assert [r.output_token_ids for r in out] == [rc[:12]]
-    assert len(llm.runner.spec.seeds) == 0 and llm.runner.spec.seeds.hidden.shape == (0, HB)
+    assert len(llm.worker.draft_inputs) == 0 and llm.worker.draft_inputs.hidden.shape == (0, HB)
 
 
 # Same bug family (spec_info filter/merge during batch surgery, brief §4 "filter_batch / merge_batch" and the
@@ -216,13 +217,13 @@ def test_rule2_construct_then_allocate_then_bind(tiny_llama_dir, asst_dir, targe
                        num_kv_blocks=12, page_size=8)
     target = build_target(target_cfg, cpu, f32, 128, tiny_llama_dir)
     assert all(layer.self_attn.k_cache is None for layer in target.layers)  # no pool anywhere
-    worker = FrozenKVMTPWorker(cfg, target, asst_dir, cpu, f32)  # construction needs no pool
-    assert worker.assistant._kv is None and len(worker.seeds) == 0
-    md = AttnMetadata("draft", torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+    worker = FrozenKVMTPWorker(cfg, target, asst_dir, Sampler(cpu, 0))  # construction needs no pool
+    assert worker.assistant._kv is None and len(worker.draft_inputs) == 0
+    md = AttnMetadata.draft(torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
     with attn_metadata(md), pytest.raises(RuntimeError):  # forward before bind
         worker.assistant(torch.tensor([1]), torch.zeros(1, HB), torch.tensor([0]))
     with pytest.raises(RuntimeError, match="allocate"):  # bind before the pool exists
-        worker.bind()
+        worker.bind([])
 
     events = []
     orig_init, orig_alloc, orig_bind = FrozenKVMTPWorker.__init__, ModelRunner.allocate_kv_cache, FrozenKVMTPWorker.bind
@@ -235,10 +236,11 @@ def test_rule2_construct_then_allocate_then_bind(tiny_llama_dir, asst_dir, targe
     monkeypatch.setattr(FrozenKVMTPWorker, "__init__", rec("construct", orig_init))
     monkeypatch.setattr(ModelRunner, "allocate_kv_cache", rec("allocate", orig_alloc))
     monkeypatch.setattr(FrozenKVMTPWorker, "bind", rec("bind", orig_bind))
-    runner = ModelRunner(cfg, target_cfg, tiny_llama_dir)
+    llm = make_llm(tiny_llama_dir, asst_dir, num_steps=2, max_model_len=64, num_kv_blocks=12, page_size=8)
     assert events == ["construct", "allocate", "bind"]
 
-    pool, tgt, a = runner.kv_cache, runner.model, runner.spec.assistant
+    runner = llm.runner
+    pool, tgt, a = runner.kv_pools[0], runner.model, llm.worker.assistant
     n_layers = target_cfg.num_hidden_layers
     assert pool.shape[:3] == (n_layers, 2, 12)  # the pool holds the target's layers only
     assert a.layer_map(tgt.kv_layer_types) == [n_layers - 1] * len(a.model.layers) == [1, 1]
@@ -311,7 +313,7 @@ def test_rule3_draft_writes_no_kv(tiny_llama_dir, asst_dir, record_draft_metadat
     reqs = list(llm.scheduler.running)
     for r in reqs:  # reserve the verify rows as the scheduler does, so garbage rows beyond L exist too
         llm.runner.allocator.allocate(r, r.num_computed + llm.runner.lookahead)
-    worker, kv = llm.runner.spec, llm.runner.kv_cache
+    worker, kv = llm.worker, llm.runner.kv_pools[0]
     for v in record_draft_metadata.values():
         v.clear()
     before = _pool_digest(kv)
@@ -330,18 +332,19 @@ def test_rule3_write_slots_make_the_assistant_raise(tiny_llama_dir, asst_dir):
     llm = make_llm(tiny_llama_dir, asst_dir, num_steps=1)
     llm.add_request(PROMPTS[1], greedy(4))
     llm.step()
-    a, (r,) = llm.runner.spec.assistant, llm.scheduler.running
+    a, (r,) = llm.worker.assistant, llm.scheduler.running
     bt, L = block_table_tensor([r], "cpu"), torch.tensor([r.num_computed], dtype=torch.int32)
     args = (torch.tensor([r.all_token_ids[-1]]), torch.zeros(1, HB), L.long() - 1)
-    kv = llm.runner.kv_cache
+    kv = llm.runner.kv_pools[0]
     before = _pool_digest(kv)
+    # no named constructor builds draft metadata with write slots: force one to see the assistant refuse it
     with attn_metadata(AttnMetadata("draft", bt, L, slot_mapping=torch.arange(len(r.prompt_token_ids)))):
         with pytest.raises(RuntimeError, match="slot_mapping"):
             a(*args)
-    with attn_metadata(AttnMetadata("prefill", bt, L, torch.arange(7), torch.tensor([0, 7], dtype=torch.int32), 7)):
+    with attn_metadata(AttnMetadata.prefill(bt, L, torch.arange(7), torch.tensor([0, 7], dtype=torch.int32), 7)):
         with pytest.raises(RuntimeError, match="draft"):
             a(*args)
-    with attn_metadata(AttnMetadata("draft", bt, L)):
+    with attn_metadata(AttnMetadata.draft(bt, L)):
         logits, h = a(*args)
     assert logits.shape == (1, V) and h.shape == (1, HB)
     assert _pool_digest(kv) == before
@@ -356,9 +359,9 @@ def test_rule3_long_prompt_num_steps_1(tiny_llama_dir, asst_dir, record_draft_me
     digests, orig = [], FrozenKVMTPWorker.draft
 
     def checked(self, reqs, bt, L, num_splits=None):  # pool checksum around every draft of the run
-        before = _pool_digest(llm.runner.kv_cache)
+        before = _pool_digest(llm.runner.kv_pools[0])
         out = orig(self, reqs, bt, L, num_splits)
-        digests.append(before == _pool_digest(llm.runner.kv_cache))
+        digests.append(before == _pool_digest(llm.runner.kv_pools[0]))
         return out
     monkeypatch.setattr(FrozenKVMTPWorker, "draft", checked)
     out = llm.generate([prompt], greedy(8), use_tqdm=False)[0]
@@ -375,9 +378,9 @@ def test_rule3_long_prompt_num_steps_1(tiny_llama_dir, asst_dir, record_draft_me
 def test_rule4_zero_row_step_engine(tiny_llama_dir, asst_dir):
     llm = make_llm(tiny_llama_dir, asst_dir, num_steps=3)
     assert llm.step() == [] and not llm.has_unfinished()
-    assert llm.runner.run(Batch("decode", [])) == []
-    assert llm.runner.run(Batch("prefill", [])) == []
-    assert len(llm.runner.spec.seeds) == 0
+    assert llm.worker.step([]).tokens == [] and llm.runner.decode([]) == []
+    assert llm.runner.prefill(Batch("prefill", [])).tokens == []
+    assert len(llm.worker.draft_inputs) == 0
     llm.add_request(PROMPTS[0], greedy(5))
     out = []
     while llm.has_unfinished():
@@ -389,7 +392,7 @@ def test_rule4_zero_row_step_engine(tiny_llama_dir, asst_dir):
 @pytest.mark.parametrize("topk,n_draft", [(1, 4), (3, 6)])
 def test_rule4_zero_row_draft_and_accept(tiny_llama_dir, asst_dir, topk, n_draft):
     llm = make_llm(tiny_llama_dir, asst_dir, num_steps=3, topk=topk, num_draft_tokens=n_draft if topk > 1 else None)
-    worker, kv = llm.runner.spec, llm.runner.kv_cache
+    worker, kv = llm.worker, llm.runner.kv_pools[0]
     idle = DraftInput.idle(HB, "cpu", torch.float32)
     bt0, L0 = torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
     tree = run_draft(worker.assistant, idle, bt0, L0, 3, topk, n_draft)
@@ -405,20 +408,20 @@ def test_rule4_zero_row_draft_and_accept(tiny_llama_dir, asst_dir, topk, n_draft
     path, acc, bonus = accept_sampling(tree, torch.zeros(0, n_draft, Vs), torch.rand(0, 3, topk), torch.rand(0, Vs))
     assert path.shape[0] == 0 and acc.shape == (0,) and bonus.shape == (0,)
     before = _pool_digest(kv)
-    compact_accepted_kv(kv, bt0, L0, torch.zeros(0, 4, dtype=torch.long), torch.zeros(0, dtype=torch.long), 16)
+    compact_accepted_kv([kv], bt0, L0, torch.zeros(0, 4, dtype=torch.long), torch.zeros(0, dtype=torch.long), 16)
     assert _pool_digest(kv) == before
 
 
 def test_rule4_empty_attention_metadata_no_max(tiny_llama_dir, asst_dir):
     llm = make_llm(tiny_llama_dir, asst_dir, num_steps=2)
-    k, v = llm.runner.kv_cache[-1, 0], llm.runner.kv_cache[-1, 1]
+    k, v = llm.runner.kv_pools[0][-1, 0], llm.runner.kv_pools[0][-1, 1]
     q = torch.zeros(0, 4, 16)
     bt0, L0 = torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
     assert draft_attention(q, k, v, bt0, L0, None).shape == (0, 4, 16)
     assert draft_attention(q, k, v, bt0, L0, torch.zeros(0, dtype=torch.int32)).shape == (0, 4, 16)
     assert decode_attention(q, k, v, bt0, L0, 0.25).shape == (0, 4, 16)
-    with attn_metadata(AttnMetadata("draft", bt0, L0)):  # a draft forward with 0 rows
-        logits, h = llm.runner.spec.assistant(torch.zeros(0, dtype=torch.long), torch.zeros(0, HB),
+    with attn_metadata(AttnMetadata.draft(bt0, L0)):  # a draft forward with 0 rows
+        logits, h = llm.worker.assistant(torch.zeros(0, dtype=torch.long), torch.zeros(0, HB),
                                               torch.zeros(0, dtype=torch.long))
     assert logits.shape == (0, V) and h.shape == (0, HB)
 
@@ -529,7 +532,7 @@ def test_rule6_rows_independent(tiny_llama_dir, asst_dir, reference, oracle):
     firsts = [b["accept_lengths"][0] for b in batched]
     assert len(set(firsts)) == len(firsts)  # rows accepted different counts in the same verify
     assert all(len(set(b["accept_lengths"])) > 1 for b in batched), [b["accept_lengths"] for b in batched]
-    assert len(llm.runner.spec.seeds) == 0 and llm.runner.allocator.num_free == llm.runner.allocator.num_usable
+    assert len(llm.worker.draft_inputs) == 0 and llm.runner.allocator.num_free == llm.runner.allocator.num_usable
 
 
 def test_rule6_rows_independent_tree(tiny_llama_dir, asst_dir, reference, monkeypatch):
@@ -540,7 +543,7 @@ def test_rule6_rows_independent_tree(tiny_llama_dir, asst_dir, reference, monkey
         m[i, anc] = True
 
     def draft(self, reqs, block_table, seq_lens, num_splits=None):
-        seed = self.seeds.filter([r.request_id for r in reqs])
+        seed = self.draft_inputs.filter([r.request_id for r in reqs])
         assert seed.bonus_tokens.tolist() == [r.all_token_ids[-1] for r in reqs]
         rows = []
         for r in reqs:
@@ -582,7 +585,7 @@ def test_preemption_with_speculation(tiny_llama_dir, asst_dir, reference, oracle
         assert 1 + sum(o["accept_lengths"]) >= len(o["token_ids"])
     alloc = llm.runner.allocator
     assert alloc.num_free == alloc.num_usable
-    assert len(llm.runner.spec.seeds) == 0 and llm.runner.spec.seeds.hidden.shape == (0, HB)
+    assert len(llm.worker.draft_inputs) == 0 and llm.worker.draft_inputs.hidden.shape == (0, HB)
     assert not llm.has_unfinished()
 
 

@@ -9,8 +9,8 @@ from conftest import make_tiny_model, randomize
 from nanospec import LLM, SamplingParams
 from nanospec.loader import load_config
 from nanospec.models.gemma4_assistant import assistant_config_for
-from nanospec.spec import worker as worker_mod
-from nanospec.spec.draft import DraftTree, chain_tree
+from nanospec.mtp import worker as worker_mod
+from nanospec.mtp.draft import DraftTree, chain_tree
 
 
 def make_assistant(path, target_dir, seed=0, std=0.15, **kw):
@@ -56,7 +56,7 @@ def test_greedy_lossless_random_assistant(tiny_llama_dir, tiny_assistant, refere
         assert 1 + sum(o["accept_lengths"]) >= len(o["token_ids"])
         assert all(1 <= a <= num_steps + 1 for a in o["accept_lengths"])
     al = llm.runner.allocator
-    assert al.num_free == al.num_usable and len(llm.runner.spec.seeds) == 0
+    assert al.num_free == al.num_usable and len(llm.worker.draft_inputs) == 0
 
 
 def oracle_draft(reference, prompts, topk, wrong_every, rng_seed=0):

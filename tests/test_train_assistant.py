@@ -12,7 +12,7 @@ from nanospec.datasets import chat_prompts, regenerate_sequences
 from nanospec.loader import load_config
 from nanospec.model_runner import build_target
 from nanospec.models.gemma4_assistant import Gemma4Assistant
-from nanospec.spec.worker import DEFAULT_ASSISTANT
+from nanospec.mtp.worker import DEFAULT_ASSISTANT
 from nanospec.train_assistant import (capture_target, distill_loss, main, new_assistant, sample_positions, train,
                                       unroll)
 
@@ -26,7 +26,7 @@ def tiny_target(model_dir):
 def record_drafts(llm):
     """Wrap the worker's (eager, CPU) draft: per call, (request ids, seq_lens, drafted chain [B, S+1], per-step
     (logits, h_next))."""
-    worker, records = llm.runner.spec, []
+    worker, records = llm.worker, []
     orig = worker.draft
 
     def draft(reqs, bt, L, *args, **kwargs):

@@ -31,9 +31,8 @@ class Attention(nn.Module):
     """GQA self-attention: fused qkv GEMM, optional q/k norm, RoPE fused with the paged KV store, then
     prefill/verify (extend) or decode attention from the current ``AttnMetadata``."""
 
-    def __init__(self, cfg, layer_idx: int):
+    def __init__(self, cfg):
         super().__init__()
-        self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -47,6 +46,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.scale = self.head_dim ** -0.5
         self.k_cache = self.v_cache = None  # bound to pool views after allocation (DESIGN §4 rule 2)
+        self.sliding_window = None  # every layer is full attention
 
     def forward(self, positions, x, cos_sin):
         T, d = x.shape[0], self.head_dim
@@ -79,9 +79,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_idx: int):
+    def __init__(self, cfg):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -96,8 +96,9 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """The target model. ``forward(input_ids [T], positions [T]) -> hidden [T, H]`` (post final norm, the
-    Frozen-KV MTP seed hidden); ``compute_logits(hidden) -> [T, V]`` fp32. Every layer owns its KV
-    (``kv_layer_types`` lists each layer's attention type for the drafter's layer map)."""
+    Frozen-KV MTP seed hidden); ``compute_logits(hidden) -> [T, V]`` fp32. Every layer owns its KV:
+    ``kv_layer_types`` (each layer's attention type, for the drafter's layer map), ``kv_geometry`` (each layer's
+    (num_kv_heads, head_dim); None would mark a KV-shared layer) and ``kv_owner`` (the layer whose KV it reads)."""
 
     strip_prefix = "model."  # HF nests everything but lm_head under "model."
     packed_modules_mapping = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -107,7 +108,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tied:
@@ -115,6 +116,8 @@ class LlamaForCausalLM(nn.Module):
         attn = self.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.kv_layer_types = ["full_attention"] * cfg.num_hidden_layers
+        self.kv_geometry = [(self.num_kv_heads, self.head_dim)] * cfg.num_hidden_layers
+        self.kv_owner = list(range(cfg.num_hidden_layers))
         rope = dict(getattr(cfg, "rope_parameters", None) or {})
         self.rope_theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
         self.rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
@@ -128,10 +131,11 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.tied else self.lm_head.weight
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        """Point every layer at its views of the pool ``[layers, 2, blocks, page_size, Hkv, D]``."""
-        for i, layer in enumerate(self.layers):
-            layer.self_attn.k_cache, layer.self_attn.v_cache = kv_cache[i, 0], kv_cache[i, 1]
+    def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Point every layer at its (k_cache, v_cache) pool views ``[blocks, page_size, Hkv, D]``."""
+        for layer, (k, v) in zip(self.layers, caches, strict=True):
+            layer.self_attn.k_cache = k
+            layer.self_attn.v_cache = v
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

@@ -5,6 +5,7 @@ over requests. ``path[b, d]`` is the tree index of the node accepted at depth d 
 """
 import torch
 
+from ..kv_cache import slot_mapping
 from .draft import DraftTree
 
 
@@ -94,12 +95,12 @@ def emitted_tokens(tree: DraftTree, path: torch.Tensor, accept_len: torch.Tensor
     return out.scatter(1, (accept_len - 1)[:, None], bonus[:, None])
 
 
-def compact_accepted_kv(kv_cache, block_table, seq_lens, path, accept_len, page_size: int) -> None:
+def compact_accepted_kv(kv_pools, block_table, seq_lens, path, accept_len, page_size: int) -> None:
     """topk > 1: move the accepted path's K/V rows (written at L + tree index) to rows L + depth.
 
-    kv_cache [layers, 2, blocks, page_size, Hkv, D]; seq_lens [B] = committed L before this verify. Rows that
-    need no move copy onto themselves, so the op is shape-static (no host sync). Rejected rows beyond the new
-    length are garbage that the next verify overwrites.
+    kv_pools: the target's pools, each [layers, 2, blocks, page_size, Hkv, D]; seq_lens [B] = committed L before
+    this verify. Rows that need no move copy onto themselves, so the op is shape-static (no host sync). Rejected
+    rows beyond the new length are garbage that the next verify overwrites.
     """
     B, D1 = path.shape
     if B == 0 or D1 < 2:
@@ -107,12 +108,9 @@ def compact_accepted_kv(kv_cache, block_table, seq_lens, path, accept_len, page_
     d = torch.arange(1, D1, device=path.device).expand(B, -1)
     L = seq_lens.long()[:, None]
     valid = d < accept_len[:, None]
-    src_j = L + torch.where(valid, path[:, 1:], d)
-    dst_j = L + d
-
-    def slot(j):
-        return block_table.long().gather(1, j // page_size) * page_size + j % page_size
-
-    flat = kv_cache.view(kv_cache.shape[0], 2, -1, *kv_cache.shape[4:])
-    src, dst = slot(src_j).flatten(), slot(dst_j).flatten()
-    flat[:, :, dst] = flat[:, :, src]
+    rows = torch.arange(B, device=path.device)[:, None]
+    src = slot_mapping(block_table, rows, L + torch.where(valid, path[:, 1:], d), page_size).flatten()
+    dst = slot_mapping(block_table, rows, L + d, page_size).flatten()
+    for pool in kv_pools:
+        flat = pool.view(pool.shape[0], 2, -1, *pool.shape[4:])
+        flat[:, :, dst] = flat[:, :, src]

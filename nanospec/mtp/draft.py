@@ -72,14 +72,14 @@ def run_draft(assistant, seed: DraftInput, block_table, seq_lens, num_steps: int
     tok, h = seed.bonus_tokens, seed.hidden
     if k == 1:
         drafts = []
-        with attn_metadata(AttnMetadata("draft", block_table, seq_lens, num_splits=num_splits)):
+        with attn_metadata(AttnMetadata.draft(block_table, seq_lens, num_splits=num_splits)):
             for _ in range(num_steps):
                 logits, h = assistant(tok, h, pos)
                 tok = logits.argmax(-1)
                 drafts.append(tok)
         return chain_tree(seed.bonus_tokens, torch.stack(drafts, 1) if drafts else tok.new_zeros(B, 0))
     dev = h.device
-    with attn_metadata(AttnMetadata("draft", block_table, seq_lens, num_splits=num_splits)):
+    with attn_metadata(AttnMetadata.draft(block_table, seq_lens, num_splits=num_splits)):
         logits, h = assistant(tok, h, pos)  # the seed step runs once per request
     scores, tok = torch.log_softmax(logits, -1).topk(k, dim=-1)  # [B, k]
     h = h.repeat_interleave(k, 0)
@@ -87,7 +87,7 @@ def run_draft(assistant, seed: DraftInput, block_table, seq_lens, num_steps: int
     frontier = torch.arange(k, device=dev).expand(B, k)  # pool index of each frontier node
     base = k
     rows = torch.arange(B, device=dev, dtype=torch.int32).repeat_interleave(k)
-    md = AttnMetadata("draft", block_table, seq_lens, row_to_req=rows, num_splits=num_splits)
+    md = AttnMetadata.draft(block_table, seq_lens, row_to_req=rows, num_splits=num_splits)
     for step in range(1, num_steps):
         with attn_metadata(md):
             logits, h = assistant(tok.reshape(-1), h, pos.repeat_interleave(k))

@@ -1,4 +1,5 @@
-"""The drafter's per-request seed, kept as real-shaped batch tensors (DESIGN §4 rule 1)."""
+"""The drafter's per-request input (the "draft input": bonus token + seed hidden), kept as real-shaped batch
+tensors (DESIGN §4 rule 1). Only ``FrozenKVMTPWorker`` creates, filters, merges or releases them."""
 from dataclasses import dataclass
 
 import torch
@@ -6,11 +7,11 @@ import torch
 
 @dataclass
 class DraftInput:
-    """Seeds for the next draft: one row per running request.
+    """Inputs of the next draft: one row per running request.
 
     req_ids: request ids, row order; bonus_tokens [B] int64: last token sampled by the target (not in KV yet);
     hidden [B, Hb]: target post-final-norm hidden of the last accepted token. Always real-shaped, so
-    ``filter``/``merge`` work on any mix of prefill seeds, decode seeds and idle (0-row) inputs.
+    ``filter``/``merge`` work on any mix of prefill inputs, decode inputs and idle (0-row) inputs.
     """
 
     req_ids: list[int]
@@ -34,7 +35,7 @@ class DraftInput:
         return DraftInput([self.req_ids[i] for i in rows], self.bonus_tokens[idx], self.hidden[idx])
 
     def merge(self, other: "DraftInput") -> "DraftInput":
-        """Append ``other``'s rows; a request present in both keeps ``other``'s (newer) seed."""
+        """Append ``other``'s rows; a request present in both keeps ``other``'s (newer) row."""
         mine = self.filter([r for r in self.req_ids if r not in set(other.req_ids)])
         return DraftInput(mine.req_ids + other.req_ids, torch.cat([mine.bonus_tokens, other.bonus_tokens]),
                           torch.cat([mine.hidden, other.hidden]))

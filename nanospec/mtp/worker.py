@@ -1,0 +1,192 @@
+"""Frozen-KV MTP worker: the one owner of the drafter and of every request's draft input.
+
+The lifecycle, hook by hook, in the order it happens (DESIGN §4 rule in brackets). ``LLM`` calls 1-3, the
+scheduler's release path calls 6; nothing else creates, updates, filters or releases a draft input.
+
+1. ``FrozenKVMTPWorker(config, target, assistant_dir, sampler)``: load and check the assistant; no KV pool
+   exists yet, and the draft input is the idle 0-row one.                                          [rule 2]
+2. ``bind(kv_pools)``: after the target's pool is allocated and bound, attach the assistant's layers to the
+   target layers they read.                                                                       [rule 2]
+3. ``set_graphs(graphs)``: the runner's graph runner, once the ``mtp`` phase (``draft_verify``) is captured.
+4. ``on_prefill_done(reqs, first_tokens, hidden)``: a request's prefill ends; its draft input is born from the
+   token it emits first (the bonus token) and the target's hidden at its last prompt row.          [rule 1]
+5. ``step(reqs) -> MTPOutput``: one speculative decode step for every running request: draft from exactly
+   KV rows [0, L), writing nothing [rule 3]; verify the tree, writing rows [L, L + N); accept per row [rule 6];
+   the next draft input is each row's bonus token and the hidden of its last accepted node [rule 1]. An empty
+   batch does nothing [rule 4]. The scheduler then commits ``tokens`` and ``accept_lens`` [rule 5].
+6. ``on_release(reqs, reason)``: a request leaves the running set (finished, aborted, preempted); its draft
+   input goes in the same call that frees its KV blocks. When none is left, the idle input remains.   [rule 1]
+
+``trace`` (a callable ``(event, fields)``, or None) receives one event per hook and request: "prefill_done",
+"draft", "verify", "release". With None nothing is computed for it.
+"""
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..context import AttnMetadata, attn_metadata
+from ..kernels.attention import num_kv_splits
+from ..kernels.sampling import filtered_probs
+from ..kv_cache import block_table_tensor, slot_mapping
+from ..models.gemma4_assistant import Gemma4Assistant
+from .draft import run_draft
+from .state import DraftInput
+from .verify import accept_greedy, accept_sampling, compact_accepted_kv, emitted_tokens
+
+DEFAULT_ASSISTANT = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-instruct-assistant"
+
+
+def resolve_assistant(assistant: str, target_is_default: bool) -> Path:
+    """``"default"`` -> the shipped assistant of SmolLM2-135M-Instruct; anything else is a dir path.
+
+    Raises ValueError when "default" is asked for another target, when it is not shipped, or when the dir
+    does not exist.
+    """
+    if assistant == "default":
+        if not target_is_default:
+            raise ValueError("assistant='default' only exists for SmolLM2-135M-Instruct; pass assistant=DIR "
+                             "(an HF gemma4_assistant checkpoint) for this target")
+        if not (DEFAULT_ASSISTANT / "config.json").exists():
+            raise ValueError(f"assistant='default': no trained assistant is shipped at {DEFAULT_ASSISTANT}; "
+                             "train one with `nanospec-train` and pass assistant=DIR")
+        return DEFAULT_ASSISTANT
+    path = Path(assistant)
+    if not assistant or not path.is_dir():
+        raise ValueError(f"assistant must be 'default', None or an existing dir, got {assistant!r}")
+    return path
+
+
+@dataclass
+class MTPOutput:
+    """One speculative step: ``tokens[i]`` = accepted drafts + bonus token of request i; ``accept_lens[i]`` =
+    len(tokens[i]) = KV rows it commits (before any cut by a stop rule)."""
+
+    tokens: list[list[int]]
+    accept_lens: list[int]
+
+
+class FrozenKVMTPWorker:
+    """Speculation for one target (the hooks and their order: see the module docstring)."""
+
+    def __init__(self, config, target, assistant_path: Path, sampler, trace=None):
+        self.target, self.sampler, self.trace = target, sampler, trace
+        self.num_steps, self.topk, self.num_draft_tokens = config.num_steps, config.topk, config.num_draft_tokens
+        self.position_offset, self.page_size = config.draft_position_offset, config.page_size
+        device, dtype = sampler.device, next(target.parameters()).dtype
+        self.assistant = Gemma4Assistant.from_pretrained(assistant_path, device, dtype)
+        self.assistant.check_target(target.config, target.kv_layer_types, target.num_kv_heads, target.head_dim,
+                                    target.rope_theta, target.rope_scaling)
+        self.draft_inputs = DraftInput.idle(target.config.hidden_size, device, dtype)
+        self.kv_pools, self.graphs = None, None
+
+    # ---- 2, 3: bind after allocation ---------------------------------------------------------------------------
+    def bind(self, kv_pools: list[torch.Tensor]) -> None:
+        """Attach the assistant to the target's allocated pools (RuntimeError if the target has none bound)."""
+        self.assistant.bind_target(self.target)
+        self.kv_pools = kv_pools
+
+    def set_graphs(self, graphs) -> None:
+        self.graphs = graphs
+
+    # ---- 4: prefill done -------------------------------------------------------------------------------------------
+    def on_prefill_done(self, reqs, first_tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Birth of the draft inputs of ``reqs`` (first_tokens [B] int64, hidden [B, Hb]); a re-prefilled request
+        (after preemption) gets a fresh row."""
+        self.draft_inputs = self.draft_inputs.merge(DraftInput([r.request_id for r in reqs], first_tokens, hidden))
+        if self.trace is not None:
+            for r, t in zip(reqs, first_tokens.tolist()):
+                self.trace("prefill_done", {"req": r.request_id, "bonus": t, "L": r.num_computed})
+
+    # ---- 5: one speculative step ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, reqs) -> MTPOutput:
+        """Draft, verify over the tree, accept, and keep the next draft inputs (see the module docstring)."""
+        if not reqs:  # DESIGN §4 rule 4
+            return MTPOutput([], [])
+        inp = self._inputs_for(reqs)
+        L = torch.tensor([r.num_computed for r in reqs], dtype=torch.int32).to(inp.hidden.device)
+        bt = block_table_tensor(reqs, inp.hidden.device)
+        num_splits = num_kv_splits(max(r.num_computed for r in reqs))
+        inputs = {"bonus": inp.bonus_tokens, "hidden": inp.hidden, "block_table": bt, "L": L}
+        if all(r.params.greedy for r in reqs):
+            res = self.graphs.run("mtp", inputs, num_splits, reqs=reqs)
+        else:  # sampled batches run eagerly: their noise and filtered distributions stay outside the graph
+            sampling = (*self.sampler.tensors(reqs), self.sampler.noise(reqs, self._noise_width()))
+            res = self.draft_verify(**inputs, num_splits=num_splits, reqs=reqs, sampling=sampling)
+        tree_tokens, out, acc, bonus, hidden = res
+        self.draft_inputs = self.draft_inputs.merge(DraftInput(inp.req_ids, bonus, hidden))
+        rows = torch.cat([acc[:, None], out], 1).tolist()  # the one host copy of the step
+        if self.trace is not None:
+            self._trace_step(reqs, tree_tokens.tolist(), rows)
+        return MTPOutput([row[1:1 + row[0]] for row in rows], [row[0] for row in rows])
+
+    def _noise_width(self) -> int:
+        return self.target.config.vocab_size + self.num_steps * self.topk
+
+    def _inputs_for(self, reqs) -> DraftInput:
+        """The draft inputs of ``reqs``, in batch order; RuntimeError if one is missing."""
+        inp = self.draft_inputs.filter([r.request_id for r in reqs])
+        if len(inp) != len(reqs):
+            raise RuntimeError("a decode request has no draft input")
+        return inp
+
+    def draft(self, reqs, block_table, seq_lens, num_splits=None):
+        """The draft tree of ``reqs`` from their draft inputs (reads KV rows [0, L), writes nothing)."""
+        return run_draft(self.assistant, self._inputs_for(reqs), block_table, seq_lens, self.num_steps, self.topk,
+                         self.num_draft_tokens, self.position_offset, num_splits)
+
+    def verify(self, tree, block_table, L, sampling=None):
+        """Target forward over the tree (K/V written to rows [L, L+N)), accept, compact, next seed hidden.
+
+        Pure tensor code with no host sync (graph-capturable): slots come from the block table on device.
+        ``sampling`` = (temperature, top_k, top_p [B], noise [B, V + S*k]) or None for greedy.
+        Returns (emitted [B, S+1] tokens padded with -1, accept_len [B], bonus [B], next seed hidden [B, Hb]).
+        """
+        B, N = tree.tokens.shape
+        dev = tree.tokens.device
+        rows = torch.arange(B, device=dev)[:, None]
+        slots = slot_mapping(block_table, rows, L.long()[:, None] + torch.arange(N, device=dev), self.page_size)
+        md = AttnMetadata.verify(block_table, L, slots.flatten(), N, tree.tree_mask)
+        with attn_metadata(md):
+            hidden = self.target(tree.tokens.flatten(), (L.long()[:, None] + tree.depth).flatten())
+        logits = self.target.compute_logits(hidden).view(B, N, -1)
+        if sampling is None:
+            path, acc, bonus = accept_greedy(tree, logits.argmax(-1), self.num_steps)
+        else:
+            V, (t, k, p, u) = logits.shape[-1], sampling
+            probs = filtered_probs(logits.view(B * N, V), *(x.repeat_interleave(N) for x in (t, k, p)))
+            path, acc, bonus = accept_sampling(tree, probs.view(B, N, V), u[:, V:].view(B, self.num_steps, -1),
+                                               u[:, :V], self.num_steps)
+        if not tree.is_chain:
+            compact_accepted_kv(self.kv_pools, block_table, L, path, acc, self.page_size)
+        last = path.gather(1, (acc - 1)[:, None]).squeeze(1)
+        seed_hidden = hidden.view(B, N, -1)[torch.arange(B, device=dev), last]
+        return emitted_tokens(tree, path, acc, bonus), acc, bonus, seed_hidden
+
+    def draft_verify(self, bonus, hidden, block_table, L, num_splits=None, reqs=None, sampling=None):
+        """One whole speculative step from draft-input tensors (bonus [B], hidden [B, Hb]): the ``mtp`` phase a
+        CUDA graph captures. Eager calls pass ``reqs`` so that ``draft`` sees the requests, and ``sampling``.
+        Returns (tree tokens [B, N], emitted, accept_len, bonus, next seed hidden)."""
+        if reqs is None:
+            tree = run_draft(self.assistant, DraftInput([], bonus, hidden), block_table, L, self.num_steps,
+                             self.topk, self.num_draft_tokens, self.position_offset, num_splits)
+        else:
+            tree = self.draft(reqs, block_table, L, num_splits)
+        return (tree.tokens, *self.verify(tree, block_table, L, sampling))
+
+    def _trace_step(self, reqs, tree_tokens, rows) -> None:
+        for r, toks, row in zip(reqs, tree_tokens, rows):
+            L, n = r.num_computed, row[0]
+            self.trace("draft", {"req": r.request_id, "L": L, "tokens": toks[1:]})
+            self.trace("verify", {"req": r.request_id, "kv_rows": (L, L + len(toks)), "accepted": row[1:n],
+                                  "bonus": row[n], "accept_length": n, "committed_L": L + n})
+
+    # ---- 6: release --------------------------------------------------------------------------------------------------
+    def on_release(self, reqs, reason: str) -> None:
+        """Drop the draft inputs of ``reqs`` (reason: "finished" | "aborted" | "preempted")."""
+        gone = {r.request_id for r in reqs}
+        self.draft_inputs = self.draft_inputs.filter([i for i in self.draft_inputs.req_ids if i not in gone])
+        if self.trace is not None:
+            for r in reqs:
+                self.trace("release", {"req": r.request_id, "reason": reason})

@@ -1,0 +1,125 @@
+"""The Frozen-KV MTP worker's lifecycle hooks fire in the documented order (``nanospec/mtp/worker.py``), recorded
+through ``LLM(trace=...)``: prefill, decode (draft + verify), finish, all-finish-in-verify, preemption and abort.
+A release must free the request's KV blocks and its draft input in the same call."""
+import pytest
+from test_spec_lifecycle import HB, PROMPTS, asst_dir, greedy, make_llm, target_cfg  # noqa: F401
+
+from nanospec import LLM
+
+
+class Recorder:
+    """Collects (step, event, req) and checks, at every release, that blocks and draft input are both gone."""
+
+    def __init__(self):
+        self.events, self.reasons, self.llm = [], [], None
+
+    def __call__(self, step, event, fields):
+        self.events.append((step, event, fields["req"]))
+        if event == "release":
+            self.reasons.append(fields["reason"])
+            req = self.find(fields["req"])
+            assert req.block_table == []  # the KV blocks went in the same call ...
+            assert fields["req"] not in self.llm.worker.draft_inputs.req_ids  # ... as the draft input
+        if event == "verify":
+            assert fields["committed_L"] == fields["kv_rows"][0] + fields["accept_length"]
+
+    def find(self, rid):
+        s = self.llm.scheduler
+        return next(r for r in [*s.waiting, *s.running, *self.seen] if r.request_id == rid)
+
+    def kinds(self, rid):
+        return [e for _, e, r in self.events if r == rid]
+
+
+def traced(model_dir, assistant, **kw):
+    rec = Recorder()
+    rec.seen = []
+    llm = make_llm(model_dir, assistant, trace=rec, **kw)
+    rec.llm = llm
+    orig = llm.scheduler.add
+    llm.scheduler.add = lambda r: (rec.seen.append(r), orig(r))[1]
+    return llm, rec
+
+
+def run_all(llm):
+    out = []
+    while llm.has_unfinished():
+        out += llm.step()
+    return out
+
+
+def test_hooks_prefill_decode_finish_in_order(tiny_llama_dir, asst_dir):
+    llm, rec = traced(tiny_llama_dir, asst_dir, num_steps=2)
+    llm.add_request(PROMPTS[1], greedy(9))
+    (req,) = run_all(llm)
+    kinds = rec.kinds(0)
+    n_verify = len(req.accept_lengths)
+    assert kinds == ["prefill_done"] + ["draft", "verify"] * n_verify + ["release"]
+    steps = [s for s, _, _ in rec.events]
+    assert steps == sorted(steps) and steps[0] == 1  # prefill in step 1, one draft + verify per later step
+    assert [s for s, e, _ in rec.events if e == "verify"] == list(range(2, 2 + n_verify))
+    assert len(llm.worker.draft_inputs) == 0
+
+
+def test_hooks_all_finish_in_one_verify_then_new_prefill(tiny_llama_dir, asst_dir):
+    llm, rec = traced(tiny_llama_dir, asst_dir, num_steps=3)
+    llm.add_request(PROMPTS[0], greedy(2))
+    llm.add_request(PROMPTS[1], greedy(2))
+    assert llm.step() == []
+    done = llm.step()  # one verify commits >= 1 token + the bonus: both reach max_tokens=2 in it
+    assert len(done) == 2
+    assert [e for _, e, _ in rec.events] == ["prefill_done"] * 2 + ["draft", "verify"] * 2 + ["release"] * 2
+    assert len(llm.worker.draft_inputs) == 0 and llm.worker.draft_inputs.hidden.shape == (0, HB)  # idle input
+    llm.add_request(PROMPTS[2], greedy(3))
+    run_all(llm)
+    assert rec.kinds(2)[0] == "prefill_done" and rec.kinds(2)[-1] == "release"
+
+
+def test_hooks_preemption_releases_the_draft_input_at_once(tiny_llama_dir, asst_dir):
+    llm, rec = traced(tiny_llama_dir, asst_dir, num_steps=3, page_size=4, max_model_len=64, num_kv_blocks=19)
+    for p, n in zip(PROMPTS, (30, 26, 34, 22)):
+        llm.add_request(p[:12], greedy(n))
+    run_all(llm)
+    assert llm.scheduler.num_preemptions > 0
+    assert sorted(rec.reasons) == ["finished"] * 4 + ["preempted"] * llm.scheduler.num_preemptions
+    for rid in range(4):
+        kinds = rec.kinds(rid)
+        # each life of a request: prefill_done, (draft, verify)*, release; a preempted life ends in release
+        lives = " ".join(kinds).split("release")[:-1]
+        assert len(lives) == kinds.count("release") >= 1
+        for life in lives:
+            words = life.split()
+            assert words[0] == "prefill_done" and words[1:] == ["draft", "verify"] * ((len(words) - 1) // 2)
+    assert llm.runner.allocator.num_free == llm.runner.allocator.num_usable
+
+
+def test_hooks_abort_releases_blocks_and_draft_input(tiny_llama_dir, asst_dir):
+    llm, rec = traced(tiny_llama_dir, asst_dir, num_steps=2)
+    a = llm.add_request(PROMPTS[1], greedy(20))
+    b = llm.add_request(PROMPTS[2], greedy(4))
+    llm.step()
+    llm.step()
+    assert llm.abort_request(a) and not llm.abort_request(a) and not llm.abort_request(99)
+    assert rec.kinds(a)[-1] == "release" and rec.reasons == ["aborted"]
+    assert a not in llm.worker.draft_inputs.req_ids
+    done = run_all(llm)
+    assert sorted((r.request_id, r.finish_reason) for r in done) == [(a, "abort"), (b, "length")]
+    assert llm.runner.allocator.num_free == llm.runner.allocator.num_usable
+
+
+def test_trace_true_prints_each_event_kind(tiny_llama_dir, asst_dir, capsys):
+    llm = make_llm(tiny_llama_dir, asst_dir, num_steps=2, trace=True)
+    llm.generate([PROMPTS[0], PROMPTS[1]], greedy(5), use_tqdm=False)
+    lines = capsys.readouterr().out.splitlines()
+    for kind in ("prefill_done", "draft", "verify", "release"):
+        assert any(f"] {kind} " in line for line in lines), kind
+    verify = next(line for line in lines if "] verify " in line)
+    for field in ("kv_rows=", "accepted=", "bonus=", "accept_length=", "committed_L="):
+        assert field in verify
+
+
+@pytest.mark.parametrize("kw,err", [({"trace": 3}, TypeError), ({"trace": True, "assistant": None}, ValueError)])
+def test_trace_bad_values(tiny_llama_dir, asst_dir, kw, err):
+    base = {"assistant": str(asst_dir), "device": "cpu"}
+    with pytest.raises(err, match="trace"):
+        LLM(str(tiny_llama_dir), **{**base, **kw})
