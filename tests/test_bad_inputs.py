@@ -39,6 +39,7 @@ def _untouched(llm):
     (dict(max_tokens=-3), "max_tokens"),
     (dict(max_tokens=True), "max_tokens"),
     (dict(seed=1.5), "seed"),
+    (dict(seed=2**63), "seed"),  # used to give the same samples as a smaller seed
     (dict(stop=[""]), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
 ])
@@ -49,7 +50,7 @@ def test_sampling_params_rejects(kw, field):
 
 def test_sampling_params_boundaries_accepted():
     for kw in (dict(temperature=0), dict(top_p=1.0), dict(top_p=1e-6), dict(top_k=-1), dict(top_k=1),
-               dict(max_tokens=1), dict(stop="x"), dict(seed=0)):
+               dict(max_tokens=1), dict(stop="x"), dict(seed=0), dict(seed=2**63 - 1)):
         SamplingParams(**kw)
     assert SamplingParams(stop="x").stop == ["x"]
 
@@ -137,6 +138,7 @@ def test_prompts_must_be_a_list(llm):
     (dict(gpu_memory_utilization=1.5), ValueError, "gpu_memory_utilization"),
     (dict(cpu_kv_cache_gb=0), ValueError, "cpu_kv_cache_gb"),
     (dict(seed=-1), ValueError, "seed"),
+    (dict(seed=2**70), ValueError, "seed"),  # used to fail late inside torch, not naming seed
     (dict(load_format="pt"), ValueError, "load_format"),
     (dict(max_num_seq=4), TypeError, "max_num_seq"),
     (dict(temperature=0.5), TypeError, "temperature"),
