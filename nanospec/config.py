@@ -18,6 +18,8 @@ class EngineConfig:
     page_size: tokens per KV block; gpu_memory_utilization: fraction of GPU memory nanospec may use;
     cpu_kv_cache_gb: KV pool budget on CPU (GiB); num_kv_blocks: fixed pool size (overrides both budgets);
     seed: seed of the engine's sampling generator, in [0, 2**63) (requests may carry their own);
+    enable_prefix_caching: share the KV of full prompt blocks across requests (default True);
+    overlap_schedule: plan step n+1 on the host while step n runs (None: on for CUDA, off for CPU);
     enforce_eager: never use CUDA graphs; load_format: "auto" (safetensors) | "dummy" (random weights of the
     config's shape, for speed runs; the dir then needs only config.json and a tokenizer).
     Speculation (Frozen-KV MTP): assistant = dir | "default" | None (off); num_steps >= 1 draft steps;
@@ -41,6 +43,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     seed: int = 0
     enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    overlap_schedule: bool | None = None
     load_format: str = "auto"
     assistant: str | None = None
     num_steps: int | None = None
@@ -60,6 +64,10 @@ class EngineConfig:
                 raise TypeError(f"{name} must be an int, got {v!r}")
             if v < lo:
                 raise ValueError(f"{name} must be >= {lo}, got {v}")
+        for name in ("enforce_eager", "enable_prefix_caching", "overlap_schedule"):
+            v = getattr(self, name)
+            if not isinstance(v, bool) and not (v is None and name == "overlap_schedule"):
+                raise TypeError(f"{name} must be a bool{' or None' if name == 'overlap_schedule' else ''}, got {v!r}")
         if self.seed >= 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.trace is not None and self.trace is not True and not callable(self.trace):

@@ -1,5 +1,5 @@
 """Paged KV pool: block allocator, per-request block tables and the slot mapping."""
-from collections import deque
+from collections import OrderedDict, deque
 
 import torch
 
@@ -28,17 +28,29 @@ class BlockAllocator:
     """Hands out fixed-size KV blocks of ``page_size`` tokens; block 0 is reserved as the dummy block.
 
     A request owns ``req.block_table`` (block ids in order); ``slot_mapping`` turns token indices into slots.
+
+    Prefix caching (``enable_prefix_caching``): a full block written by a prefill is keyed by a hash of every token
+    up to and including the block (chained, so equal keys mean equal prefixes) and can be shared. Blocks are
+    ref-counted; a block whose last owner leaves stays cached (free, evictable) and is evicted least recently
+    freed first, only when the allocator needs blocks. Blocks that a decode or verify writes into (draft rows,
+    rejected rows, the partial last block) are never registered, so they stay private.
     """
 
-    def __init__(self, num_blocks: int, page_size: int):
+    def __init__(self, num_blocks: int, page_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         self.num_blocks, self.page_size = num_blocks, page_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.free_blocks = deque(range(1, num_blocks))
+        self.ref_count = [0] * num_blocks
+        self.cached: dict[int, int] = {}  # prefix hash -> block
+        self.block_hash: dict[int, int] = {}  # block -> prefix hash (registered blocks only)
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks with no owner, LRU first
 
     @property
     def num_free(self) -> int:
-        return len(self.free_blocks)
+        """Blocks an allocation can take: never-used ones plus cached ones no request holds."""
+        return len(self.free_blocks) + len(self.evictable)
 
     @property
     def num_usable(self) -> int:
@@ -56,9 +68,60 @@ class BlockAllocator:
         n = self.blocks_needed(req, num_slots)
         if n > self.num_free:
             raise RuntimeError(f"KV pool exhausted: need {n} blocks, {self.num_free} free")
-        req.block_table.extend(self.free_blocks.popleft() for _ in range(n))
+        for _ in range(n):
+            if self.free_blocks:
+                block = self.free_blocks.popleft()
+            else:  # evict the least recently freed cached block
+                block = self.evictable.popitem(last=False)[0]
+                del self.cached[self.block_hash.pop(block)]
+            self.ref_count[block] = 1
+            req.block_table.append(block)
 
     def free(self, req: Request) -> None:
-        """Return every block of ``req`` (the committed rows and any rejected-draft tail) to the pool."""
-        self.free_blocks.extend(req.block_table)
+        """Drop ``req``'s hold on every block (committed rows and any rejected-draft tail); a block no one holds
+        goes back to the pool, or stays cached (evictable) if it is registered."""
+        for block in req.block_table:
+            self.ref_count[block] -= 1
+            if self.ref_count[block] == 0:
+                if block in self.block_hash:
+                    self.evictable[block] = None
+                else:
+                    self.free_blocks.append(block)
         req.block_table = []
+
+    # ---- prefix caching ------------------------------------------------------------------------------------------
+    def _hashes(self, req: Request, num_tokens: int) -> list[int]:
+        """Chained hashes of the first ``num_tokens // page_size`` full blocks of ``req``'s tokens (kept on the
+        request: its token prefix never changes, so each block is hashed once)."""
+        ps, out = self.page_size, req.block_hashes
+        n = num_tokens // ps
+        if len(out) < n:
+            ids = req.all_token_ids
+            for i in range(len(out), n):
+                out.append(hash((out[-1] if out else 0, tuple(ids[i * ps:(i + 1) * ps]))))
+        return out[:n]
+
+    def match_prefix(self, req: Request) -> int:
+        """For a request with no blocks yet: take the cached blocks of its longest cached prefix (at most all but
+        its last prefill token, which is always computed) and return how many tokens they hold."""
+        if not self.enable_prefix_caching or req.block_table:
+            return 0
+        for h in self._hashes(req, req.prefill_len - 1):
+            block = self.cached.get(h)
+            if block is None:
+                break
+            if self.ref_count[block] == 0:
+                del self.evictable[block]
+            self.ref_count[block] += 1
+            req.block_table.append(block)
+        return len(req.block_table) * self.page_size
+
+    def register_prefill(self, req: Request, num_prefilled: int) -> None:
+        """Make the full blocks among ``req``'s first ``num_prefilled`` tokens (all written by prefill) sharable.
+        A prefix another block already holds keeps that block; this one stays private."""
+        if not self.enable_prefix_caching:
+            return
+        for block, h in zip(req.block_table, self._hashes(req, num_prefilled)):
+            if block not in self.block_hash and h not in self.cached:
+                self.cached[h] = block
+                self.block_hash[block] = h

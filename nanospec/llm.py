@@ -135,7 +135,8 @@ class LLM:
 
     def output_dict(self, req: Request) -> dict:
         out = {"text": req.output_text(), "token_ids": list(req.output_token_ids),
-               "finish_reason": req.finish_reason, "prompt_token_ids": list(req.prompt_token_ids)}
+               "finish_reason": req.finish_reason, "prompt_token_ids": list(req.prompt_token_ids),
+               "num_cached_tokens": req.num_cached_tokens or 0}
         if self.config.speculative:
             out["accept_lengths"] = list(req.accept_lengths)
         return out
@@ -144,7 +145,8 @@ class LLM:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:
         """Generate for every prompt; returns dicts in prompt order with "text", "token_ids",
-        "finish_reason" ("stop" | "length") and "prompt_token_ids" (plus "accept_lengths" under speculation:
+        "finish_reason" ("stop" | "length" | "abort"), "prompt_token_ids", "num_cached_tokens" (prompt tokens
+        whose KV came from the prefix cache) (plus "accept_lengths" under speculation:
         per verify step, accepted drafts + 1, counted before any trimming by a stop or max_tokens; the first
         token comes from prefill, so ``1 + sum(accept_lengths) >= len(token_ids)``).
         String prompts are tokenized as given (no chat template). All inputs are validated before any work."""

@@ -98,7 +98,7 @@ class ModelRunner:
             self._profile_peak()
         n = self.num_kv_blocks()
         self.bind_pools(n)
-        self.allocator = BlockAllocator(n, self.config.page_size)
+        self.allocator = BlockAllocator(n, self.config.page_size, self.config.enable_prefix_caching)
         return self.allocator
 
     def bind_pools(self, num_blocks: int) -> None:

@@ -38,8 +38,10 @@ def _drive(llm, prompts, params, max_steps=2000):
 
 
 def _all_free(llm):
+    """Every block is free or cached-and-free, no block is held (ref counts 0), and no block is listed twice."""
     a = llm.runner.allocator
-    return a.num_free == a.num_usable and sorted(a.free_blocks) == list(range(1, a.num_blocks))
+    free = sorted([*a.free_blocks, *a.evictable])
+    return a.num_free == a.num_usable and free == list(range(1, a.num_blocks)) and not any(a.ref_count)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
