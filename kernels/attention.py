@@ -120,8 +120,8 @@ def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 def _prec(q):
     """(PREC, UPCAST) constexprs: exact fp32 dots for fp32 inputs; bf16 upcast under the CPU interpreter."""
-    return dict(PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                UPCAST=q.dtype == torch.bfloat16 and q.device.type == "cpu")
+    return {"PREC": "ieee" if q.dtype == torch.float32 else "tf32",
+            "UPCAST": q.dtype == torch.bfloat16 and q.device.type == "cpu"}
 
 
 @triton.jit

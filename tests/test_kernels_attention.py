@@ -149,7 +149,9 @@ def test_decode_ref_window_matches_dense(W):
 def test_draft_window_follows_hf_assistant_mask():
     # The rows an HF Gemma 4 assistant sliding layer sees over L shared (committed) KV rows, from HF itself.
     from transformers import Gemma4TextConfig
-    from transformers.models.gemma4_assistant.modeling_gemma4_assistant import Gemma4AssistantForCausalLM
+    from transformers.models.gemma4_assistant.modeling_gemma4_assistant import (
+        Gemma4AssistantForCausalLM,
+    )
 
     W, lens = 4, [1, 3, 4, 5, 6, 12]
     cfg = Gemma4TextConfig(hidden_size=8, num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,

@@ -43,7 +43,7 @@ def _same(fn, clean, poisoned):
 @pytest.mark.parametrize("path", ["ref", "triton"])
 @pytest.mark.parametrize("window", [None, 5])
 def test_extend_ignores_rows_past_seq_len(path, window):
-    lens, ns = [13, 6, 21], [5, 6, 4]  # chunked prefill (prefix 8 / 17), prefill; partial last blocks
+    lens = [13, 6, 21]  # 5, 6, 4 new tokens: chunked prefill (prefix 8 / 17), prefill; partial last blocks
     clean, poisoned, bt = poisoned_pool(lens, 2, 16, 4, seed=1)
     cu = torch.tensor([0, 5, 11, 15], dtype=torch.int32)
     sl = torch.tensor(lens, dtype=torch.int32)
@@ -77,7 +77,7 @@ def test_decode_and_draft_ignore_rows_past_seq_len(path, window):
     r2r = torch.tensor([2, 0, 0, 3, 1, 2, 3, 0], dtype=torch.int32)  # topk rows per request, any order
     qd = torch.randn(8, 6, 16, generator=torch.Generator().manual_seed(7))
     for splits in (None, 3):
-        _same(lambda k, v: dec(qd, k, v, bt, sl, 1.0, r2r, splits, sliding_window=window), clean, poisoned)
+        _same(lambda k, v, s=splits: dec(qd, k, v, bt, sl, 1.0, r2r, s, sliding_window=window), clean, poisoned)
 
 
 # ---------------------------------------------------------------- a sliding window reads only the rows it can see
@@ -117,7 +117,7 @@ def test_decode_and_draft_window_never_read_rows_before_it(backend):
     with using_backend(backend):
         clean, poisoned, bt = poisoned_pool(lens, 2, 16, 4, seed=14, starts=[max(0, L - W) for L in lens])
         for splits in (None, 4):
-            _same(lambda k, v: A.decode_attention(q, k, v, bt, sl, 0.25, None, splits, sliding_window=W),
+            _same(lambda k, v, s=splits: A.decode_attention(q, k, v, bt, sl, 0.25, None, s, sliding_window=W),
                   clean, poisoned)
         # a draft row sees W + 1 rows, [L - W - 1, L)
         clean, poisoned, bt = poisoned_pool(lens, 2, 16, 4, seed=15, starts=[max(0, L - W - 1) for L in lens])
