@@ -317,3 +317,20 @@ def test_target_class_routing(tmp_path):
     assert (m.kv_geometry, m.kv_owner, m.embed_scale) == ([(1, 16)] * 2, [0, 1], 1.0)
     with pytest.raises(ValueError, match="model_type: 'gpt2' is not supported"):
         target_class(type("Cfg", (), {"model_type": "gpt2"})())
+
+
+def test_triton_kernels_parity(pair, triton_backend):
+    """The same model through the Triton kernels (the interpreter on CPU): prefill of two requests, one of them
+    longer than the window, then two decode steps."""
+    hf, model = pair
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(3, 256, (n + 2,), generator=g).tolist() for n in (3, 9)]
+    pool = Pool(model, seed=6)
+    out = _prefill(model, pool, [s[:-2] for s in seqs], [(0, 0, 3), (1, 0, 9)])
+    ref = [_hf_logits(hf, s) for s in seqs]
+    for r, n in enumerate((3, 9)):
+        _close(out[r], ref[r][:n], f"triton prefill request {r}")
+    for step in range(2):
+        logits = _decode(model, pool, [s[:len(s) - 1 + step] for s in seqs], [0, 1])
+        for r, n in enumerate((3, 9)):
+            _close(logits[r], ref[r][n + step], f"triton decode step {step} request {r}")
