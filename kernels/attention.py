@@ -2,8 +2,13 @@
 
 KV cache layout per layer: ``k_cache, v_cache: [num_blocks, page_size, Hkv, D]`` (same shape and strides, last dim
 contiguous, any float dtype). Token j of request b lives at block ``block_table[b, j // page_size]``, offset
-``j % page_size``; entries of ``block_table`` past a request's length are never read. GQA: query head h reads kv
-head ``h // (Hq // Hkv)``. Softmax and accumulation run in fp32; outputs have q's dtype.
+``j % page_size``. Both paths read exactly rows [0, seq_len) of each request (and, with a sliding window, only the
+visible ones): whatever lies in the rest of the last block or in block-table entries past the request's blocks
+(the dummy block 0, recycled blocks, NaN/inf) never reaches the output. GQA: query head h reads kv head
+``h // (Hq // Hkv)``. Softmax and accumulation run in fp32; outputs have q's dtype.
+
+Sliding window (``sliding_window=W``, HF Gemma 4 ``sliding_window_overlay`` on the causal mask): a query at absolute
+position p sees the key at position j iff j <= p and p - j < W. None means full attention.
 
 Each op has a torch reference (``*_ref``, the CPU engine path and the test oracle) and a Triton path (``*_triton``);
 the public function picks one with ``use_triton(q)``. The Triton paths take only host ints for launch sizes, so
@@ -16,6 +21,7 @@ import triton.language as tl
 from . import use_triton
 
 _LOG2E = 1.4426950408889634
+_NO_WINDOW = 1 << 30  # "no sliding window" inside the kernels: farther than any position
 
 
 def _check(q, k_cache, v_cache, block_table) -> int:
@@ -32,21 +38,37 @@ def _check(q, k_cache, v_cache, block_table) -> int:
     return q.shape[1] // k_cache.shape[2]
 
 
-def _gather(cache, blocks, length):
-    """Contiguous [length, Hkv, D] view of one request's keys (or values) from the paged cache."""
-    return cache[blocks[: -(-length // cache.shape[1])].long()].flatten(0, 1)[:length]
+def _window(sliding_window, tree_size=0) -> int:
+    """Validated window as a host int (None -> _NO_WINDOW); a tree needs W >= its node count N."""
+    if sliding_window is None:
+        return _NO_WINDOW
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+        raise TypeError(f"sliding_window must be an int or None, got {type(sliding_window).__name__}")
+    if sliding_window < max(1, tree_size):
+        raise ValueError(f"sliding_window must be >= {max(1, tree_size)} (1, and the tree size N with a tree "
+                         f"mask), got {sliding_window}")
+    return min(sliding_window, _NO_WINDOW)
+
+
+def _gather(cache, blocks, lo, hi):
+    """Contiguous [hi - lo, Hkv, D] copy of rows [lo, hi) of one request from the paged cache."""
+    P = cache.shape[1]
+    rows = cache[blocks[lo // P: -(-hi // P)].long()].flatten(0, 1)
+    return rows[lo % P: lo % P + hi - lo]
 
 
 # ---- extend / prefill / tree verify --------------------------------------------------------------------------------
 
 def extend_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, max_seqlen_q,
-                         tree_mask=None):
-    """Torch reference of :func:`extend_attention` (same signature and result). Loops over requests on the host."""
+                         tree_mask=None, *, sliding_window=None):
+    """Torch reference of :func:`extend_attention` (same signature and result). Loops over requests on the host
+    and reads only rows [max(0, prefix - W + 1), seq_len) of each, the keys some query of it can see."""
     G = _check(q, k_cache, v_cache, block_table)
     o = torch.zeros_like(q)
     B = cu_seqlens_q.numel() - 1
     if q.shape[0] == 0 or B <= 0:
         return o
+    W = _window(sliding_window, 0 if tree_mask is None else tree_mask.shape[-1])
     Hq, D, Hkv = q.shape[1], q.shape[2], k_cache.shape[2]
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     for b in range(B):
@@ -56,17 +78,21 @@ def extend_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_len
         prefix = L - n
         if prefix < 0:
             raise ValueError(f"request {b}: seq_len {L} < number of new tokens {n}")
-        k = _gather(k_cache, block_table[b], L).float()
-        v = _gather(v_cache, block_table[b], L).float()
+        lo = max(0, prefix - W + 1)
+        k = _gather(k_cache, block_table[b], lo, L).float()
+        v = _gather(v_cache, block_table[b], lo, L).float()
         qb = q[cu[b]:cu[b + 1]].float().reshape(n, Hkv, G, D)
         s = torch.einsum("ikgd,jkd->kgij", qb, k) * scale
+        keys = torch.arange(lo, L, device=q.device)
         if tree_mask is None:
-            keys = torch.arange(L, device=q.device)
-            allowed = keys[None, :] <= prefix + torch.arange(n, device=q.device)[:, None]
+            pos = prefix + torch.arange(n, device=q.device)
+            allowed = keys[None, :] <= pos[:, None]
         else:
             if tree_mask.shape[1:] != (n, n):
                 raise ValueError(f"tree_mask {tuple(tree_mask.shape)} does not match {n} queries of request {b}")
-            allowed = torch.cat([tree_mask.new_ones(n, prefix), tree_mask[b]], dim=1)
+            pos = prefix + (tree_mask[b].sum(-1) - 1).clamp(min=0)  # node at its depth in the tree
+            allowed = torch.cat([tree_mask.new_ones(n, prefix - lo), tree_mask[b]], dim=1)
+        allowed = allowed & (pos[:, None] - keys[None, :] < W)
         # A row with no visible key (only possible with a tree mask and no prefix) gives 0, not NaN.
         p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
         o[cu[b]:cu[b + 1]] = torch.einsum("kgij,jkd->ikgd", p, v).reshape(n, Hq, D).to(q.dtype)
@@ -94,16 +120,16 @@ def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 def _prec(q):
     """(PREC, UPCAST) constexprs: exact fp32 dots for fp32 inputs; bf16 upcast under the CPU interpreter."""
-    return dict(PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                UPCAST=q.dtype == torch.bfloat16 and q.device.type == "cpu")
+    return {"PREC": "ieee" if q.dtype == torch.float32 else "tf32",
+            "UPCAST": q.dtype == torch.bfloat16 and q.device.type == "cpu"}
 
 
 @triton.jit
 def _extend_kernel(Q, K, V, O, BT, CU, SL, TM, qk_scale,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kp, stride_kh, stride_bt,
-                   N_TREE, D, G: tl.constexpr, QPB: tl.constexpr, PAGE: tl.constexpr, TREE: tl.constexpr,
+                   N_TREE, D, WINDOW, G: tl.constexpr, QPB: tl.constexpr, PAGE: tl.constexpr, TREE: tl.constexpr,
                    PREC: tl.constexpr, UPCAST: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
     # One program: request b, kv head kvh, QPB queries x G query heads packed into BLOCK_M rows (GQA packing,
     # so each K/V tile is loaded once for the whole group).
     b, kvh, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -124,11 +150,19 @@ def _extend_kernel(Q, K, V, O, BT, CU, SL, TM, qk_scale,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if TREE:
+    if TREE:  # node i sits at position prefix + depth_i, depth_i = |ancestors + itself| - 1
+        offs_t = tl.arange(0, BLOCK_T)
+        row = tl.load(TM + (b * N_TREE + qi[:, None]) * N_TREE + offs_t[None, :],
+                      mask=row_ok[:, None] & (offs_t < N_TREE)[None, :], other=0)
+        pos = prefix + tl.maximum(tl.sum((row != 0).to(tl.int32), 1) - 1, 0)
         kv_end = seq_len
+        kv_start = prefix - WINDOW + 1
     else:  # causal tile pruning: no key past the tile's last query position
+        pos = prefix + qi
         kv_end = prefix + tl.minimum(n, (mb + 1) * QPB)
-    for start in range(0, kv_end, BLOCK_N):
+        kv_start = prefix + mb * QPB - WINDOW + 1
+    # sliding window: start at the first key the tile's earliest query can see (no wholly hidden tiles)
+    for start in range(tl.maximum(kv_start, 0), kv_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_end
         k, v = _load_kv_tile(K, V, BT + b * stride_bt, offs_n, n_ok, offs_d, d_ok, kvh, stride_kb, stride_kp,
@@ -140,7 +174,8 @@ def _extend_kernel(Q, K, V, O, BT, CU, SL, TM, qk_scale,
                          mask=row_ok[:, None] & (j >= 0)[None, :] & n_ok[None, :], other=0)
             ok = (offs_n < prefix)[None, :] | (tm != 0)
         else:
-            ok = offs_n[None, :] <= (prefix + qi)[:, None]
+            ok = offs_n[None, :] <= pos[:, None]
+        ok = ok & (pos[:, None] - offs_n[None, :] < WINDOW)
         s = tl.where(ok & n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows: exp2(-inf) = 0, never NaN
@@ -162,7 +197,7 @@ def _tiles(q):
 
 
 def extend_attention_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, max_seqlen_q,
-                            tree_mask=None):
+                            tree_mask=None, *, sliding_window=None):
     """Triton path of :func:`extend_attention` (same signature and result)."""
     G = _check(q, k_cache, v_cache, block_table)
     T, Hq, D = q.shape
@@ -180,6 +215,7 @@ def extend_attention_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_
         if tree_mask.shape != (B, n_tree, n_tree) or T != B * n_tree:
             raise ValueError(f"tree_mask {tuple(tree_mask.shape)} needs shape [B, N, N] with T = B*N ({T} rows)")
         tree_mask = tree_mask.contiguous().view(torch.uint8)
+    window = _window(sliding_window, 0 if tree_mask is None else n_tree)
     BLOCK_D, BLOCK_N, warps = _tiles(q)
     BLOCK_M = min(64 if BLOCK_D <= 128 else 32, max(16, triton.next_power_of_2(max_seqlen_q * G)))
     BLOCK_M = max(BLOCK_M, triton.next_power_of_2(G))
@@ -188,14 +224,14 @@ def extend_attention_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_
     _extend_kernel[grid](
         q, k_cache, v_cache, o, block_table, cu_seqlens_q, seq_lens, q if tree_mask is None else tree_mask,
         scale * _LOG2E, q.stride(0), q.stride(1), o.stride(0), o.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), n_tree, D,
-        G=G, QPB=qpb, PAGE=k_cache.shape[1], TREE=tree_mask is not None,
-        **_prec(q), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, num_warps=warps)
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), n_tree, D, window,
+        G=G, QPB=qpb, PAGE=k_cache.shape[1], TREE=tree_mask is not None, **_prec(q),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_T=triton.next_power_of_2(n_tree), num_warps=warps)
     return o
 
 
 def extend_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, max_seqlen_q,
-                     tree_mask=None):
+                     tree_mask=None, *, sliding_window=None):
     """Attention of B packed requests' new tokens over their paged KV (prefill, chunked prefill, extend, verify).
 
     Args:
@@ -211,6 +247,10 @@ def extend_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, s
         tree_mask: None for causal masking, where query i of request b (position prefix_b + i) sees keys
             [0, prefix_b + i]. Or a [B, N, N] bool tree mask (every n_b == N, so T == B*N): query i sees all prefix
             keys plus new key j iff tree_mask[b, i, j] (its ancestors and itself).
+        sliding_window: None (full attention) or W >= 1 (HF Gemma 4 sliding layers): a query at position p also
+            needs p - j < W for key j. Causal: query i sits at prefix_b + i. Tree: node i sits at prefix_b +
+            depth_i, depth_i = (number of True in tree_mask[b, i]) - 1 (at least 0), so a prefix key j is visible
+            iff prefix_b + depth_i - j < W; tree keys keep the tree mask (ancestors are within W since N <= W).
 
     Returns:
         o: [T, Hq, D] with q's dtype (fp32 accumulation). A query with no visible key gets zeros.
@@ -218,45 +258,52 @@ def extend_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, s
 
     Raises:
         ValueError: on inconsistent shapes (ranks, head_dim, Hq not a multiple of Hkv, tree_mask not [B, N, N]
-            with T == B*N), max_seqlen_q < 1 with T > 0 (Triton path), or seq_len < n_b (reference).
+            with T == B*N), max_seqlen_q < 1 with T > 0 (Triton path), seq_len < n_b (reference), or
+            sliding_window < 1 (< N with a tree mask).
+        TypeError: sliding_window neither None nor an int.
     """
     fn = extend_attention_triton if use_triton(q) else extend_attention_ref
-    return fn(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, max_seqlen_q, tree_mask)
+    return fn(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, max_seqlen_q, tree_mask,
+              sliding_window=sliding_window)
 
 
 # ---- decode (split-KV flash-decoding) and frozen-KV draft attention ------------------------------------------------
 
-def decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req=None, num_splits=None):
+def decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req=None, num_splits=None,
+                         *, sliding_window=None):
     """Torch reference of :func:`decode_attention` (same signature and result; ``num_splits`` is ignored).
 
-    Vectorised over rows: gathers up to max L keys per row and masks past each row's length.
+    Vectorised over rows, no host sync: gathers whole block-table rows (with a window, the ceil((W+P-1)/P) blocks
+    that can hold rows [L-W, L)), then masks every row outside [max(0, L - W), L) in the scores and zeroes it in
+    V, so stale values there (NaN/inf) cannot leak through 0 * NaN.
     """
     G = _check(q, k_cache, v_cache, block_table)
+    W = _window(sliding_window)
     R, Hq, D = q.shape
-    if R == 0:
+    NB, P, Hkv = k_cache.shape[:3]
+    width = block_table.shape[1]
+    if R == 0 or width == 0:
         return torch.zeros_like(q)
     req = torch.arange(R, device=q.device) if row_to_req is None else row_to_req.long()
     lens = seq_lens.long()[req]
-    max_len = int(lens.max())
-    if max_len == 0:
-        return torch.zeros_like(q)
-    P, Hkv = k_cache.shape[1], k_cache.shape[2]
-    nblk = -(-max_len // P)
-    keys = torch.arange(nblk * P, device=q.device)
-    valid = keys[None, :] < lens[:, None]  # [R, S]
-    # Blocks past a row's length may hold anything: clamp them to a real block, they are masked anyway.
-    blocks = block_table[req, :nblk].long().clamp(0, k_cache.shape[0] - 1)
-    k = k_cache[blocks].flatten(1, 2).float()  # [R, S, Hkv, D]
-    v = v_cache[blocks].flatten(1, 2).float()
-    s = torch.einsum("rkgd,rskd->rkgs", q.float().reshape(R, Hkv, G, D), k) * scale
+    lo = (lens - W).clamp(min=0)
+    nwin = min(width, -(-(W + P - 1) // P))
+    bidx = (lo // P)[:, None] + torch.arange(nwin, device=q.device)  # [R, nwin] block-table columns
+    keys = (bidx[:, :, None] * P + torch.arange(P, device=q.device)).flatten(1)  # [R, S] positions
+    valid = (keys >= lo[:, None]) & (keys < lens[:, None])
+    # Table entries past a row's blocks may hold anything: clamp to a real block id; those rows are masked.
+    blocks = block_table[req[:, None], bidx.clamp(max=width - 1)].long().clamp(0, NB - 1)
+    k = k_cache[blocks].flatten(1, 2)  # [R, S, Hkv, D]
+    v = v_cache[blocks].flatten(1, 2).masked_fill(~valid[:, :, None, None], 0.0)
+    s = torch.einsum("rkgd,rskd->rkgs", q.float().reshape(R, Hkv, G, D), k.float()) * scale
     p = torch.softmax(s.masked_fill(~valid[:, None, None, :], float("-inf")), dim=-1).nan_to_num(0.0)
-    return torch.einsum("rkgs,rskd->rkgd", p, v).reshape(R, Hq, D).to(q.dtype)
+    return torch.einsum("rkgs,rskd->rkgd", p, v.float()).reshape(R, Hq, D).to(q.dtype)
 
 
 @triton.jit
 def _decode_split_kernel(Q, K, V, BT, SL, MAP, MID_O, MID_L, qk_scale,
                          stride_qr, stride_qh, stride_kb, stride_kp, stride_kh, stride_bt, Hq, D, num_splits,
-                         G: tl.constexpr, PAGE: tl.constexpr, HAS_MAP: tl.constexpr,
+                         WINDOW, G: tl.constexpr, PAGE: tl.constexpr, HAS_MAP: tl.constexpr,
                          PREC: tl.constexpr, UPCAST: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     # One program: row r, kv head kvh, split sp; all G query heads of kvh are the rows of one tl.dot.
@@ -266,8 +313,9 @@ def _decode_split_kernel(Q, K, V, BT, SL, MAP, MID_O, MID_L, qk_scale,
     else:
         req = r
     seq_len = tl.load(SL + req)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # per-row split, whole tiles
-    start = sp * chunk
+    lo = tl.maximum(seq_len - WINDOW, 0)  # sliding window: the splits cover only the visible keys [lo, seq_len)
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N  # per-row split, whole tiles
+    start = lo + sp * chunk
     end = tl.minimum(start + chunk, seq_len)
     rows = tl.arange(0, BLOCK_H)
     head = kvh * G + rows
@@ -330,9 +378,11 @@ def _default_splits(seq_lens) -> int:
     return num_kv_splits(int(seq_lens.max()) if seq_lens.numel() else 0)
 
 
-def decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req=None, num_splits=None):
+def decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req=None, num_splits=None,
+                            *, sliding_window=None):
     """Triton path of :func:`decode_attention` (same signature and result): split-KV stage 1 + LSE merge."""
     G = _check(q, k_cache, v_cache, block_table)
+    window = _window(sliding_window)
     R, Hq, D = q.shape
     if q.stride(2) != 1:
         q = q.contiguous()
@@ -349,7 +399,7 @@ def decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, r
     _decode_split_kernel[(R, k_cache.shape[2], num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, q if row_to_req is None else row_to_req, mid_o, mid_l,
         scale * _LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_table.stride(0), Hq, D, num_splits,
+        block_table.stride(0), Hq, D, num_splits, window,
         G=G, PAGE=k_cache.shape[1], HAS_MAP=row_to_req is not None, **_prec(q),
         BLOCK_H=max(16, triton.next_power_of_2(G)), BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, num_warps=warps)
     _decode_merge_kernel[(R, Hq)](mid_o, mid_l, o, o.stride(0), o.stride(1), Hq, D, num_splits,
@@ -357,7 +407,8 @@ def decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, r
     return o
 
 
-def decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req=None, num_splits=None):
+def decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req=None, num_splits=None, *,
+                     sliding_window=None):
     """One query token per row attending a request's paged KV (flash-decoding with split KV on the Triton path).
 
     Args:
@@ -371,19 +422,24 @@ def decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_r
             (R == B).
         num_splits: KV splits per row (host int >= 1, fixed for CUDA graphs; no host sync then). None picks
             ceil(max seq_len / 256) clipped to [1, 32], which reads seq_lens on the host.
+        sliding_window: None (full attention) or W >= 1: the query sits at position seq_len - 1 and sees keys
+            [max(0, seq_len - W), seq_len) (HF Gemma 4 sliding layers); the splits divide only those keys.
 
     Returns:
         o: [R, Hq, D] with q's dtype; rows whose request has seq_len 0 are zeros. R == 0 returns an empty tensor
         without launching anything.
 
     Raises:
-        ValueError: on inconsistent shapes or num_splits < 1.
+        ValueError: on inconsistent shapes, num_splits < 1 or sliding_window < 1.
+        TypeError: sliding_window neither None nor an int.
     """
     fn = decode_attention_triton if use_triton(q) else decode_attention_ref
-    return fn(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req, num_splits)
+    return fn(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req, num_splits,
+              sliding_window=sliding_window)
 
 
-def draft_attention(q, k_cache, v_cache, block_table, seq_lens, row_to_req, scale=1.0, num_splits=None):
+def draft_attention(q, k_cache, v_cache, block_table, seq_lens, row_to_req, scale=1.0, num_splits=None, *,
+                    sliding_window=None):
     """Frozen-KV MTP draft attention: Q-only draft queries over the target's committed KV, read-only.
 
     R = B*k single-token query rows (k = topk); row r attends rows [0, L) of request ``row_to_req[r]`` in the
@@ -391,6 +447,16 @@ def draft_attention(q, k_cache, v_cache, block_table, seq_lens, row_to_req, scal
     This is :func:`decode_attention` with a row->request map; it never writes k_cache/v_cache by construction
     (no store into the cache exists on either path). ``scale`` defaults to 1.0 (Gemma assistant: q is RMS-normed).
 
+    ``sliding_window=W`` (an assistant sliding layer, W = its text config's ``sliding_window``): the row sees the
+    last W + 1 committed rows, [max(0, L - W - 1), L). This follows HF
+    ``Gemma4AssistantForCausalLM.create_attention_masks``: ``create_bidirectional_sliding_window_mask`` keeps kv
+    index k of the single query (index 0) iff |0 - k| <= W, then flips the kv axis, so the last W + 1 shared KV
+    rows stay visible (one more than a target sliding layer's W). HF's rows are the target's post-verify KV cut
+    to ``len(input_ids)``, which after a rejected draft also holds stale candidate rows; here exactly the
+    committed rows are read. Computed as decode attention with window W + 1.
+
     Shapes, dtypes, results and errors are those of :func:`decode_attention`: q [R, Hq, D] -> o [R, Hq, D].
     """
-    return decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req, num_splits)
+    window = None if sliding_window is None else _window(sliding_window) + 1
+    return decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req, num_splits,
+                            sliding_window=window)

@@ -10,18 +10,19 @@ from .context import AttnMetadata, attn_metadata
 from .cuda_graph import GraphRunner, graph_batch_sizes
 from .kernels.attention import num_kv_splits
 from .kv_cache import DUMMY_BLOCK, BlockAllocator, block_table_tensor, slot_mapping
-from .models import init_random_weights, load_weights
-from .models.llama import LlamaForCausalLM
+from .models import init_random_weights, load_weights, target_class
 from .request import Request
 from .sampler import Sampler
 from .scheduler import Batch
 
 
-def build_target(cfg, device, dtype, max_position: int, model_dir=None, seed: int = 0) -> LlamaForCausalLM:
-    """Construct the target on the meta device, materialise it on ``device`` in ``dtype``, then load the
-    checkpoint in ``model_dir`` (or random weights when None)."""
+def build_target(cfg, device, dtype, max_position: int, model_dir=None, seed: int = 0):
+    """Construct the target (``models.target_class``: Llama/Qwen3 or Gemma 4, config checked first) on the meta
+    device, materialise it on ``device`` in ``dtype``, then load the checkpoint in ``model_dir`` (or random
+    weights when None)."""
+    cls, text_config = target_class(cfg)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_position)
+        model = cls(text_config, max_position)
     model.to_empty(device=device)
     if model_dir is None:
         init_random_weights(model, seed)
@@ -58,7 +59,7 @@ class ModelRunner:
         max_pos = config.max_model_len + (config.num_draft_tokens or 1)  # verify rows sit past the last token
         weights = None if config.load_format == "dummy" else model_dir
         self.model = build_target(hf_config, self.device, self.dtype, max_pos, weights, config.seed)
-        self.vocab_size = hf_config.vocab_size
+        self.vocab_size = self.model.config.vocab_size
         self.lookahead = config.num_draft_tokens if config.speculative else 1
         self.sampler = Sampler(self.device, config.seed)
         self.kv_pools: list[torch.Tensor] = []

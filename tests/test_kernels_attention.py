@@ -96,6 +96,85 @@ def test_decode_ref_matches_dense():
         torch.testing.assert_close(o[r:r + 1], want, atol=1e-5, rtol=1e-5)
 
 
+def window_oracle(q, k, v, pos, W, scale, extra=None):
+    """Dense fp32 masked softmax for queries at positions ``pos`` [n] over contiguous keys at positions 0..L-1:
+    key j is visible iff j <= pos_i and pos_i - j < W (HF sliding_window_overlay on the causal mask); ``extra``
+    [n, L] bool replaces the causal part (a tree mask)."""
+    j = torch.arange(k.shape[0])
+    allowed = (j[None, :] <= pos[:, None]) if extra is None else extra
+    allowed = allowed & (pos[:, None] - j[None, :] < W)
+    g = q.shape[1] // k.shape[1]
+    s = torch.einsum("ihd,jhd->hij", q.float(), k.float().repeat_interleave(g, 1)) * scale
+    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1)
+    return torch.einsum("hij,jhd->ihd", p, v.float().repeat_interleave(g, 1))
+
+
+@pytest.mark.parametrize("W", [1, 3, 5, 64])
+def test_extend_ref_window_matches_dense_causal(W):
+    lens, ns = [9, 16, 23, 30], [9, 4, 7, 30]  # prefill, chunked prefill with prefix 12 / 16; page 4
+    q, kc, vc, bt, cu, sl, _, ks, vs = extend_inputs(lens, ns, 6, 2, 16, 4, seed=W)
+    o = A.extend_attention_ref(q, kc, vc, bt, cu, sl, 0.37, max(ns), sliding_window=W)
+    for b, (L, n) in enumerate(zip(lens, ns)):
+        want = window_oracle(q[cu[b]:cu[b + 1]], ks[b], vs[b], L - n + torch.arange(n), W, 0.37)
+        torch.testing.assert_close(o[cu[b]:cu[b + 1]], want, atol=1e-5, rtol=1e-5)
+    if W < 9:  # the window changes the result
+        assert (o - A.extend_attention_ref(q, kc, vc, bt, cu, sl, 0.37, max(ns))).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("W", [6, 9])
+def test_extend_ref_window_matches_dense_tree(W):
+    lens, N = [11, 20, 6], 6
+    q, kc, vc, bt, cu, sl, tm, ks, vs = extend_inputs(lens, [N] * 3, 4, 2, 32, 4, seed=W, tree=True)
+    o = A.extend_attention_ref(q, kc, vc, bt, cu, sl, 0.2, N, tree_mask=tm, sliding_window=W)
+    for b, L in enumerate(lens):
+        depth = tm[b].sum(-1) - 1  # ancestors + self, minus self
+        tree_part = torch.cat([torch.ones(N, L - N, dtype=torch.bool), tm[b]], 1)
+        want = window_oracle(q[b * N:(b + 1) * N], ks[b], vs[b], L - N + depth, W, 0.2, extra=tree_part)
+        torch.testing.assert_close(o[b * N:(b + 1) * N], want, atol=1e-5, rtol=1e-5)
+    assert (o - A.extend_attention_ref(q, kc, vc, bt, cu, sl, 0.2, N, tree_mask=tm)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("W", [1, 5, 16, 100])
+def test_decode_ref_window_matches_dense(W):
+    lens = [7, 16, 30, 1]
+    kc, vc, bt, ks, vs = make_paged(lens, 1, 32, 4, seed=W)
+    r2r = torch.tensor([0, 2, 2, 1, 3, 1], dtype=torch.int32)
+    q = torch.randn(6, 3, 32)
+    o = A.decode_attention_ref(q, kc, vc, bt, torch.tensor(lens, dtype=torch.int32), 0.5, r2r, sliding_window=W)
+    for r, b in enumerate(r2r.tolist()):
+        want = window_oracle(q[r:r + 1], ks[b], vs[b], torch.tensor([lens[b] - 1]), W, 0.5)
+        torch.testing.assert_close(o[r:r + 1], want, atol=1e-5, rtol=1e-5)
+
+
+def test_draft_window_follows_hf_assistant_mask():
+    # The rows an HF Gemma 4 assistant sliding layer sees over L shared (committed) KV rows, from HF itself.
+    from transformers import Gemma4TextConfig
+    from transformers.models.gemma4_assistant.modeling_gemma4_assistant import (
+        Gemma4AssistantForCausalLM,
+    )
+
+    W, lens = 4, [1, 3, 4, 5, 6, 12]
+    cfg = Gemma4TextConfig(hidden_size=8, num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
+                           head_dim=8, sliding_window=W, vocab_size=16, layer_types=["sliding_attention",
+                                                                                      "full_attention"])
+    cfg._attn_implementation = "eager"
+    fake = type("Fake", (), {"config": cfg})()
+    kc, vc, bt, ks, vs = make_paged(lens, 2, 16, 4, seed=17)
+    q = torch.randn(len(lens), 4, 16)
+    got = A.draft_attention(q, kc, vc, bt, torch.tensor(lens, dtype=torch.int32),
+                            torch.arange(len(lens), dtype=torch.int32), sliding_window=W)
+    for b, L in enumerate(lens):
+        kv = torch.zeros(1, 1, L, 8)
+        masks = Gemma4AssistantForCausalLM.create_attention_masks(
+            fake, torch.zeros(1, 1, 8), torch.ones(1, L, dtype=torch.long),
+            {"full_attention": (kv, kv), "sliding_attention": (kv, kv)})
+        m = masks["sliding_attention"]
+        seen = torch.ones(L, dtype=torch.bool) if m is None else (m[0, 0, 0] == 0)  # additive mask: 0 = visible
+        want = dense(q[b:b + 1], ks[b], vs[b], seen[None], 1.0)
+        torch.testing.assert_close(got[b:b + 1], want, atol=1e-5, rtol=1e-5)
+        assert seen.sum() == min(L, W + 1) and seen[-1]  # the last W + 1 rows
+
+
 # ---------------------------------------------------------------- Triton (interpreter) vs references
 
 EXTEND_CASES = [
@@ -190,6 +269,49 @@ def test_decode_triton_matches_ref(dtype, hq, hkv, d, page, lens, r2r):
         assert torch.all(got[zero_rows] == 0) and torch.isfinite(got.float()).all()
 
 
+WINDOW_CASES = [
+    # dtype, hq, hkv, d, page, lens, new tokens, window
+    (torch.float32, 2, 1, 16, 4, [100, 40, 9], [100, 5, 9], 7),    # prefill over many tiles; chunk; W < n
+    (torch.float32, 6, 2, 32, 16, [70, 33], [37, 16], 33),        # window not a tile or page multiple
+    (torch.bfloat16, 4, 2, 32, 4, [48, 17], [48, 4], 1),           # only the query itself
+    (torch.float16, 3, 1, 64, 4, [13, 4], [6, 4], 200),            # window past every length
+]
+
+
+@pytest.mark.parametrize("dtype,hq,hkv,d,page,lens,ns,W", WINDOW_CASES)
+def test_extend_triton_window_matches_ref(dtype, hq, hkv, d, page, lens, ns, W):
+    q, kc, vc, bt, cu, sl, _, _, _ = extend_inputs(lens, ns, hq, hkv, d, page, dtype, seed=W)
+    got = A.extend_attention_triton(q, kc, vc, bt, cu, sl, d ** -0.5, max(ns), sliding_window=W)
+    want = A.extend_attention_ref(q, kc, vc, bt, cu, sl, d ** -0.5, max(ns), sliding_window=W)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("W", [5, 8, 30])
+def test_tree_triton_window_matches_ref(W):
+    lens, N = [5, 12, 26, 41], 5  # prefix 0, 7, 21 and 36
+    q, kc, vc, bt, cu, sl, tm, _, _ = extend_inputs(lens, [N] * 4, 4, 2, 32, 4, seed=W, tree=True)
+    got = A.extend_attention_triton(q, kc, vc, bt, cu, sl, 0.3, N, tree_mask=tm, sliding_window=W)
+    want = A.extend_attention_ref(q, kc, vc, bt, cu, sl, 0.3, N, tree_mask=tm, sliding_window=W)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("W", [1, 6, 40])
+def test_decode_triton_window_matches_ref(W):
+    lens = [97, 12, 0, 40]
+    kc, vc, bt, _, _ = make_paged(lens, 2, 32, 4, seed=W)
+    sl = torch.tensor(lens, dtype=torch.int32)
+    r2r = torch.tensor([3, 0, 1, 2, 0, 3], dtype=torch.int32)
+    q = torch.randn(6, 4, 32)
+    want = A.decode_attention_ref(q, kc, vc, bt, sl, 0.2, r2r, sliding_window=W)
+    for splits in (None, 1, 3, 8):
+        got = A.decode_attention_triton(q, kc, vc, bt, sl, 0.2, r2r, splits, sliding_window=W)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.all(want[3] == 0)
+    draft = A.draft_attention(q, kc, vc, bt, sl, r2r, 0.2, sliding_window=W)  # one more row than decode
+    torch.testing.assert_close(draft, A.decode_attention_ref(q, kc, vc, bt, sl, 0.2, r2r, sliding_window=W + 1))
+
+
 def test_decode_many_splits_more_than_tiles():
     # 32 splits over 10 keys: most splits are empty and must merge to nothing (no NaN, no garbage)
     kc, vc, bt, _, _ = make_paged([10, 3], 2, 16, 4, seed=9)
@@ -221,8 +343,8 @@ def test_draft_attention_is_readonly_decode(backend):
 
 def test_dispatch(monkeypatch, triton_backend):
     calls = []
-    monkeypatch.setattr(A, "decode_attention_triton", lambda *a: calls.append("triton") or "t")
-    monkeypatch.setattr(A, "decode_attention_ref", lambda *a: calls.append("ref") or "r")
+    monkeypatch.setattr(A, "decode_attention_triton", lambda *a, **k: calls.append("triton") or "t")
+    monkeypatch.setattr(A, "decode_attention_ref", lambda *a, **k: calls.append("ref") or "r")
     cpu = torch.device("cpu")  # explicit: "auto" must pick the reference for CPU tensors, also on GPU machines
     kv = torch.zeros(1, 4, 1, 16, device=cpu)
     args = (torch.zeros(1, 1, 16, device=cpu), kv, kv, torch.zeros(1, 1, dtype=torch.int32, device=cpu),
@@ -275,3 +397,24 @@ def test_shape_errors():
         A.extend_attention_ref(torch.zeros(3, 2, 16), kc, vc, bt, cu, torch.tensor([2], dtype=torch.int32), 1.0, 3)
     with pytest.raises(ValueError, match="num_splits"):
         A.decode_attention_triton(torch.zeros(1, 2, 16), kc, vc, bt, sl, 1.0, None, 0)
+
+
+def test_sliding_window_errors():
+    kc = vc = torch.zeros(2, 4, 2, 16)
+    bt = torch.zeros(1, 2, dtype=torch.int32)
+    sl = torch.tensor([3], dtype=torch.int32)
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    q = torch.zeros(3, 2, 16)
+    tm = torch.ones(1, 3, 3, dtype=torch.bool)
+    for fn in (A.extend_attention_ref, A.extend_attention_triton):
+        with pytest.raises(ValueError, match="sliding_window must be >= 1"):
+            fn(q, kc, vc, bt, cu, sl, 1.0, 3, sliding_window=0)
+        with pytest.raises(ValueError, match="sliding_window must be >= 3"):
+            fn(q, kc, vc, bt, cu, sl, 1.0, 3, tm, sliding_window=2)  # a tree needs W >= N
+        with pytest.raises(TypeError, match="sliding_window"):
+            fn(q, kc, vc, bt, cu, sl, 1.0, 3, sliding_window=2.0)
+    for fn in (A.decode_attention_ref, A.decode_attention_triton):
+        with pytest.raises(ValueError, match="sliding_window must be >= 1"):
+            fn(q[:1], kc, vc, bt, sl, 1.0, sliding_window=0)
+    with pytest.raises(ValueError, match="sliding_window must be >= 1"):
+        A.draft_attention(q[:1], kc, vc, bt, sl, torch.zeros(1, dtype=torch.int32), sliding_window=0)

@@ -1,36 +1,47 @@
-"""Model definitions (the Llama-family target, the Frozen-KV MTP drafter) and their weight loading."""
+"""Model definitions (the Llama-family and Gemma 4 targets, the Frozen-KV MTP drafter), weight loading."""
+import logging
 from collections.abc import Iterable
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], skip: tuple[str, ...] = ()) -> None:
     """Copy checkpoint tensors into ``model`` by HF name, packing q/k/v and gate/up through the model's
     ``packed_modules_mapping`` (a linear with ``shard_sizes`` takes shard i at its offset).
 
-    A model's ``strip_prefix`` (e.g. "model.") is removed from checkpoint names. Names in ``skip`` (substrings)
-    and rotary caches are ignored. Raises ValueError naming the tensor when a checkpoint tensor has no parameter
-    or the wrong shape, or when a parameter (or one shard of a packed one) gets no tensor.
+    A model's ``strip_prefix`` (e.g. "model.", or a tuple tried in order) is removed from checkpoint names.
+    Names in ``skip`` (substrings) and rotary caches are ignored; so are names matching the model's
+    ``unused_weights`` (substrings, e.g. a multimodal checkpoint's vision tower), counted in one info line.
+    Raises ValueError naming the tensor when a checkpoint tensor has no parameter (or no shard) or the wrong
+    shape, or when a parameter (or one shard of a packed one) gets no tensor.
     """
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules_mapping", {})
     modules = dict(model.named_modules())
-    loaded = set()
+    prefixes = getattr(model, "strip_prefix", "")
+    prefixes = (prefixes,) if isinstance(prefixes, str) else prefixes
+    unused = tuple(getattr(model, "unused_weights", ()))
+    loaded, skipped = set(), []
     for name, t in tensors:
         if "rotary_emb" in name or any(s in name for s in skip):
             continue
-        name = name.removeprefix(getattr(model, "strip_prefix", ""))
+        if any(s in name for s in unused):
+            skipped.append(name)
+            continue
+        name = next((name.removeprefix(p) for p in prefixes if name.startswith(p)), name)
         target, shard = name, None
         for src, (dst, idx) in packed.items():
             if f".{src}." in name:
                 target, shard = name.replace(f".{src}.", f".{dst}."), idx
                 break
-        if target not in params:
+        sizes = getattr(modules.get(target.rsplit(".", 1)[0]), "shard_sizes", [])
+        if target not in params or (shard is not None and shard >= len(sizes)):  # v_proj of a k_eq_v layer
             raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
         p = params[target]
         if shard is not None:
-            sizes = modules[target.rsplit(".", 1)[0]].shard_sizes
             p = p.data.narrow(0, sum(sizes[:shard]), sizes[shard])
         if p.shape != t.shape:
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
@@ -41,6 +52,31 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], 
         (n, i) in loaded for i in range(len(getattr(modules[n.rsplit(".", 1)[0]], "shard_sizes", [0]))))]
     if missing:
         raise ValueError(f"checkpoint is missing weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if skipped:
+        logger.info("%s: skipped %d checkpoint tensors it does not use, e.g. %r", type(model).__name__,
+                    len(skipped), skipped[0])
+
+
+def target_class(hf_config) -> tuple[type[nn.Module], object]:
+    """The target model class for an HF config and the (text) config to build it from.
+
+    llama / qwen3 -> ``LlamaForCausalLM``; gemma4_text (``Gemma4ForCausalLM``) and gemma4
+    (``Gemma4ForConditionalGeneration``, its ``text_config``) -> ``Gemma4ForCausalLM``, whose config is
+    checked here (before any weights load). Raises ValueError naming ``model_type`` for anything else, or the
+    unsupported Gemma 4 field (:func:`gemma4.check_config`).
+    """
+    from .gemma4 import Gemma4ForCausalLM, check_config
+    from .llama import LlamaForCausalLM
+
+    mt = getattr(hf_config, "model_type", None)
+    if mt in ("llama", "qwen3"):
+        return LlamaForCausalLM, hf_config
+    if mt in ("gemma4", "gemma4_text"):
+        tc = hf_config.get_text_config() if mt == "gemma4" else hf_config
+        check_config(tc)
+        return Gemma4ForCausalLM, tc
+    raise ValueError(f"model_type: {mt!r} is not supported; allowed values: llama, qwen3, gemma4_text, "
+                     "gemma4")
 
 
 def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:

@@ -96,9 +96,9 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """The target model. ``forward(input_ids [T], positions [T]) -> hidden [T, H]`` (post final norm, the
-    Frozen-KV MTP seed hidden); ``compute_logits(hidden) -> [T, V]`` fp32. Every layer owns its KV:
-    ``kv_layer_types`` (each layer's attention type, for the drafter's layer map), ``kv_geometry`` (each layer's
-    (num_kv_heads, head_dim); None would mark a KV-shared layer) and ``kv_owner`` (the layer whose KV it reads)."""
+    Frozen-KV MTP seed hidden); ``compute_logits(hidden) -> [T, V]`` fp32. Every layer owns its KV
+    (``kv_layer_types`` lists each layer's attention type for the drafter's layer map; ``kv_geometry`` its
+    (num_kv_heads, head_dim); ``kv_owner`` is the identity), and the embedding is unscaled (``embed_scale`` 1)."""
 
     strip_prefix = "model."  # HF nests everything but lm_head under "model."
     packed_modules_mapping = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -118,6 +118,7 @@ class LlamaForCausalLM(nn.Module):
         self.kv_layer_types = ["full_attention"] * cfg.num_hidden_layers
         self.kv_geometry = [(self.num_kv_heads, self.head_dim)] * cfg.num_hidden_layers
         self.kv_owner = list(range(cfg.num_hidden_layers))
+        self.embed_scale = 1.0
         rope = dict(getattr(cfg, "rope_parameters", None) or {})
         self.rope_theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
         self.rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
@@ -126,6 +127,10 @@ class LlamaForCausalLM(nn.Module):
 
     def init_buffers(self, device):
         self.cos_sin = rope_cos_sin(self.head_dim, self.max_position, self.rope_theta, self.rope_scaling, device)
+
+    def rope_for(self, layer_type: str) -> torch.Tensor:
+        """The cos/sin table (one for all layers)."""
+        return self.cos_sin
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
