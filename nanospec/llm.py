@@ -66,8 +66,10 @@ class LLM:
         graphs = self.runner.capture_graphs(mtp=self.worker.draft_verify if self.worker else None)
         if self.worker is not None:
             self.worker.set_graphs(graphs)
-        release = self.worker.on_release if self.worker else None
+        release = self.worker.on_release if self.worker is not None else self.runner.on_release
         self.scheduler = Scheduler(c, allocator, self.runner.lookahead, on_release=release)
+        self.overlap = c.overlap_schedule if c.overlap_schedule is not None else self.runner.device.type == "cuda"
+        self._inflight = None  # (batch, output) launched but not yet committed
         self._next_id = 0
         self._stash: list[Request] = []  # finished add_request() requests seen by generate(), kept for step()
 
@@ -103,24 +105,42 @@ class LLM:
         return req.request_id
 
     def step(self) -> list[Request]:
-        """One engine step: plan -> run -> commit. Returns the requests that finished in it (and any finished
-        earlier inside a ``generate`` call that did not own them, or aborted)."""
+        """One engine step: plan -> launch -> commit. Returns the requests that finished in it (and any finished
+        earlier inside a ``generate`` call that did not own them, or aborted).
+
+        With ``overlap_schedule`` the step commits the *previous* step's results after launching this one, so
+        the host plans and launches step n+1 while the device still runs step n (CUDA runs asynchronously); the
+        next inputs stay on the device. Without it the step commits its own results at once. Same code path.
+        """
         stashed, self._stash = self._stash, []
         batch = self.scheduler.schedule()
-        if batch is None:
-            return stashed
-        self.num_steps_run += 1
+        launched = None
+        if batch is not None:
+            self.num_steps_run += 1
+            launched = (batch, self._launch(batch))
+            self.scheduler.on_launch(batch)
+        finished = []
+        if self._inflight is not None:
+            finished = self._commit(*self._inflight)
+        self._inflight = launched
+        if not self.overlap and launched is not None:
+            finished += self._commit(*launched)
+            self._inflight = None
+        return stashed + finished
+
+    def _launch(self, batch):
+        """Queue a step's device work (no host sync): prefill, or one decode / speculative step."""
+        owner = self.worker if self.worker is not None else self.runner  # the keeper of the next inputs
         if batch.kind == "prefill":
             out = self.runner.prefill(batch)
-            if self.worker is not None and out.done:
-                self.worker.on_prefill_done(out.done, out.bonus, out.hidden)
-            finished = self.scheduler.postprocess(batch, out.tokens)
-        elif self.worker is not None:
-            out = self.worker.step(batch.reqs)
-            finished = self.scheduler.postprocess(batch, out.tokens, out.accept_lens)
-        else:
-            finished = self.scheduler.postprocess(batch, self.runner.decode(batch.reqs))
-        return stashed + finished
+            if out.done:
+                owner.on_prefill_done(out.done, out.bonus, out.hidden)
+            return out
+        return owner.step(batch.reqs) if self.worker is not None else self.runner.decode(batch.reqs)
+
+    def _commit(self, batch, out) -> list[Request]:
+        accept = out.accept_lens if batch.kind == "decode" and out.speculative else None
+        return self.scheduler.commit(batch, out.tokens, accept)
 
     def abort_request(self, request_id: int) -> bool:
         """Stop a queued or running request now (finish_reason "abort"; the next ``step`` returns it). Its KV
@@ -131,7 +151,7 @@ class LLM:
         return req is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     def output_dict(self, req: Request) -> dict:
         out = {"text": req.output_text(), "token_ids": list(req.output_token_ids),

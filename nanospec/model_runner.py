@@ -13,7 +13,8 @@ from .kv_cache import DUMMY_BLOCK, BlockAllocator, block_table_tensor, slot_mapp
 from .models import init_random_weights, load_weights, target_class
 from .request import Request
 from .sampler import Sampler
-from .scheduler import Batch
+from .mtp.state import DraftInput
+from .scheduler import Batch, StepOutput
 
 
 def build_target(cfg, device, dtype, max_position: int, model_dir=None, seed: int = 0):
@@ -35,14 +36,27 @@ def build_target(cfg, device, dtype, max_position: int, model_dir=None, seed: in
 
 @dataclass
 class PrefillOutput:
-    """``tokens[i]``: what request i emits (its first token; empty for an unfinished chunk or a resumed
-    request); ``done``: the requests whose prefill ended; ``bonus`` [len(done)] int64: each one's newest token
-    (the bonus token of its first draft); ``hidden`` [len(done), H]: the target's hidden at its last row."""
+    """A prefill step's results, still on the device. ``done``: the requests whose prefill ended; ``bonus``
+    [len(done)] int64: each one's newest token (sampled now for a new request, its last output for a resumed
+    one): the bonus token of its first draft; ``hidden`` [len(done), H]: the target's hidden at its last row;
+    ``tokens`` (host, on first use): what each request of the batch emits (its first token, or nothing)."""
 
-    tokens: list[list[int]]
+    num_reqs: int
+    done_idx: list[int]
+    new_idx: list[int]
     done: list[Request]
     bonus: torch.Tensor
     hidden: torch.Tensor
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        out = [[] for _ in range(self.num_reqs)]
+        if self.new_idx:
+            toks = self.bonus.tolist()
+            for j, i in enumerate(self.done_idx):
+                if i in self.new_idx:
+                    out[i] = [toks[j]]
+        return out
 
 
 class ModelRunner:
@@ -65,6 +79,7 @@ class ModelRunner:
         self.kv_pools: list[torch.Tensor] = []
         self.allocator: BlockAllocator | None = None
         self.graphs: GraphRunner | None = None
+        self.decode_inputs = DraftInput.idle(0, self.device, self.dtype)
 
     # ---- KV pools --------------------------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -194,31 +209,45 @@ class ModelRunner:
     # ---- running -----------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, batch: Batch) -> PrefillOutput:
-        """Run one prefill step (chunks of several requests). New requests whose prompt completes sample their
-        first token; resumed ones (after preemption) emit nothing: their newest token is already out."""
+        """Run one prefill step (chunks of several requests), no host sync. New requests whose prompt completes
+        sample their first token; resumed ones (after preemption) emit nothing: their newest token is out."""
         if not batch.reqs:  # DESIGN §4 rule 4: an empty step never reaches attention metadata
-            return PrefillOutput([], [], torch.zeros(0, dtype=torch.long), torch.zeros(0))
+            return PrefillOutput(0, [], [], [], torch.zeros(0, dtype=torch.long), torch.zeros(0))
         ids, pos, md, last = self.prepare_prefill(batch)
         with attn_metadata(md):
             hidden = self.model(ids, pos)
         done = [i for i in range(len(batch.reqs)) if batch.completes(i)]
-        out = [[] for _ in batch.reqs]
         new = [i for i in done if not batch.reqs[i].output_token_ids]
+        bonus = self._tensor([batch.reqs[i].last_token for i in done])
         if new:
             reqs = [batch.reqs[i] for i in new]
-            toks = self.sampler.sample(reqs, self.model.compute_logits(hidden[[last[i] for i in new]]))
-            for i, t in zip(new, toks.tolist()):
-                out[i] = [t]
-        bonus = [out[i][0] if out[i] else batch.reqs[i].last_token for i in done]
-        return PrefillOutput(out, [batch.reqs[i] for i in done], self._tensor(bonus), hidden[[last[i] for i in done]])
+            sampled = self.sampler.sample(reqs, self.model.compute_logits(hidden[[last[i] for i in new]]))
+            bonus[[done.index(i) for i in new]] = sampled
+        return PrefillOutput(len(batch.reqs), done, new, [batch.reqs[i] for i in done], bonus,
+                             hidden[[last[i] for i in done]])
+
+    # ---- plain decode: next inputs on the device (as the MTP worker keeps its draft inputs) ------------------------
+    def on_prefill_done(self, reqs, first_tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Plain decode: each finished prefill's first input (its newest token at position L)."""
+        L = self._tensor([r.prefill_len for r in reqs], torch.int32)
+        self.decode_inputs = self.decode_inputs.merge(DraftInput([r.request_id for r in reqs], first_tokens,
+                                                                 hidden[:, :0], L))
+
+    def on_release(self, reqs, reason: str) -> None:
+        gone = {r.request_id for r in reqs}
+        self.decode_inputs = self.decode_inputs.filter([i for i in self.decode_inputs.req_ids if i not in gone])
 
     @torch.inference_mode()
-    def decode(self, reqs: list[Request]) -> list[list[int]]:
-        """One plain decode step: each request's next token."""
+    def decode(self, reqs: list[Request]) -> StepOutput:
+        """One plain decode step: each request's next token, inputs gathered on the device (no host sync)."""
         if not reqs:  # DESIGN §4 rule 4
-            return []
-        ids, pos, md = self.prepare_decode(reqs)
-        inputs = {"ids": ids, "pos": pos, "slots": md.slot_mapping, "block_table": md.block_table,
-                  "seq_lens": md.seq_lens}
-        logits = self.graphs.run("decode", inputs, md.num_splits)
-        return [[t] for t in self.sampler.sample(reqs, logits).tolist()]
+            return StepOutput(torch.zeros(0, 2, dtype=torch.long))
+        inp = self.decode_inputs.filter([r.request_id for r in reqs])
+        bt, pos = block_table_tensor(reqs, self.device), inp.seq_lens.long()
+        slots = slot_mapping(bt, torch.arange(len(reqs), device=self.device), pos, self.config.page_size)
+        bound = max(r.num_computed + r.num_inflight for r in reqs) + 1
+        inputs = {"ids": inp.bonus_tokens, "pos": pos, "slots": slots, "block_table": bt,
+                  "seq_lens": inp.seq_lens + 1}
+        toks = self.sampler.sample(reqs, self.graphs.run("decode", inputs, num_kv_splits(bound)))
+        self.decode_inputs = self.decode_inputs.merge(DraftInput(inp.req_ids, toks, inp.hidden, inp.seq_lens + 1))
+        return StepOutput(torch.stack([torch.ones_like(toks), toks], 1))

@@ -27,6 +27,8 @@ class Request:
         self.status = Status.WAITING
         self.block_table: list[int] = []
         self.num_computed = 0
+        self.num_inflight = 0  # decode steps launched but not yet committed (overlap scheduling: 0 or 1)
+        self.epoch = 0  # bumped by preemption: a step launched in an earlier epoch is dropped
         self.finish_reason: str | None = None
         self.stop_str_index: int | None = None  # where the text is cut, when a stop string matched
         self.accept_lengths: list[int] = []

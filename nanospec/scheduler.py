@@ -2,6 +2,8 @@
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from .config import EngineConfig
 from .kv_cache import BlockAllocator
 from .request import Request, Status
@@ -15,18 +17,49 @@ class Batch:
     kind: str
     reqs: list[Request]
     num_new: list[int] = field(default_factory=list)
+    epochs: list[int] = field(default_factory=list)  # each request's epoch at launch (set by on_launch)
+    done: list[bool] = field(default_factory=list)  # prefill: whether request i's prompt completes (on_launch)
 
     def completes(self, i: int) -> bool:
-        """Whether request i's prefill finishes this step (a new request then samples its first token)."""
+        """Whether request i's prefill finishes this step (a new request then samples its first token); valid
+        until ``on_launch`` advances ``num_computed``."""
         r = self.reqs[i]
         return self.kind == "decode" or r.num_computed + self.num_new[i] == r.prefill_len
 
 
-class Scheduler:
-    """Plans steps (``schedule``) and applies their results (``postprocess``).
+@dataclass
+class StepOutput:
+    """What a decode step emits, still on the device: ``rows`` [B, 1 + K] int64 = (accept_len, then that many
+    tokens: the accepted drafts and the bonus token; plain decode: 1 and the sampled token). ``tokens`` and
+    ``accept_lens`` make the step's one host copy on first use."""
 
-    ``lookahead`` is how many KV rows beyond the committed length one decode step writes: 1 for plain
-    decode, N (draft tokens verified) under speculation. Preempted requests free all their blocks, keep their
+    rows: torch.Tensor
+    speculative: bool = False
+    _host: list | None = None
+
+    def _rows(self) -> list[list[int]]:
+        if self._host is None:
+            self._host = self.rows.tolist()
+        return self._host
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        return [row[1:1 + row[0]] for row in self._rows()]
+
+    @property
+    def accept_lens(self) -> list[int]:
+        return [row[0] for row in self._rows()]
+
+
+class Scheduler:
+    """Plans steps (``schedule``), books them when they are launched (``on_launch``: prefill progress, which
+    needs no result) and commits their results (``commit``: tokens, finish, release).
+
+    With overlap scheduling the host plans step n+1 before it has committed step n: a decode request may then
+    have one step in flight, so KV is reserved for two lookaheads and the step's inputs come from the device.
+    A request that finished (or was preempted) after a step was launched is skipped when that step commits,
+    so nothing past its stop is ever emitted. ``lookahead`` is how many KV rows beyond the committed length one
+    decode step writes: 1 for plain decode, N (draft tokens verified) under speculation. Preempted requests free all their blocks, keep their
     outputs, and are recomputed by a later prefill over prompt + outputs (nothing is lost).
     ``on_release(reqs, reason)`` is called by ``_release``, the one exit from the running set (finish, abort,
     preemption), in the same call that frees the request's KV blocks: the MTP worker drops its draft input there.
@@ -107,7 +140,7 @@ class Scheduler:
         scheduled = []
         while self.running:
             req = self.running.pop(0)
-            need = req.num_computed + self.lookahead
+            need = req.num_computed + self.lookahead * (1 + req.num_inflight)
             while not self.allocator.can_allocate(req, need):
                 victim = self.running.pop() if self.running else req
                 self._preempt(victim)
@@ -121,6 +154,8 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self._release(req, "preempted")
+        req.epoch += 1  # a step still in flight for it is dropped when it commits
+        req.num_inflight = 0
         req.num_computed = 0
         req.status = Status.WAITING
         # A half-prefilled head holds blocks and must finish first: queued in front of it, a victim that does not
@@ -128,29 +163,47 @@ class Scheduler:
         self.waiting.insert(1 if self.waiting and self.waiting[0].num_computed else 0, req)
         self.num_preemptions += 1
 
-    def postprocess(self, batch: Batch, new_tokens: list[list[int]], accept_lens: list[int] | None = None):
-        """Commit a step's results; returns the requests that finished. ``new_tokens[i]`` are request i's
-        sampled tokens (empty for an unfinished prefill chunk); under speculation they are the accepted drafts
-        plus the bonus token, whose K/V rows (all but the bonus) the verify step committed, and ``accept_lens[i]``
-        is recorded in ``accept_lengths`` (before any cut by a stop rule). The one place tokens are committed."""
-        finished = []
-        for i, (req, toks) in enumerate(zip(batch.reqs, new_tokens)):
-            if batch.kind == "prefill":
-                done = batch.completes(i)
-                req.num_computed += batch.num_new[i]
-                self.allocator.register_prefill(req, req.num_computed)
-                if not done:
-                    continue
+    def on_launch(self, batch: Batch) -> None:
+        """Book a launched step: prefill progress (a finished prompt moves its request to running, where the
+        next plan can decode it before its first token reaches the host); decode rows are in flight."""
+        batch.epochs = [r.epoch for r in batch.reqs]
+        batch.done = [batch.completes(i) for i in range(len(batch.reqs))]
+        for i, req in enumerate(batch.reqs):
+            if batch.kind == "decode":
+                req.num_inflight += 1
+                continue
+            req.num_computed += batch.num_new[i]
+            self.allocator.register_prefill(req, req.num_computed)
+            if batch.done[i]:
                 self.waiting.remove(req)
                 req.status = Status.RUNNING
                 self.running.append(req)
-            else:
+
+    def commit(self, batch: Batch, new_tokens: list[list[int]], accept_lens: list[int] | None = None):
+        """Commit a launched step's results; returns the requests that finished. ``new_tokens[i]`` are request
+        i's sampled tokens (empty for an unfinished prefill chunk or a resumed request); under speculation the
+        accepted drafts plus the bonus token, whose K/V rows (all but the bonus) the verify step committed, and
+        ``accept_lens[i]`` is recorded in ``accept_lengths`` (before any cut by a stop rule). The one place
+        tokens are committed; every token is checked for a stop (DESIGN §4 rule 5)."""
+        finished = []
+        for i, (req, toks) in enumerate(zip(batch.reqs, new_tokens)):
+            if req.is_finished or req.epoch != batch.epochs[i]:
+                continue  # finished, aborted or preempted after this step was launched: emit nothing
+            if batch.kind == "decode":
+                req.num_inflight -= 1
                 req.num_computed += len(toks)
                 if accept_lens is not None:
                     req.accept_lengths.append(accept_lens[i])
+            elif not batch.done[i]:
+                continue
             req.append_tokens(toks)
             if req.is_finished:
                 self.running.remove(req)
                 self._release(req, "finished")
                 finished.append(req)
         return finished
+
+    def postprocess(self, batch: Batch, new_tokens: list[list[int]], accept_lens: list[int] | None = None):
+        """``on_launch`` then ``commit``: a step run without overlap."""
+        self.on_launch(batch)
+        return self.commit(batch, new_tokens, accept_lens)

@@ -177,7 +177,8 @@ def test_rule1_draft_input_filter_merge_mix():
 
     def seeds(ids):  # row of request r: bonus 10*r, hidden filled with r
         return DraftInput(list(ids), torch.tensor([10 * r for r in ids], dtype=torch.long),
-                          torch.tensor([[float(r)] * Hb for r in ids]).reshape(len(ids), Hb))
+                          torch.tensor([[float(r)] * Hb for r in ids]).reshape(len(ids), Hb),
+                          torch.tensor([100 + r for r in ids], dtype=torch.int32))
 
     def check(x, ids):
         assert x.req_ids == list(ids)
@@ -185,6 +186,7 @@ def test_rule1_draft_input_filter_merge_mix():
         assert x.bonus_tokens.dtype == torch.long and x.hidden.dtype == torch.float32
         assert x.bonus_tokens.tolist() == [10 * r for r in ids]
         assert torch.equal(x.hidden, seeds(ids).hidden)
+        assert x.seq_lens.dtype == torch.int32 and x.seq_lens.tolist() == [100 + r for r in ids]
 
     idle = DraftInput.idle(Hb, "cpu", torch.float32)
     check(idle, [])
@@ -199,10 +201,11 @@ def test_rule1_draft_input_filter_merge_mix():
     check(batch.filter([]).merge(seeds([7])), [7])
     check(idle.filter([1]), [])
     # preempt -> re-prefill: request 2's new seed replaces its old row, no duplicate
-    fresh = DraftInput([2], torch.tensor([99]), torch.full((1, Hb), -2.0))
+    fresh = DraftInput([2], torch.tensor([99]), torch.full((1, Hb), -2.0), torch.tensor([7], dtype=torch.int32))
     m = batch.merge(fresh)
     assert m.req_ids == [1, 3, 5, 6, 2] and m.bonus_tokens.shape == (5,) and m.hidden.shape == (5, Hb)
     assert m.bonus_tokens.tolist() == [10, 30, 50, 60, 99] and m.hidden[-1].eq(-2.0).all()
+    assert m.seq_lens.tolist() == [101, 103, 105, 106, 7]
     check(m.filter([1, 3, 5, 6]), [1, 3, 5, 6])
 
 
@@ -378,7 +381,7 @@ def test_rule3_long_prompt_num_steps_1(tiny_llama_dir, asst_dir, record_draft_me
 def test_rule4_zero_row_step_engine(tiny_llama_dir, asst_dir):
     llm = make_llm(tiny_llama_dir, asst_dir, num_steps=3)
     assert llm.step() == [] and not llm.has_unfinished()
-    assert llm.worker.step([]).tokens == [] and llm.runner.decode([]) == []
+    assert llm.worker.step([]).tokens == [] and llm.runner.decode([]).tokens == []
     assert llm.runner.prefill(Batch("prefill", [])).tokens == []
     assert len(llm.worker.draft_inputs) == 0
     llm.add_request(PROMPTS[0], greedy(5))

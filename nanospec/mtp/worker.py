@@ -10,7 +10,7 @@ scheduler's release path calls 6; nothing else creates, updates, filters or rele
 3. ``set_graphs(graphs)``: the runner's graph runner, once the ``mtp`` phase (``draft_verify``) is captured.
 4. ``on_prefill_done(reqs, first_tokens, hidden)``: a request's prefill ends; its draft input is born from the
    token it emits first (the bonus token) and the target's hidden at its last prompt row.          [rule 1]
-5. ``step(reqs) -> MTPOutput``: one speculative decode step for every running request: draft from exactly
+5. ``step(reqs) -> StepOutput``: one speculative decode step for every running request: draft from exactly
    KV rows [0, L), writing nothing [rule 3]; verify the tree, writing rows [L, L + N); accept per row [rule 6];
    the next draft input is each row's bonus token and the hidden of its last accepted node [rule 1]. An empty
    batch does nothing [rule 4]. The scheduler then commits ``tokens`` and ``accept_lens`` [rule 5].
@@ -20,7 +20,6 @@ scheduler's release path calls 6; nothing else creates, updates, filters or rele
 ``trace`` (a callable ``(event, fields)``, or None) receives one event per hook and request: "prefill_done",
 "draft", "verify", "release". With None nothing is computed for it.
 """
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,6 +29,7 @@ from ..kernels.attention import num_kv_splits
 from ..kernels.sampling import filtered_probs
 from ..kv_cache import block_table_tensor, slot_mapping
 from ..models.gemma4_assistant import Gemma4Assistant
+from ..scheduler import StepOutput
 from .draft import run_draft
 from .state import DraftInput
 from .verify import accept_greedy, accept_sampling, compact_accepted_kv, emitted_tokens
@@ -55,15 +55,6 @@ def resolve_assistant(assistant: str, target_is_default: bool) -> Path:
     if not assistant or not path.is_dir():
         raise ValueError(f"assistant must be 'default', None or an existing dir, got {assistant!r}")
     return path
-
-
-@dataclass
-class MTPOutput:
-    """One speculative step: ``tokens[i]`` = accepted drafts + bonus token of request i; ``accept_lens[i]`` =
-    len(tokens[i]) = KV rows it commits (before any cut by a stop rule)."""
-
-    tokens: list[list[int]]
-    accept_lens: list[int]
 
 
 class FrozenKVMTPWorker:
@@ -93,33 +84,34 @@ class FrozenKVMTPWorker:
     def on_prefill_done(self, reqs, first_tokens: torch.Tensor, hidden: torch.Tensor) -> None:
         """Birth of the draft inputs of ``reqs`` (first_tokens [B] int64, hidden [B, Hb]); a re-prefilled request
         (after preemption) gets a fresh row."""
-        self.draft_inputs = self.draft_inputs.merge(DraftInput([r.request_id for r in reqs], first_tokens, hidden))
+        L = torch.tensor([r.prefill_len for r in reqs], dtype=torch.int32).to(hidden.device)
+        self.draft_inputs = self.draft_inputs.merge(DraftInput([r.request_id for r in reqs], first_tokens, hidden, L))
         if self.trace is not None:
             for r, t in zip(reqs, first_tokens.tolist()):
-                self.trace("prefill_done", {"req": r.request_id, "bonus": t, "L": r.num_computed})
+                self.trace("prefill_done", {"req": r.request_id, "bonus": t, "L": r.prefill_len})
 
     # ---- 5: one speculative step ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self, reqs) -> MTPOutput:
-        """Draft, verify over the tree, accept, and keep the next draft inputs (see the module docstring)."""
+    def step(self, reqs) -> StepOutput:
+        """Draft, verify over the tree, accept, and keep the next draft inputs (see the module docstring). The
+        inputs, committed lengths included, are gathered on the device: no host sync until the output is read."""
         if not reqs:  # DESIGN §4 rule 4
-            return MTPOutput([], [])
+            return StepOutput(torch.zeros(0, 2, dtype=torch.long), speculative=True)
         inp = self._inputs_for(reqs)
-        L = torch.tensor([r.num_computed for r in reqs], dtype=torch.int32).to(inp.hidden.device)
-        bt = block_table_tensor(reqs, inp.hidden.device)
-        num_splits = num_kv_splits(max(r.num_computed for r in reqs))
+        L, bt = inp.seq_lens, block_table_tensor(reqs, inp.hidden.device)
+        bound = max(r.num_computed + r.num_inflight * self.num_draft_tokens for r in reqs)
         inputs = {"bonus": inp.bonus_tokens, "hidden": inp.hidden, "block_table": bt, "L": L}
         if all(r.params.greedy for r in reqs):
-            res = self.graphs.run("mtp", inputs, num_splits, reqs=reqs)
+            res = self.graphs.run("mtp", inputs, num_kv_splits(bound), reqs=reqs)
         else:  # sampled batches run eagerly: their noise and filtered distributions stay outside the graph
             sampling = (*self.sampler.tensors(reqs), self.sampler.noise(reqs, self._noise_width()))
-            res = self.draft_verify(**inputs, num_splits=num_splits, reqs=reqs, sampling=sampling)
+            res = self.draft_verify(**inputs, num_splits=num_kv_splits(bound), reqs=reqs, sampling=sampling)
         tree_tokens, out, acc, bonus, hidden = res
-        self.draft_inputs = self.draft_inputs.merge(DraftInput(inp.req_ids, bonus, hidden))
-        rows = torch.cat([acc[:, None], out], 1).tolist()  # the one host copy of the step
+        self.draft_inputs = self.draft_inputs.merge(DraftInput(inp.req_ids, bonus, hidden, L + acc.int()))
+        result = StepOutput(torch.cat([acc[:, None], out], 1), speculative=True)
         if self.trace is not None:
-            self._trace_step(reqs, tree_tokens.tolist(), rows)
-        return MTPOutput([row[1:1 + row[0]] for row in rows], [row[0] for row in rows])
+            self._trace_step(reqs, L.tolist(), tree_tokens.tolist(), result)
+        return result
 
     def _noise_width(self) -> int:
         return self.target.config.vocab_size + self.num_steps * self.topk
@@ -175,12 +167,12 @@ class FrozenKVMTPWorker:
             tree = self.draft(reqs, block_table, L, num_splits)
         return (tree.tokens, *self.verify(tree, block_table, L, sampling))
 
-    def _trace_step(self, reqs, tree_tokens, rows) -> None:
-        for r, toks, row in zip(reqs, tree_tokens, rows):
-            L, n = r.num_computed, row[0]
+    def _trace_step(self, reqs, lens, tree_tokens, result) -> None:
+        for r, L, toks, emitted in zip(reqs, lens, tree_tokens, result.tokens):
+            n = len(emitted)
             self.trace("draft", {"req": r.request_id, "L": L, "tokens": toks[1:]})
-            self.trace("verify", {"req": r.request_id, "kv_rows": (L, L + len(toks)), "accepted": row[1:n],
-                                  "bonus": row[n], "accept_length": n, "committed_L": L + n})
+            self.trace("verify", {"req": r.request_id, "kv_rows": (L, L + len(toks)), "accepted": emitted[:-1],
+                                  "bonus": emitted[-1], "accept_length": n, "committed_L": L + n})
 
     # ---- 6: release --------------------------------------------------------------------------------------------------
     def on_release(self, reqs, reason: str) -> None:
