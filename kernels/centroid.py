@@ -17,7 +17,8 @@ def _check(hidden, rows, clusters):
         raise ValueError(f"centroid_logits: expected hidden [R, H], rows [C, S, H], clusters [R, K]; got "
                          f"{tuple(hidden.shape)}, {tuple(rows.shape)}, {tuple(clusters.shape)}")
     if rows.shape[2] != hidden.shape[1]:
-        raise ValueError(f"centroid_logits: rows hidden size {rows.shape[2]} != hidden size {hidden.shape[1]}")
+        raise ValueError(f"centroid_logits: rows hidden size {rows.shape[2]} != hidden size "
+                         f"{hidden.shape[1]}")
     if clusters.is_floating_point():
         raise TypeError(f"centroid_logits: clusters must be an integer tensor, got {clusters.dtype}")
 
@@ -62,8 +63,8 @@ def centroid_logits_triton(hidden, rows, clusters):
         rows = rows.contiguous()
     BLOCK_S = min(64, triton.next_power_of_2(S))
     _centroid_kernel[(R, K, triton.cdiv(S, BLOCK_S))](
-        hidden, rows, clusters, out, H, S, hidden.stride(0), rows.stride(0), rows.stride(1), clusters.stride(0),
-        out.stride(0), BLOCK_S=BLOCK_S, BLOCK_H=min(128, triton.next_power_of_2(H)), num_warps=4)
+        hidden, rows, clusters, out, H, S, hidden.stride(0), rows.stride(0), rows.stride(1),
+        clusters.stride(0), out.stride(0), BLOCK_S=BLOCK_S, BLOCK_H=min(128, triton.next_power_of_2(H)), num_warps=4)
     return out
 
 

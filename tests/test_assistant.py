@@ -7,12 +7,13 @@ import conftest
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import (Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig, LlamaConfig,
-                          LlamaForCausalLM as HFLlama)
+from transformers import (AutoConfig, Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig,
+                          LlamaConfig, LlamaForCausalLM as HFLlama)
 
 from nanospec.context import AttnMetadata, attn_metadata
-from nanospec.model_runner import build_target
 from nanospec.kernels.rope import rope_cos_sin
+from nanospec.model_runner import build_target
+from nanospec.models import assistant_io
 from nanospec.models.gemma4_assistant import Gemma4Assistant, check_assistant_config
 
 V, HB, HKV, D, THETA, PAGE = 96, 64, 2, 16, 10000.0, 4
@@ -389,9 +390,10 @@ def test_check_assistant_config_layer_maps(world):
     assert check_assistant_config(gemma_assistant_config(), gemma_text()) == [3, 3, 1]  # last non-shared per type
     assert check_assistant_config(gemma_assistant_config(), gemma_text(num_kv_shared_layers=0)) == [4, 4, 5]
     assert check_assistant_config(assistant_config(), target_config()) == [2, 2]  # Llama: every layer owns KV
-    from transformers import AutoConfig  # configs alone, as read before any weights load
-    assert check_assistant_config(AutoConfig.from_pretrained(world["tmp"] / "assistant"),
-                                  AutoConfig.from_pretrained(world["tmp"] / "target")) == [2, 2]
+    cfg = assistant_io.read_config(world["tmp"] / "assistant")  # configs alone, as read before any weights load
+    assert check_assistant_config(cfg, AutoConfig.from_pretrained(world["tmp"] / "target")) == [2, 2]
+    with pytest.raises(ValueError, match="model_type"):
+        assistant_io.read_config(world["tmp"] / "target")
     with pytest.raises(ValueError, match=r"layer_types\[0\]"):  # every sliding target layer is KV-shared
         check_assistant_config(gemma_assistant_config(), gemma_text(layer_types=[FU, FU, SL, SL, SL, FU],
                                                                     num_kv_shared_layers=4))

@@ -109,7 +109,8 @@ def test_dense_logits_are_the_full_head_in_token_order(tmp_path, use_target_lm_h
     randomize(a, 3, 0.3)
     a.bind_target(target, kv=False)
     head = target.lm_head_weight if use_target_lm_head else a.lm_head.weight.clone()
-    attn = lambda i, q: q  # noqa: E731 (any attention will do: both heads see the same hidden)
+    def attn(i, q):  # any attention will do: both heads see the same hidden
+        return q
     args = (torch.tensor([1, 2]), torch.randn(2, 48), torch.tensor([0, 0]))
     hooks = []
     a.model.norm.register_forward_hook(lambda m, i, out: hooks.append(out))

@@ -36,8 +36,8 @@ def hf_tensors(model) -> dict[str, torch.Tensor]:
     model's storage, except the LM head of a centroid-head drafter (a copy put back in token order)."""
     out = _slots(model)
     if model.masked_embedding is not None and model.lm_head is not None:
-        rows = out["lm_head.weight"]
-        out["lm_head.weight"] = torch.empty_like(rows).index_copy_(0, model.masked_embedding.token_ordering, rows)
+        rows, order = out["lm_head.weight"], model.masked_embedding.token_ordering
+        out["lm_head.weight"] = torch.empty_like(rows).index_copy_(0, order, rows)
     return out
 
 
@@ -82,17 +82,16 @@ def load_checkpoint(model, tensors) -> None:
         raise ValueError(f"assistant: checkpoint is missing tensor {missing[0]!r}{hint}"
                          + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
     if order is not None:
-        model.masked_embedding.token_ordering.copy_(torch.arange(model.vocab_size))  # rows are in token order now
+        model.masked_embedding.token_ordering.copy_(torch.arange(model.vocab_size))  # rows are in token order
         model.set_token_ordering(order)
 
 
-def load_assistant(cls, path, device="cpu", dtype=torch.float32):
-    """``cls.from_pretrained``: construct ``cls(config)`` on the meta device, materialise on ``device``, load the
-    dir's tensors, cast floating tensors to ``dtype``. Raises ValueError naming the problem (not a dir, wrong
-    model_type, no weights, unsupported config, missing / mis-shaped / unexpected tensor)."""
+def read_config(path):
+    """The HF ``Gemma4AssistantConfig`` of a checkpoint dir, reading no tensor (for ``check_assistant_config``
+    before any weights load). Raises ValueError naming the problem: not a dir with a config.json, wrong
+    model_type, no *.safetensors."""
     from transformers import AutoConfig
 
-    from ..loader import iter_safetensors
     d = pathlib.Path(path).expanduser()
     if not (d / "config.json").is_file():
         raise ValueError(f"assistant: {str(path)!r} is not a directory with a config.json")
@@ -101,11 +100,19 @@ def load_assistant(cls, path, device="cpu", dtype=torch.float32):
         raise ValueError(f"assistant: {str(path)!r} has model_type {model_type!r}, expected 'gemma4_assistant'")
     if not any(d.glob("*.safetensors")):
         raise ValueError(f"assistant: {str(path)!r} has no *.safetensors weights")
-    config = AutoConfig.from_pretrained(str(d))
+    return AutoConfig.from_pretrained(str(d))
+
+
+def load_assistant(cls, path, device="cpu", dtype=torch.float32):
+    """``cls.from_pretrained``: ``read_config``, construct ``cls(config)`` on the meta device, materialise on
+    ``device``, load the dir's tensors, cast floating tensors to ``dtype``. Raises ValueError naming the problem
+    (those of ``read_config``, unsupported config, missing / mis-shaped / unexpected tensor)."""
+    from ..loader import iter_safetensors
+    config = read_config(path)
     with torch.device("meta"):
         model = cls(config)
     model.to_empty(device=device)
-    load_checkpoint(model, iter_safetensors(d))
+    load_checkpoint(model, iter_safetensors(pathlib.Path(path).expanduser()))
     return model.to(dtype).eval()
 
 

@@ -130,7 +130,8 @@ def _check_own(config) -> None:
                       ("use_double_wide_mlp", not tc.use_double_wide_mlp),
                       ("num_kv_shared_layers", tc.num_kv_shared_layers == tc.num_hidden_layers)):
         if not ok:
-            _bad(field, f"= {getattr(tc, field)!r} is not supported (every layer must be a plain KV-shared layer)")
+            _bad(field, f"= {getattr(tc, field)!r} is not supported (every layer must be a plain KV-shared "
+                 "layer)")
     if getattr(tc, "attn_logit_softcapping", None):
         _bad("attn_logit_softcapping", "is set; attention logit softcapping is not supported")
     if tc.hidden_activation not in _ACTS:
@@ -180,7 +181,8 @@ def check_assistant_config(assistant_config, target_text_config) -> list[int]:
     if ac.vocab_size != t.vocab_size:
         _bad("vocab_size", f"{ac.vocab_size} != target vocab_size {t.vocab_size}")
     if assistant_config.backbone_hidden_size != t.hidden_size:
-        _bad("backbone_hidden_size", f"{assistant_config.backbone_hidden_size} != target hidden_size {t.hidden_size}")
+        _bad("backbone_hidden_size", f"{assistant_config.backbone_hidden_size} != target hidden_size "
+             f"{t.hidden_size}")
     types = list(getattr(t, "layer_types", None) or ["full_attention"] * t.num_hidden_layers)
     owners = types[: len(types) - (getattr(t, "num_kv_shared_layers", 0) or 0)]
     layer_map = []
@@ -235,7 +237,8 @@ class Gemma4Assistant(nn.Module):
         self.pre_projection = nn.Linear(2 * self.backbone_hidden_size, self.hidden_size, bias=False)
         self.post_projection = nn.Linear(self.hidden_size, self.backbone_hidden_size, bias=False)
         self.model = Gemma4Model(tc)
-        self.lm_head = None if self.use_target_lm_head else nn.Linear(self.hidden_size, self.vocab_size, bias=False)
+        own_head = not self.use_target_lm_head
+        self.lm_head = nn.Linear(self.hidden_size, self.vocab_size, bias=False) if own_head else None
         ordered = getattr(config, "use_ordered_embeddings", False)
         self.masked_embedding = MaskedEmbedding(config) if ordered else None
         # Set by bind_target (plain attributes, not submodules/buffers: they belong to the target).
@@ -247,7 +250,7 @@ class Gemma4Assistant(nn.Module):
     # ---- checkpoints (nanospec.models.assistant_io) --------------------------------------------------
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32) -> "Gemma4Assistant":
-        """Load an HF ``gemma4_assistant`` dir; see ``assistant_io.load_assistant`` (ValueError naming the problem)."""
+        """Load an HF ``gemma4_assistant`` dir (``assistant_io.load_assistant``; ValueError naming the problem)."""
         return assistant_io.load_assistant(cls, path, device, dtype)
 
     def hf_tensors(self) -> dict[str, torch.Tensor]:
@@ -267,10 +270,9 @@ class Gemma4Assistant(nn.Module):
         me = self.masked_embedding
         if me is None:
             _bad("use_ordered_embeddings", "is false: there is no token_ordering to set")
-        order = order.to(me.token_ordering.device, torch.long)
-        if order.shape != (self.vocab_size,) or not torch.equal(order.sort().values,
-                                                                torch.arange(self.vocab_size, device=order.device)):
-            _bad("masked_embedding.token_ordering", f"must be a permutation of range({self.vocab_size}), got shape "
+        order, V = order.to(me.token_ordering.device, torch.long), self.vocab_size
+        if order.shape != (V,) or not torch.equal(order.sort().values, torch.arange(V, device=order.device)):
+            _bad("masked_embedding.token_ordering", f"must be a permutation of range({V}); got one of shape "
                  f"{tuple(order.shape)} that is not")
         if self.lm_head is not None:
             w = self.lm_head.weight
@@ -291,8 +293,8 @@ class Gemma4Assistant(nn.Module):
         out = []
         for i, lt in enumerate(self.text_config.layer_types):
             if lt not in types:
-                raise ValueError(f"assistant: layer_types[{i}] = {lt!r} has no KV-owning target layer of that type "
-                                 f"(target layer types: {sorted(set(types))})")
+                _bad(f"layer_types[{i}]", f"= {lt!r} has no KV-owning target layer of that type (target layer "
+                     f"types: {sorted(set(types))})")
             out.append(len(types) - 1 - types[::-1].index(lt))
         return out
 
@@ -373,7 +375,7 @@ class Gemma4Assistant(nn.Module):
         rows = head.view(C, self.vocab_size // C, head.shape[-1])
         sel = me.centroids(hn).topk(self.config.centroid_intermediate_top_k, dim=-1).indices  # [R, K]
         ids = me.token_ordering.view(C, -1)[sel].flatten(1)
-        return centroid_logits(hn, rows.to(hn.dtype), sel), ids
+        return centroid_logits(hn, rows, sel), ids
 
     def forward(self, tokens, h_prev, positions, attn_fn=None, dense: bool = False):
         """One draft step for R query rows: ``tokens [R]``, ``h_prev [R, Hb]``, ``positions [R]`` ->
@@ -387,7 +389,7 @@ class Gemma4Assistant(nn.Module):
         me = self.masked_embedding
         if me is None or dense:
             head = self.lm_head.weight if self.lm_head is not None else self._target_lm_head
-            logits = F.linear(hn, head.to(hn.dtype)).float()
+            logits = F.linear(hn, head.to(self.pre_projection.weight.dtype)).float()
             if me is not None and self.lm_head is not None:  # own rows are in cluster order
                 logits = torch.zeros_like(logits).index_copy(1, me.token_ordering, logits)
             return logits, h_next
@@ -431,8 +433,8 @@ def assistant_config_for(target_config, num_layers: int = 1, hidden_size: int | 
 
     ``use_target_lm_head`` (needs hidden_size == target hidden) makes the checkpoint carry no LM head.
     ``use_ordered_embeddings`` adds a centroid head: ``num_centroids`` equal-size clusters of the LM-head rows
-    (the target's with ``use_target_lm_head``), ``centroid_top_k`` of them scored per draft row; the clusters start
-    as contiguous token-id ranges (``Gemma4Assistant.set_token_ordering`` sets others). Raises ValueError naming
+    (the target's with ``use_target_lm_head``), ``centroid_top_k`` of them scored per draft row; the clusters
+    start as contiguous token-id ranges (``Gemma4Assistant.set_token_ordering`` sets others). Raises ValueError naming
     the field for a centroid count that does not divide the vocabulary or a top-k outside [1, num_centroids].
     """
     from transformers import Gemma4AssistantConfig, Gemma4TextConfig
@@ -450,8 +452,9 @@ def assistant_config_for(target_config, num_layers: int = 1, hidden_size: int | 
         rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6), max_position_embeddings=tc.max_position_embeddings,
         rope_parameters={"full_attention": rope, "sliding_attention": rope})
     cfg = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=tc.hidden_size,
-                                tie_word_embeddings=not use_target_lm_head, use_ordered_embeddings=use_ordered_embeddings,
-                                num_centroids=num_centroids, centroid_intermediate_top_k=centroid_top_k)
+                                tie_word_embeddings=not use_target_lm_head,
+                                use_ordered_embeddings=use_ordered_embeddings, num_centroids=num_centroids,
+                                centroid_intermediate_top_k=centroid_top_k)
     if use_target_lm_head:
         cfg.use_target_lm_head = True
     _check_own(cfg)
