@@ -8,6 +8,8 @@ from . import loader
 from .config import EngineConfig
 from .model_runner import ModelRunner
 from .request import Request
+from .models.assistant_io import read_config
+from .models.gemma4_assistant import check_assistant_config
 from .mtp.worker import FrozenKVMTPWorker, resolve_assistant
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -51,8 +53,9 @@ class LLM:
         self.eos_token_ids = _eos_ids(model_dir, hf_config, self.tokenizer)
         # DESIGN §4 rule 2: check every option, then construct, then allocate, then bind
         assistant = None
-        if c.speculative:  # a bad assistant path fails before the target's weights load
+        if c.speculative:  # a bad or mismatched assistant fails from the configs, before any weights load
             assistant = resolve_assistant(c.assistant, loader.is_default_target(hf_config, self.tokenizer))
+            check_assistant_config(read_config(assistant), hf_config)
         self.runner = ModelRunner(c, hf_config, model_dir)
         self.worker = None
         self.num_steps_run = 0

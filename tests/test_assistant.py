@@ -1,17 +1,20 @@
 """Frozen-KV MTP drafter (nanospec.models.gemma4_assistant) against HF Gemma4AssistantForCausalLM, on CPU in fp32."""
 import json
 import shutil
+from types import SimpleNamespace
 
 import conftest
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import (Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig, LlamaConfig,
-                          LlamaForCausalLM as HFLlama)
+from transformers import (AutoConfig, Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig,
+                          LlamaConfig, LlamaForCausalLM as HFLlama)
 
 from nanospec.context import AttnMetadata, attn_metadata
+from nanospec.kernels.rope import rope_cos_sin
 from nanospec.model_runner import build_target
-from nanospec.models.gemma4_assistant import Gemma4Assistant
+from nanospec.models import assistant_io
+from nanospec.models.gemma4_assistant import Gemma4Assistant, check_assistant_config
 
 V, HB, HKV, D, THETA, PAGE = 96, 64, 2, 16, 10000.0, 4
 
@@ -184,8 +187,10 @@ def test_bind_before_pool_is_an_error(world):
 
 
 def test_unsupported_configs():
-    with pytest.raises(ValueError, match="use_ordered_embeddings"):
+    with pytest.raises(ValueError, match="num_centroids"):  # HF's default 2048 centroids do not divide V = 96
         Gemma4Assistant(assistant_config(use_ordered_embeddings=True))
+    with pytest.raises(ValueError, match="centroid_intermediate_top_k"):
+        Gemma4Assistant(assistant_config(use_ordered_embeddings=True, num_centroids=8, centroid_intermediate_top_k=9))
     with pytest.raises(ValueError, match="use_target_lm_head"):
         Gemma4Assistant(assistant_config(use_target_lm_head=True))  # H 32 != Hb 64
 
@@ -244,3 +249,177 @@ def test_use_target_lm_head(world, tmp_path):
         outs.append(m(*args, attn_fn=dense))
     torch.testing.assert_close(outs[0][0], outs[1][0])
     torch.testing.assert_close(outs[0][1], outs[1][1])
+
+
+# ---- Gemma 4 targets: sliding + full layers (per-type geometry, RoPE, window), KV sharing, the centroid head ------
+GV, GHB, GW, GPAGE = 128, 48, 5, 4  # vocab, backbone hidden, sliding window, page size
+SL, FU = "sliding_attention", "full_attention"
+G_TYPES = [SL, FU, SL, SL, SL, FU]  # with 2 KV-shared layers: sliding KV lives in layer 3, full KV in layer 1
+
+
+def gemma_text(**kw):
+    """A Gemma 4 text config: sliding head_dim 16 / 2 KV heads, full global_head_dim 32 / 1 KV head (k_eq_v),
+    window 5, HF's default RoPE per type (full: proportional, partial 0.25, theta 1e6)."""
+    base = dict(vocab_size=GV, hidden_size=GHB, intermediate_size=64, num_hidden_layers=len(G_TYPES),
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                num_global_key_value_heads=1, attention_k_eq_v=True, layer_types=list(G_TYPES), sliding_window=GW,
+                num_kv_shared_layers=2, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)
+    return Gemma4TextConfig(**{**base, **kw})
+
+
+def gemma_assistant_config(centroids=False, backbone=GHB, **kw):
+    """A 3-layer (sliding, sliding, full) assistant for ``gemma_text()``; ``centroids``: 16 clusters of 8, top 3."""
+    tc = gemma_text(**{"hidden_size": 32, "num_hidden_layers": 3, "layer_types": [SL, SL, FU],
+                       "num_kv_shared_layers": 0, **kw})
+    extra = dict(use_ordered_embeddings=True, num_centroids=16, centroid_intermediate_top_k=3) if centroids else {}
+    return Gemma4AssistantConfig(text_config=tc, backbone_hidden_size=backbone, **extra)
+
+
+class GemmaTarget:
+    """What the drafter binds to on a Gemma 4 target: its config, embedding (scaled by sqrt(Hb)), tied LM head,
+    per-type RoPE tables, and per layer the paged K/V views (KV-owning layers only) and sliding window."""
+
+    def __init__(self, pools):
+        self.config = gemma_text()
+        g = torch.Generator().manual_seed(5)
+        self.table = torch.nn.Embedding(GV, GHB)
+        self.table.weight.data.copy_(torch.randn(GV, GHB, generator=g))
+        self.embed_scale, self.lm_head_weight = GHB ** 0.5, self.table.weight
+        self.layers = [SimpleNamespace(self_attn=SimpleNamespace(
+            k_cache=pools[i][0] if i in pools else None, v_cache=pools[i][1] if i in pools else None,
+            sliding_window=GW if lt == SL else None)) for i, lt in enumerate(G_TYPES)]
+
+    def embed(self, ids):
+        """The scaled input embedding, as nanospec's Gemma 4 target returns it."""
+        return self.table(ids) * torch.tensor(self.embed_scale)
+
+    def rope_for(self, layer_type):
+        p = self.config.rope_parameters[layer_type]
+        return rope_cos_sin(16 if layer_type == SL else 32, 64, p["rope_theta"], p)
+
+
+@pytest.fixture(scope="module")
+def gemma_world():
+    """Random paged K/V for the sliding owner (layer 3: 2 heads x 16) and the full owner (layer 1: 1 head x 32),
+    garbage everywhere else; three requests of committed lengths 11 (> window + 1), 4 and 8 in scattered blocks."""
+    g = torch.Generator().manual_seed(4)
+    lens = [11, 4, 8]
+    W = -(-max(lens) // GPAGE)
+    nb = len(lens) * W + 2
+    pools = {3: torch.randn(2, nb, GPAGE, 2, 16, generator=g), 1: torch.randn(2, nb, GPAGE, 1, 32, generator=g)}
+    bt = (torch.randperm(nb - 1, generator=g)[: len(lens) * W] + 1).view(len(lens), W).to(torch.int32)
+    return dict(target=GemmaTarget(pools), pools=pools, bt=bt, lens=lens)
+
+
+def shared_kv(world, r):
+    """HF ``shared_kv_states`` of request r: its committed rows [0, L) of both owners, as [1, Hkv, L, D]."""
+    t = torch.arange(world["lens"][r])
+    blocks = world["bt"][r][t // GPAGE].long()
+    rows = {lt: world["pools"][i][:, blocks, t % GPAGE].permute(0, 2, 1, 3)[:, None] for lt, i in ((SL, 3), (FU, 1))}
+    return {lt: (kv[0], kv[1]) for lt, kv in rows.items()}
+
+
+def hf_gemma_step(hf_a, target, tok, h, kv, pos):
+    e = target.embed(tok.view(1, 1))
+    out = hf_a(inputs_embeds=torch.cat([e, h.view(1, 1, -1)], -1), position_ids=torch.tensor([[pos]]),
+               shared_kv_states=kv)
+    return out.logits[0, 0], out.last_hidden_state[0, 0]
+
+
+def gemma_assistant(tmp_path, centroids, seed=11):
+    """A random HF assistant (random token_ordering with ``centroids``), saved and loaded back by nanospec."""
+    hf_a = Gemma4AssistantForCausalLM(gemma_assistant_config(centroids)).eval()
+    randomize(hf_a, seed, std=0.3)
+    if centroids:
+        hf_a.masked_embedding.token_ordering.copy_(torch.randperm(GV, generator=torch.Generator().manual_seed(seed)))
+    hf_a.save_pretrained(tmp_path)
+    return hf_a, Gemma4Assistant.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("centroids", [False, True])
+@torch.no_grad()
+def test_gemma4_parity_sliding_full_two_steps(gemma_world, tmp_path, centroids):
+    """Logits, propose() (k = 1 and k = 4) and h_next equal HF given the same K/V as shared_kv_states, over two
+    recurrent steps, for rows of three requests (one with two rows, as a top-k frontier)."""
+    target, lens = gemma_world["target"], gemma_world["lens"]
+    hf_a, a = gemma_assistant(tmp_path, centroids)
+    a.bind_target(target)
+    assert a.check_target(target.config) == [3, 3, 1]
+    rows = [0, 1, 1, 2]
+    md = AttnMetadata("draft", gemma_world["bt"], torch.tensor(lens, dtype=torch.int32),
+                      row_to_req=torch.tensor(rows, dtype=torch.int32))
+    g = torch.Generator().manual_seed(6)
+    tok, h = torch.randint(0, GV, (4,), generator=g), torch.randn(4, GHB, generator=g)
+    pos = torch.tensor([lens[r] - 1 for r in rows])
+    h_hf = h.clone()
+    for _ in range(2):
+        with attn_metadata(md):
+            logits, h_next = a(tok, h, pos)
+            lp1, tok1, h1 = a.propose(tok, h, pos, 1)
+            lp4, tok4, h4 = a.propose(tok, h, pos, 4)
+        assert lp4.dtype == torch.float32 and tok4.dtype == torch.int64 and tok4.shape == (4, 4)
+        assert torch.equal(h1, h_next) and torch.equal(h4, h_next)
+        for i, r in enumerate(rows):
+            ref_logits, ref_h = hf_gemma_step(hf_a, target, tok[i], h_hf[i], shared_kv(gemma_world, r), int(pos[i]))
+            torch.testing.assert_close(logits[i], ref_logits, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(h_next[i], ref_h, atol=1e-4, rtol=1e-4)
+            ref_lp = torch.log_softmax(ref_logits, -1)
+            assert tok1[i, 0] == ref_logits.argmax() and torch.equal(tok4[i], ref_lp.topk(4).indices)
+            torch.testing.assert_close(lp4[i], ref_lp[tok4[i]], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(lp1[i], lp4[i, :1])
+            h_hf[i] = ref_h
+        tok, h = tok1[:, 0], h_next
+
+
+@torch.no_grad()
+def test_gemma4_propose_triton_matches_torch(gemma_world, tmp_path, triton_backend):
+    """The whole centroid-head draft step through the Triton kernels (interpreter) equals the torch path."""
+    from nanospec.kernels import using_backend
+    target = gemma_world["target"]
+    _, a = gemma_assistant(tmp_path, centroids=True, seed=12)
+    a.bind_target(target)
+    md = AttnMetadata("draft", gemma_world["bt"], torch.tensor(gemma_world["lens"], dtype=torch.int32))
+    args = (torch.tensor([3, 70, 9]), torch.randn(3, GHB, generator=torch.Generator().manual_seed(7)),
+            torch.tensor([10, 3, 7]))
+    with attn_metadata(md):
+        got = a.propose(*args, 3)
+        with using_backend("torch"):
+            want = a.propose(*args, 3)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=1e-5)
+
+
+def test_check_assistant_config_layer_maps(world):
+    assert check_assistant_config(gemma_assistant_config(), gemma_text()) == [3, 3, 1]  # last non-shared per type
+    assert check_assistant_config(gemma_assistant_config(), gemma_text(num_kv_shared_layers=0)) == [4, 4, 5]
+    assert check_assistant_config(assistant_config(), target_config()) == [2, 2]  # Llama: every layer owns KV
+    cfg = assistant_io.read_config(world["tmp"] / "assistant")  # configs alone, as read before any weights load
+    assert check_assistant_config(cfg, AutoConfig.from_pretrained(world["tmp"] / "target")) == [2, 2]
+    with pytest.raises(ValueError, match="model_type"):
+        assistant_io.read_config(world["tmp"] / "target")
+    with pytest.raises(ValueError, match=r"layer_types\[0\]"):  # every sliding target layer is KV-shared
+        check_assistant_config(gemma_assistant_config(), gemma_text(layer_types=[FU, FU, SL, SL, SL, FU],
+                                                                    num_kv_shared_layers=4))
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(global_head_dim=16), "global_head_dim"),
+    (dict(head_dim=8), "head_dim"),
+    (dict(num_global_key_value_heads=2), "num_global_key_value_heads"),
+    (dict(num_key_value_heads=1), "num_key_value_heads"),
+    (dict(num_attention_heads=3, num_key_value_heads=2), "num_attention_heads"),
+    (dict(sliding_window=4), "sliding_window"),
+    (dict(vocab_size=2 * GV), "vocab_size"),
+    (dict(backbone=64), "backbone_hidden_size"),
+    (dict(rope_parameters={SL: {"rope_type": "default", "rope_theta": 1e4},
+                           FU: {"rope_type": "default", "rope_theta": 1e6}}), r"rope_parameters\['full_attention'\]"),
+    (dict(rope_parameters={SL: {"rope_type": "default", "rope_theta": 1e5},
+                           FU: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}),
+     r"rope_parameters\['sliding_attention'\]\.rope_theta"),
+    (dict(hidden_activation="relu"), "hidden_activation"),
+])
+def test_check_assistant_config_mismatch(kw, field):
+    """Config-only: an assistant for another backbone or head geometry is a ValueError naming the field."""
+    with pytest.raises(ValueError, match=field):
+        check_assistant_config(gemma_assistant_config(**kw), gemma_text())

@@ -2,22 +2,29 @@
 
 It owns no KV cache. Per query row (one per request, or B·k rows for a top-k tree):
 
-    x  = pre_projection(cat(target.embed(tok) * target.embed_scale, h_prev))          # 2·Hb -> H
+    x  = pre_projection(cat(target.embed(tok), h_prev))  # the target's own (Gemma: scaled) embedding          # 2·Hb -> H
     per layer:  x = x + post_attn_norm(o_proj(Attn(rope(q_norm(q_proj(input_norm(x)))))))
                 x = (x + post_ff_norm(down(act(gate(h)) * up(h)))) * layer_scalar,  h = pre_ff_norm(x)
     hn = norm(x);  logits = lm_head(hn) (fp32);  h_next = post_projection(hn)          # H -> Hb
 
 ``Attn`` is Q-only attention with scale 1.0 (HF ``Gemma4TextAttention.scaling``) over the stored, already normed
-and roped K/V of the mapped target layer (the last target layer of the same layer type); nothing is written.
+and roped K/V of the mapped target layer (the last KV-owning target layer of the same layer type, with that
+layer's RoPE and, for sliding layers, its window); nothing is written.
 HF semantics worth knowing: the text model does not rescale ``inputs_embeds``; every norm is ``x * w`` with the
 weight applied in fp32 (no ``1 + w``); full-attention layers use ``global_head_dim`` (HF ``per_layer_config``),
 and their RoPE may be "proportional" (partial rotary with zero frequencies), which must match the target's RoPE;
 HF's assistant forward applies no ``final_logit_softcapping`` and Gemma4 attention has no logit softcap.
-"""
-import json
-import os
-import pathlib
 
+Centroid head (``use_ordered_embeddings``, E2B/E4B assistants; HF ``Gemma4AssistantMaskedEmbedder``): the
+vocabulary is split into C clusters of S = V / C tokens (``token_ordering`` [V], viewed [C, S]); a row scores the
+C centroids (``masked_embedding.centroids(hn)``), keeps the top ``centroid_intermediate_top_k`` clusters and
+computes logits only for their tokens (``kernels.centroid``, over LM-head rows stored in cluster order). HF
+fills every other token with ``min(candidates) - 1``; ``propose`` gives that tensor's top-k log-probabilities in
+closed form, without building it. Training one: take the KL on full-vocabulary logits
+(``forward(..., dense=True)``) and train the centroids with a cross-entropy of ``masked_embedding.centroids(hn)``
+against the cluster of the teacher's token (its index in ``token_ordering`` divided by S); the candidate
+selection itself (top-k) passes no gradient.
+"""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,12 +32,12 @@ from torch import nn
 from ..context import get_attn_metadata
 from ..kernels.activation import gelu_and_mul, silu_and_mul
 from ..kernels.attention import draft_attention
+from ..kernels.centroid import centroid_logits
 from ..kernels.rope import apply_rope, rope_cos_sin
+from . import assistant_io
 from .llama import RMSNorm
 
 _ACTS = {"gelu_pytorch_tanh": gelu_and_mul, "silu": silu_and_mul}
-# Checkpoint tensors HF itself ignores for KV-shared layers (K/V come from the target).
-_IGNORED = ("self_attn.k_proj.", "self_attn.v_proj.", "self_attn.k_norm.", "self_attn.v_norm.", "rotary_emb.")
 
 
 def Gemma4RMSNorm(dim: int, eps: float) -> RMSNorm:
@@ -91,6 +98,17 @@ class DecoderLayer(nn.Module):
         return x * self.layer_scalar
 
 
+class MaskedEmbedding(nn.Module):
+    """HF ``Gemma4AssistantMaskedEmbedder``'s tensors: ``centroids`` (H -> C scores) and ``token_ordering`` [V]
+    (the token ids of cluster c are ``token_ordering.view(C, S)[c]``; identity until a checkpoint sets it)."""
+
+    def __init__(self, config):
+        super().__init__()
+        tc = config.get_text_config()
+        self.centroids = nn.Linear(tc.hidden_size, config.num_centroids, bias=False)
+        self.register_buffer("token_ordering", torch.arange(tc.vocab_size))
+
+
 class Gemma4Model(nn.Module):
     """Holds ``layers`` and ``norm`` under the HF prefix ``model.`` (no embedding: the target's is used)."""
 
@@ -100,158 +118,172 @@ class Gemma4Model(nn.Module):
         self.norm = Gemma4RMSNorm(tc.hidden_size, tc.rms_norm_eps)
 
 
-def _rope_table(params: dict, head_dim: int, positions: int) -> torch.Tensor:
-    """cos/sin table ``[positions, head_dim]`` of the assistant's RoPE for one layer type, as HF computes it."""
-    if params.get("rope_type", "default") != "proportional":
-        return rope_cos_sin(head_dim, positions, params["rope_theta"], params)
-    n_rot = int(params.get("partial_rotary_factor", 1.0) * head_dim // 2)
-    inv = params["rope_theta"] ** -(torch.arange(0, 2 * n_rot, 2).float() / head_dim)
-    inv = torch.cat([inv, torch.zeros(head_dim // 2 - n_rot)]) / params.get("factor", 1.0)
-    f = torch.arange(positions, dtype=torch.float32)[:, None] * inv[None]
-    return torch.cat([f.cos(), f.sin()], -1)
+def _bad(field, msg):
+    raise ValueError(f"assistant: {field} {msg}")
+
+
+def _check_own(config) -> None:
+    """Checks of the assistant config alone (no target needed). ValueError naming the field."""
+    tc = config.get_text_config()
+    for field, ok in (("hidden_size_per_layer_input", not tc.hidden_size_per_layer_input),
+                      ("enable_moe_block", not tc.enable_moe_block),
+                      ("use_double_wide_mlp", not tc.use_double_wide_mlp),
+                      ("num_kv_shared_layers", tc.num_kv_shared_layers == tc.num_hidden_layers)):
+        if not ok:
+            _bad(field, f"= {getattr(tc, field)!r} is not supported (every layer must be a plain KV-shared "
+                 "layer)")
+    if getattr(tc, "attn_logit_softcapping", None):
+        _bad("attn_logit_softcapping", "is set; attention logit softcapping is not supported")
+    if tc.hidden_activation not in _ACTS:
+        _bad("hidden_activation", f"{tc.hidden_activation!r} is not one of {sorted(_ACTS)}")
+    if getattr(config, "use_target_lm_head", False) and tc.hidden_size != config.backbone_hidden_size:
+        _bad("use_target_lm_head", f"needs hidden_size == backbone_hidden_size (the target LM head is "
+             f"[V, {config.backbone_hidden_size}]), got hidden_size {tc.hidden_size}")
+    if getattr(config, "use_ordered_embeddings", False):
+        C, K = config.num_centroids, config.centroid_intermediate_top_k
+        if not (isinstance(C, int) and C >= 1 and tc.vocab_size % C == 0):
+            _bad("num_centroids", f"= {C!r} must be a positive divisor of vocab_size {tc.vocab_size}")
+        if not (isinstance(K, int) and 1 <= K <= C):
+            _bad("centroid_intermediate_top_k", f"= {K!r} must be in [1, num_centroids = {C}]")
+
+
+def _geometry(c, i: int) -> tuple[int, int]:
+    """(head_dim, num_key_value_heads) of layer ``i`` of an HF text config (Gemma 4 ``per_layer_config``)."""
+    lc = c.per_layer_config[i] if hasattr(c, "per_layer_config") else c
+    hd = getattr(lc, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return hd, getattr(lc, "num_key_value_heads", None) or c.num_attention_heads
+
+
+def _rope_params(c, layer_type: str) -> dict:
+    """RoPE parameters of ``layer_type``: Gemma 4 holds one dict per layer type, Llama/Qwen3 one for all."""
+    rp = dict(getattr(c, "rope_parameters", None) or {})
+    if isinstance(rp.get(layer_type), dict):
+        rp = dict(rp[layer_type])
+    return rp or {"rope_type": "default", "rope_theta": getattr(c, "rope_theta", 10000.0)}
+
+
+def check_assistant_config(assistant_config, target_text_config) -> list[int]:
+    """Check that an assistant fits a target from their HF configs alone (run it before any weights load).
+
+    ``target_text_config``: a Llama/Qwen3 config (every layer full attention and KV-owning) or a Gemma 4 text
+    config (``layer_types``, ``sliding_window``, ``per_layer_config`` head_dim / num_key_value_heads,
+    ``num_kv_shared_layers``, ``rope_parameters`` per layer type); a multimodal config is reduced to its text
+    config. Each assistant layer reads the last KV-owning target layer of its type (Gemma 4 with KV sharing: the
+    last non-shared one, as HF ``kv_sharing_modes`` "store"). Checked: vocab_size, backbone_hidden_size, the
+    layer map, that layer's head_dim (global_head_dim for full layers) and KV heads, query heads divisible by
+    them, RoPE per layer type equal to the target's, the sliding window, the centroid head and the activation.
+
+    Returns the layer map (target layer index per assistant layer). Raises ValueError naming the field.
+    """
+    _check_own(assistant_config)
+    ac, t = assistant_config.get_text_config(), target_text_config
+    t = t.get_text_config() if hasattr(t, "get_text_config") else t
+    if ac.vocab_size != t.vocab_size:
+        _bad("vocab_size", f"{ac.vocab_size} != target vocab_size {t.vocab_size}")
+    if assistant_config.backbone_hidden_size != t.hidden_size:
+        _bad("backbone_hidden_size", f"{assistant_config.backbone_hidden_size} != target hidden_size "
+             f"{t.hidden_size}")
+    types = list(getattr(t, "layer_types", None) or ["full_attention"] * t.num_hidden_layers)
+    owners = types[: len(types) - (getattr(t, "num_kv_shared_layers", 0) or 0)]
+    layer_map = []
+    for i, lt in enumerate(ac.layer_types):
+        if lt not in owners:
+            _bad(f"layer_types[{i}]", f"= {lt!r} has no KV-owning target layer of that type (target KV layer "
+                 f"types: {sorted(set(owners))})")
+        j = len(owners) - 1 - owners[::-1].index(lt)
+        layer_map.append(j)
+        (hd, kv), (t_hd, t_kv) = _geometry(ac, i), _geometry(t, j)
+        full = lt == "full_attention"
+        if hd != t_hd:
+            _bad("global_head_dim" if full else "head_dim", f"{hd} of layer {i} != head_dim {t_hd} of target "
+                 f"layer {j}")
+        if kv != t_kv:
+            _bad("num_global_key_value_heads" if full and ac.attention_k_eq_v else "num_key_value_heads",
+                 f"{kv} of layer {i} != {t_kv} KV heads of target layer {j}")
+        if ac.num_attention_heads % t_kv:
+            _bad("num_attention_heads", f"{ac.num_attention_heads} is not a multiple of the {t_kv} KV heads of "
+                 f"target layer {j}")
+        mine, theirs = _rope_params(ac, lt), _rope_params(t, lt)
+        if mine.get("rope_theta") != theirs.get("rope_theta"):
+            _bad(f"rope_parameters[{lt!r}].rope_theta", f"{mine.get('rope_theta')} != target rope_theta "
+                 f"{theirs.get('rope_theta')}")
+        try:  # one position past 0 compares every frequency (cos/sin of f); rtol only: f may be tiny
+            same = torch.allclose(rope_cos_sin(hd, 2, mine["rope_theta"], mine),
+                                  rope_cos_sin(hd, 2, theirs["rope_theta"], theirs), rtol=1e-5, atol=1e-12)
+        except (ValueError, KeyError) as e:
+            _bad(f"rope_parameters[{lt!r}]", f"unsupported: {e}")
+        if not same:
+            _bad(f"rope_parameters[{lt!r}]", f"{mine} do not match the target's RoPE {theirs}")
+        if lt == "sliding_attention" and ac.sliding_window != t.sliding_window:
+            _bad("sliding_window", f"{ac.sliding_window} != target sliding_window {t.sliding_window}")
+    return layer_map
 
 
 class Gemma4Assistant(nn.Module):
     """The drafter. Lifecycle (DESIGN §4 rule 2): construct (``from_pretrained``) -> ``check_target`` (no pool
-    needed) -> the engine allocates the target pool -> ``bind_target`` -> ``forward`` per draft step."""
+    needed) -> the engine allocates the target pool -> ``bind_target`` -> ``propose`` (or ``forward``) per draft
+    step."""
 
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, config):
         super().__init__()
+        _check_own(config)
         tc = config.get_text_config()
         self.config, self.text_config = config, tc
         self.vocab_size, self.hidden_size = tc.vocab_size, tc.hidden_size
         self.backbone_hidden_size = config.backbone_hidden_size
         self.use_target_lm_head = bool(getattr(config, "use_target_lm_head", False))
-        self._validate_config(config, tc)
         self.pre_projection = nn.Linear(2 * self.backbone_hidden_size, self.hidden_size, bias=False)
         self.post_projection = nn.Linear(self.hidden_size, self.backbone_hidden_size, bias=False)
         self.model = Gemma4Model(tc)
-        self.lm_head = None if self.use_target_lm_head else nn.Linear(self.hidden_size, self.vocab_size, bias=False)
+        own_head = not self.use_target_lm_head
+        self.lm_head = nn.Linear(self.hidden_size, self.vocab_size, bias=False) if own_head else None
+        ordered = getattr(config, "use_ordered_embeddings", False)
+        self.masked_embedding = MaskedEmbedding(config) if ordered else None
         # Set by bind_target (plain attributes, not submodules/buffers: they belong to the target).
-        self._embed = self._cos_sin = self._target_lm_head = None
-        self._embed_scale = 1.0
+        self._embed = self._target_lm_head = self._target_rows = self._rope = None
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._windows: list[int | None] = []
 
-    def _validate_config(self, config, tc):
-        def bad(field, msg):
-            raise ValueError(f"assistant: {field} {msg}")
-        if getattr(config, "use_ordered_embeddings", False):
-            bad("use_ordered_embeddings", "is true: the centroid (ordered-embedding) LM head of E2B/E4B "
-                "assistants is not supported by nanospec; use a dense-head assistant")
-        for field, ok in (("hidden_size_per_layer_input", not tc.hidden_size_per_layer_input),
-                          ("enable_moe_block", not tc.enable_moe_block),
-                          ("use_double_wide_mlp", not tc.use_double_wide_mlp),
-                          ("num_kv_shared_layers", tc.num_kv_shared_layers == tc.num_hidden_layers)):
-            if not ok:
-                bad(field, f"= {getattr(tc, field)!r} is not supported (every layer must be a plain KV-shared layer)")
-        if getattr(tc, "attn_logit_softcapping", None):
-            bad("attn_logit_softcapping", "is set; attention logit softcapping is not supported")
-        if tc.hidden_activation not in _ACTS:
-            bad("hidden_activation", f"{tc.hidden_activation!r} is not one of {sorted(_ACTS)}")
-        if self.use_target_lm_head and self.hidden_size != self.backbone_hidden_size:
-            bad("use_target_lm_head", f"needs hidden_size == backbone_hidden_size (the target LM head is "
-                f"[V, {self.backbone_hidden_size}]), got hidden_size {self.hidden_size}")
-
-    # ---- construction / loading ----------------------------------------------------------------------
+    # ---- checkpoints (nanospec.models.assistant_io) --------------------------------------------------
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32) -> "Gemma4Assistant":
-        """Load an HF ``gemma4_assistant`` dir (config.json + *.safetensors). Raises ValueError naming the
-        problem (not a dir, wrong model_type, missing / mis-shaped / unexpected tensor, unsupported config)."""
-        from transformers import AutoConfig
-
-        from ..loader import iter_safetensors
-        d = pathlib.Path(path).expanduser()
-        if not (d / "config.json").is_file():
-            raise ValueError(f"assistant: {str(path)!r} is not a directory with a config.json")
-        model_type = json.loads((d / "config.json").read_text()).get("model_type")
-        if model_type != "gemma4_assistant":
-            raise ValueError(f"assistant: {str(path)!r} has model_type {model_type!r}, expected 'gemma4_assistant'")
-        if not any(d.glob("*.safetensors")):
-            raise ValueError(f"assistant: {str(path)!r} has no *.safetensors weights")
-        config = AutoConfig.from_pretrained(str(d))
-        with torch.device("meta"):
-            model = cls(config)
-        model.to_empty(device=device)
-        model.load_checkpoint(iter_safetensors(d))
-        return model.to(dtype).eval()
+        """Load an HF ``gemma4_assistant`` dir (``assistant_io.load_assistant``; ValueError naming the problem)."""
+        return assistant_io.load_assistant(cls, path, device, dtype)
 
     def hf_tensors(self) -> dict[str, torch.Tensor]:
-        """Every parameter as views under HF ``Gemma4AssistantForCausalLM`` names (the packed gate_up_proj split
-        back into gate_proj / up_proj): what a checkpoint holds, for loading into and for saving."""
-        slots = {}
-        for name, p in self.named_parameters():
-            if name.endswith("gate_up_proj.weight"):
-                i = p.shape[0] // 2
-                slots[name.replace("gate_up_proj", "gate_proj")] = p.data[:i]
-                slots[name.replace("gate_up_proj", "up_proj")] = p.data[i:]
-            else:
-                slots[name] = p.data
-        return slots
+        """Every checkpoint tensor under HF names (``assistant_io.hf_tensors``)."""
+        return assistant_io.hf_tensors(self)
 
-    def save_pretrained(self, out_dir, info: dict | None = None, max_mb: float = 16.0) -> pathlib.Path:
-        """Write config.json + model.safetensors (HF names, ``hf_tensors``) + training_info.json (``info``) into
-        ``out_dir``, each file replaced atomically (a kill between two files can pair new weights with the old
-        config; the trainer keeps one architecture per dir). fp32 if the weights fit ``max_mb`` MiB, else bf16.
-        Returns the dir."""
-        from safetensors.torch import save_file
+    def save_pretrained(self, out_dir, info: dict | None = None, max_mb: float = 16.0):
+        """Write an HF ``gemma4_assistant`` dir (``assistant_io.save_pretrained``); returns the dir."""
+        return assistant_io.save_pretrained(self, out_dir, info, max_mb)
 
-        d = pathlib.Path(out_dir)
-        d.mkdir(parents=True, exist_ok=True)
-        sd = {k: v.detach().cpu().contiguous().clone() for k, v in self.hf_tensors().items()}
-        if sum(t.numel() * 4 for t in sd.values()) > max_mb * 2**20:
-            sd = {k: v.to(torch.bfloat16) for k, v in sd.items()}
+    @torch.no_grad()
+    def set_token_ordering(self, order: torch.Tensor) -> None:
+        """Set the centroid head's clusters: ``order [V]`` int, a permutation of range(V); cluster c holds tokens
+        ``order[c*S:(c+1)*S]``. The own LM head's rows move along (row j holds token ``order[j]``, so a cluster is
+        one contiguous slice); a bound target LM head is gathered again. ValueError if ``order`` is not a
+        permutation of range(V) or the assistant has no centroid head."""
+        me = self.masked_embedding
+        if me is None:
+            _bad("use_ordered_embeddings", "is false: there is no token_ordering to set")
+        order, V = order.to(me.token_ordering.device, torch.long), self.vocab_size
+        if order.shape != (V,) or not torch.equal(order.sort().values, torch.arange(V, device=order.device)):
+            _bad("masked_embedding.token_ordering", f"must be a permutation of range({V}); got one of shape "
+                 f"{tuple(order.shape)} that is not")
+        if self.lm_head is not None:
+            w = self.lm_head.weight
+            w.copy_(torch.empty_like(w).index_copy_(0, me.token_ordering, w)[order])
+        me.token_ordering.copy_(order)
+        self._gather_target_rows()
 
-        def replace(name, write):
-            tmp = d / f".{name}.tmp"
-            write(tmp)
-            os.chmod(tmp, 0o644)  # package data: readable by everyone
-            os.replace(tmp, d / name)
-        replace("model.safetensors", lambda p: save_file(sd, str(p), metadata={"format": "pt"}))
-        cfg = self.config.to_dict()
-        cfg.pop("_name_or_path", None)  # where it was loaded from: machine-specific
-        cfg["dtype"] = str(next(iter(sd.values())).dtype).removeprefix("torch.")
-        replace("config.json", lambda p: p.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n"))
-        if info is not None:
-            replace("training_info.json", lambda p: p.write_text(json.dumps(info, indent=2) + "\n"))
-        return d
-
-    def load_checkpoint(self, tensors) -> None:
-        """Strict load of HF-named tensors: packs gate/up, takes ``lm_head`` from ``lm_head.weight`` or (tied)
-        ``model.embed_tokens.weight``; every parameter must get exactly its tensor with the right shape."""
-        slots = self.hf_tensors()  # checkpoint name -> destination view
-        tied = bool(getattr(self.config, "tie_word_embeddings", True))
-        got, embed = set(), None
-        for name, t in tensors:
-            if any(s in name for s in _IGNORED) or name.startswith("masked_embedding."):
-                continue
-            if name in ("lm_head.weight", "model.embed_tokens.weight") and self.lm_head is None:
-                continue  # use_target_lm_head: the assistant's own table is unused
-            if name == "model.embed_tokens.weight":
-                embed = t  # only the LM head's (tied) source; HF never embeds with it here
-                continue
-            if name not in slots:
-                raise ValueError(f"assistant: checkpoint tensor {name!r} matches no parameter")
-            self._copy(name, slots[name], t)
-            got.add(name)
-        if self.lm_head is not None and "lm_head.weight" not in got and tied and embed is not None:
-            self._copy("model.embed_tokens.weight", slots["lm_head.weight"], embed)
-            got.add("lm_head.weight")
-        missing = [n for n in slots if n not in got]
-        if missing:
-            hint = (" (a checkpoint without an LM head must set \"use_target_lm_head\": true in config.json)"
-                    if "lm_head.weight" in missing else "")
-            raise ValueError(f"assistant: checkpoint is missing tensor {missing[0]!r}{hint}"
-                             + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
-
-    @staticmethod
-    def _copy(name, dst, t):
-        if tuple(dst.shape) != tuple(t.shape):
-            raise ValueError(f"assistant: checkpoint tensor {name!r} has shape {tuple(t.shape)}, "
-                             f"expected {tuple(dst.shape)}")
-        with torch.no_grad():
-            dst.copy_(t)
+    def _gather_target_rows(self):
+        me, head = self.masked_embedding, self._target_lm_head
+        if me is not None and head is not None:
+            identity = torch.equal(me.token_ordering, torch.arange(self.vocab_size, device=head.device))
+            self._target_rows = head if identity else head[me.token_ordering]
 
     # ---- target compatibility ------------------------------------------------------------------------
     def layer_map(self, target_kv_layer_types) -> list[int]:
@@ -260,69 +292,46 @@ class Gemma4Assistant(nn.Module):
         out = []
         for i, lt in enumerate(self.text_config.layer_types):
             if lt not in types:
-                raise ValueError(f"assistant: layer_types[{i}] = {lt!r} has no KV-owning target layer of that type "
-                                 f"(target layer types: {sorted(set(types))})")
+                _bad(f"layer_types[{i}]", f"= {lt!r} has no KV-owning target layer of that type (target layer "
+                     f"types: {sorted(set(types))})")
             out.append(len(types) - 1 - types[::-1].index(lt))
         return out
 
-    def check_target(self, target_config, target_kv_layer_types, num_kv_heads, head_dim, rope_theta,
-                     rope_scaling=None) -> None:
-        """Check the assistant fits a target (before any KV pool exists). ValueError names the field."""
-        if self.vocab_size != target_config.vocab_size:
-            raise ValueError(f"assistant: vocab_size {self.vocab_size} != target vocab_size "
-                             f"{target_config.vocab_size}")
-        if self.backbone_hidden_size != target_config.hidden_size:
-            raise ValueError(f"assistant: backbone_hidden_size {self.backbone_hidden_size} != target hidden_size "
-                             f"{target_config.hidden_size}")
-        self.layer_map(target_kv_layer_types)
-        target_rope = rope_cos_sin(head_dim, 2, rope_theta, rope_scaling)
-        for i, layer in enumerate(self.model.layers):
-            a, lt = layer.self_attn, layer.self_attn.layer_type
-            if lt == "sliding_attention":
-                raise ValueError(f"assistant: layer_types[{i}] = 'sliding_attention' is not supported (the draft "
-                                 "attention has no sliding window)")
-            if a.head_dim != head_dim:
-                raise ValueError(f"assistant: layer {i} head_dim {a.head_dim} != target head_dim {head_dim}")
-            if a.num_heads % num_kv_heads:
-                raise ValueError(f"assistant: num_attention_heads {a.num_heads} is not a multiple of the target's "
-                                 f"num_key_value_heads {num_kv_heads}")
-            params = dict((self.text_config.rope_parameters or {}).get(lt) or {})
-            if params.get("rope_theta") != rope_theta:
-                raise ValueError(f"assistant: rope_parameters[{lt!r}].rope_theta {params.get('rope_theta')} != "
-                                 f"target rope_theta {rope_theta}")
-            try:
-                same = torch.allclose(_rope_table(params, head_dim, 2), target_rope, rtol=1e-5, atol=1e-6)
-            except (ValueError, KeyError) as e:
-                raise ValueError(f"assistant: rope_parameters[{lt!r}] unsupported: {e}") from None
-            if not same:
-                raise ValueError(f"assistant: rope_parameters[{lt!r}] (rope_type {params.get('rope_type')!r}, "
-                                 f"partial_rotary_factor {params.get('partial_rotary_factor')}) do not match the "
-                                 f"target's RoPE (rope_scaling {rope_scaling})")
+    def check_target(self, target_config, *_unused) -> list[int]:
+        """``check_assistant_config(self.config, target_config)``: returns the layer map, ValueError naming the
+        field. Further positional arguments (the old signature's kv_layer_types, num_kv_heads, head_dim,
+        rope_theta, rope_scaling) are ignored: the HF config holds all of them."""
+        return check_assistant_config(self.config, target_config)
 
     def bind_target(self, target, kv: bool = True) -> None:
-        """Attach the target's embedding, RoPE table and (if configured) LM head; with ``kv`` also its pool views.
+        """Attach the target's embedding, per-layer RoPE tables (``target.rope_for(layer_type)`` for a Gemma 4
+        target, else ``target.cos_sin``) and (if configured) LM head; with ``kv`` also, per assistant layer, the
+        (k_cache, v_cache, sliding_window) of its mapped target layer.
 
         Call with ``kv=True`` only after the target pool is allocated and bound (DESIGN §4 rule 2); raises
         RuntimeError otherwise. ``kv=False`` serves the trainer, which passes its own ``attn_fn``.
         """
-        self.check_target(target.config, target.kv_layer_types, target.num_kv_heads, target.head_dim,
-                          target.rope_theta, target.rope_scaling)
-        if target.cos_sin is None:
+        layer_map = self.check_target(target.config)
+        rope_for = getattr(target, "rope_for", None)
+        ropes = [rope_for(lt) if rope_for else target.cos_sin for lt in self.text_config.layer_types]
+        if any(r is None for r in ropes):
             raise RuntimeError("assistant: the target's RoPE table is not initialised (call init_buffers first)")
-        self._embed, self._embed_scale = target.embed, float(getattr(target, "embed_scale", 1.0))
-        self._cos_sin = target.cos_sin
+        self._embed = target.embed
+        self._rope = ropes
         # detached: a Parameter assigned here would register as the assistant's own (trained, saved) weight
         self._target_lm_head = target.lm_head_weight.detach() if self.lm_head is None else None
+        self._gather_target_rows()
         if not kv:
             return
-        kvs = []
-        for i in self.layer_map(target.kv_layer_types):
+        kvs, windows = [], []
+        for i in layer_map:
             attn = target.layers[i].self_attn
             if attn.k_cache is None or attn.v_cache is None:
                 raise RuntimeError(f"assistant: target layer {i} has no KV cache bound yet: allocate the pool "
                                    "before bind_target (construct -> allocate -> bind)")
             kvs.append((attn.k_cache, attn.v_cache))
-        self._kv = kvs
+            windows.append(getattr(attn, "sliding_window", None))
+        self._kv, self._windows = kvs, windows
 
     # ---- forward -------------------------------------------------------------------------------------
     def _paged_attention(self):
@@ -336,38 +345,94 @@ class Gemma4Assistant(nn.Module):
 
         def attn(layer_idx, q):
             k, v = self._kv[layer_idx]
-            return draft_attention(q, k, v, md.block_table, md.seq_lens, md.row_to_req, 1.0, md.num_splits)
+            return draft_attention(q, k, v, md.block_table, md.seq_lens, md.row_to_req, 1.0, md.num_splits,
+                                   sliding_window=self._windows[layer_idx])
         return attn
 
-    def forward(self, tokens, h_prev, positions, attn_fn=None):
-        """One draft step for R query rows: ``tokens [R]``, ``h_prev [R, Hb]``, ``positions [R]`` ->
-        ``(logits [R, V] fp32, h_next [R, Hb])``. ``attn_fn(layer_idx, q [R, Hq, D]) -> o [R, Hq, D]`` replaces
-        the paged draft attention (default: current ``AttnMetadata`` in mode "draft")."""
+    def _body(self, tokens, h_prev, positions, attn_fn=None):
+        """Embed + layers + final norm: ``(hn [R, H], h_next [R, Hb])`` in the assistant's dtype."""
         if self._embed is None:
             raise RuntimeError("assistant: bind_target(target) before forward")
         dtype, R = self.pre_projection.weight.dtype, tokens.shape[0]
         if R == 0:  # DESIGN §4 rule 4: no attention metadata, no reductions
-            return (torch.empty(0, self.vocab_size, dtype=torch.float32, device=tokens.device),
+            return (torch.empty(0, self.hidden_size, dtype=dtype, device=tokens.device),
                     torch.empty(0, self.backbone_hidden_size, dtype=dtype, device=tokens.device))
         attn_fn = attn_fn or self._paged_attention()
-        e = self._embed(tokens)
-        if self._embed_scale != 1.0:
-            e = e * torch.tensor(self._embed_scale, dtype=e.dtype)  # rounded to the embedding dtype, as HF Gemma
+        e = self._embed(tokens)  # the target's input embedding (Gemma targets scale it by sqrt(Hb) themselves)
         x = self.pre_projection(torch.cat([e.to(dtype), h_prev.to(dtype)], dim=-1))
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, self._cos_sin, lambda q, i=i: attn_fn(i, q))
+            x = layer(x, positions, self._rope[i], lambda q, i=i: attn_fn(i, q))
         hn = self.model.norm(x)
-        head = self.lm_head.weight if self.lm_head is not None else self._target_lm_head
-        return F.linear(hn, head.to(dtype)).float(), self.post_projection(hn)
+        return hn, self.post_projection(hn)
+
+    def _candidates(self, hn):
+        """Centroid head: candidate logits [R, M] fp32 (M = top_k * S) and their token ids [R, M] int64."""
+        me, C = self.masked_embedding, self.config.num_centroids
+        head = self.lm_head.weight if self.lm_head is not None else self._target_rows
+        rows = head.view(C, self.vocab_size // C, head.shape[-1])
+        sel = me.centroids(hn).topk(self.config.centroid_intermediate_top_k, dim=-1).indices  # [R, K]
+        ids = me.token_ordering.view(C, -1)[sel].flatten(1)
+        return centroid_logits(hn, rows, sel), ids
+
+    def forward(self, tokens, h_prev, positions, attn_fn=None, dense: bool = False):
+        """One draft step for R query rows: ``tokens [R]``, ``h_prev [R, Hb]``, ``positions [R]`` ->
+        ``(logits [R, V] fp32, h_next [R, Hb])``. ``attn_fn(layer_idx, q [R, Hq, D]) -> o [R, Hq, D]`` replaces
+        the paged draft attention (default: current ``AttnMetadata`` in mode "draft").
+
+        Centroid head: logits are HF's masked tensor (candidates scattered to their token ids, every other token
+        ``min(candidates of the row) - 1``; HF takes that min over the whole batch, the same for one row), or the
+        full LM head with ``dense`` (for training). Drafting uses ``propose``, which never builds [R, V]."""
+        hn, h_next = self._body(tokens, h_prev, positions, attn_fn)
+        me = self.masked_embedding
+        if me is None or dense:
+            head = self.lm_head.weight if self.lm_head is not None else self._target_lm_head
+            logits = F.linear(hn, head.to(self.pre_projection.weight.dtype)).float()
+            if me is not None and self.lm_head is not None:  # own rows are in cluster order
+                logits = torch.zeros_like(logits).index_copy(1, me.token_ordering, logits)
+            return logits, h_next
+        cand, ids = self._candidates(hn)
+        fill = (cand.amin(-1, keepdim=True) - 1.0).expand(-1, self.vocab_size)
+        return fill.contiguous().scatter_(1, ids, cand), h_next
+
+    def propose(self, tokens, h_prev, positions, k: int):
+        """One draft step returning the top ``k`` tokens per row: ``tokens [R]``, ``h_prev [R, Hb]``,
+        ``positions [R]`` -> ``(top_logprobs [R, k] fp32, top_tokens [R, k] int64, h_next [R, Hb])``, best first.
+
+        Dense head: ``log_softmax(logits).topk(k)``. Centroid head: the top k candidates (k = 1: their argmax),
+        log-probabilities equal to HF's ``log_softmax`` of its masked [V] tensor, whose logsumexp is that of the
+        candidates plus ``(V - M) * exp(min - 1)`` for the M candidates; nothing of size V is built and nothing
+        syncs with the host. Raises ValueError unless 1 <= k <= V (M for the centroid head).
+        """
+        me = self.masked_embedding
+        limit = self.vocab_size if me is None else self.config.centroid_intermediate_top_k * (
+            self.vocab_size // self.config.num_centroids)
+        if not 1 <= k <= limit:
+            _bad("propose k", f"must be in [1, {limit}], got {k}")
+        if me is None:
+            logits, h_next = self(tokens, h_prev, positions)
+            top_lp, top_tok = torch.log_softmax(logits, -1).topk(k, dim=-1)
+            return top_lp, top_tok, h_next
+        hn, h_next = self._body(tokens, h_prev, positions)
+        cand, ids = self._candidates(hn)
+        top, j = cand.topk(k, dim=-1)
+        hi, lo = cand.amax(-1, keepdim=True), cand.amin(-1, keepdim=True)
+        rest = self.vocab_size - cand.shape[-1]  # tokens HF fills with lo - 1
+        lse = hi + ((cand - hi).exp().sum(-1, keepdim=True) + rest * (lo - 1.0 - hi).exp()).log()
+        return top - lse, ids.gather(1, j), h_next
 
 
 def assistant_config_for(target_config, num_layers: int = 1, hidden_size: int | None = None,
                          intermediate_size: int | None = None, num_heads: int | None = None,
-                         use_target_lm_head: bool = False):
+                         use_target_lm_head: bool = False, use_ordered_embeddings: bool = False,
+                         num_centroids: int = 2048, centroid_top_k: int = 32):
     """A ``Gemma4AssistantConfig`` whose q geometry and RoPE read a Llama/Qwen3 target's K (all layers full
     attention, the target's head_dim and RoPE; heads default to the target's query heads).
 
     ``use_target_lm_head`` (needs hidden_size == target hidden) makes the checkpoint carry no LM head.
+    ``use_ordered_embeddings`` adds a centroid head: ``num_centroids`` equal-size clusters of the LM-head rows
+    (the target's with ``use_target_lm_head``), ``centroid_top_k`` of them scored per draft row; the clusters
+    start as contiguous token-id ranges (``Gemma4Assistant.set_token_ordering`` sets others). Raises ValueError naming
+    the field for a centroid count that does not divide the vocabulary or a top-k outside [1, num_centroids].
     """
     from transformers import Gemma4AssistantConfig, Gemma4TextConfig
 
@@ -384,7 +449,10 @@ def assistant_config_for(target_config, num_layers: int = 1, hidden_size: int | 
         rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6), max_position_embeddings=tc.max_position_embeddings,
         rope_parameters={"full_attention": rope, "sliding_attention": rope})
     cfg = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=tc.hidden_size,
-                                tie_word_embeddings=not use_target_lm_head)
+                                tie_word_embeddings=not use_target_lm_head,
+                                use_ordered_embeddings=use_ordered_embeddings, num_centroids=num_centroids,
+                                centroid_intermediate_top_k=centroid_top_k)
     if use_target_lm_head:
         cfg.use_target_lm_head = True
+    _check_own(cfg)
     return cfg

@@ -74,14 +74,13 @@ def run_draft(assistant, seed: DraftInput, block_table, seq_lens, num_steps: int
         drafts = []
         with attn_metadata(AttnMetadata.draft(block_table, seq_lens, num_splits=num_splits)):
             for _ in range(num_steps):
-                logits, h = assistant(tok, h, pos)
-                tok = logits.argmax(-1)
+                _, tok, h = assistant.propose(tok, h, pos, 1)
+                tok = tok[:, 0]
                 drafts.append(tok)
         return chain_tree(seed.bonus_tokens, torch.stack(drafts, 1) if drafts else tok.new_zeros(B, 0))
     dev = h.device
     with attn_metadata(AttnMetadata.draft(block_table, seq_lens, num_splits=num_splits)):
-        logits, h = assistant(tok, h, pos)  # the seed step runs once per request
-    scores, tok = torch.log_softmax(logits, -1).topk(k, dim=-1)  # [B, k]
+        scores, tok, h = assistant.propose(tok, h, pos, k)  # [B, k]: the seed step runs once per request
     h = h.repeat_interleave(k, 0)
     toks, scs, pars, deps = [tok], [scores], [torch.full((B, k), -1, device=dev, dtype=torch.long)], [1]
     frontier = torch.arange(k, device=dev).expand(B, k)  # pool index of each frontier node
@@ -90,8 +89,7 @@ def run_draft(assistant, seed: DraftInput, block_table, seq_lens, num_steps: int
     md = AttnMetadata.draft(block_table, seq_lens, row_to_req=rows, num_splits=num_splits)
     for step in range(1, num_steps):
         with attn_metadata(md):
-            logits, h = assistant(tok.reshape(-1), h, pos.repeat_interleave(k))
-        child_lp, child_tok = torch.log_softmax(logits, -1).topk(k, dim=-1)  # [B*k, k]
+            child_lp, child_tok, h = assistant.propose(tok.reshape(-1), h, pos.repeat_interleave(k), k)
         cum = (scores[:, :, None] + child_lp.view(B, k, k)).view(B, k * k)
         toks.append(child_tok.view(B, k * k))
         scs.append(cum)

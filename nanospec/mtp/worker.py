@@ -66,8 +66,7 @@ class FrozenKVMTPWorker:
         self.position_offset, self.page_size = config.draft_position_offset, config.page_size
         device, dtype = sampler.device, next(target.parameters()).dtype
         self.assistant = Gemma4Assistant.from_pretrained(assistant_path, device, dtype)
-        self.assistant.check_target(target.config, target.kv_layer_types, target.num_kv_heads, target.head_dim,
-                                    target.rope_theta, target.rope_scaling)
+        self.assistant.check_target(target.config)
         self.draft_inputs = DraftInput.idle(target.config.hidden_size, device, dtype)
         self.kv_pools, self.graphs = None, None
 

@@ -1,0 +1,145 @@
+"""Checkpoint I/O of the Frozen-KV MTP drafter (HF ``gemma4_assistant`` dirs: config.json + *.safetensors).
+
+Names follow HF ``Gemma4AssistantForCausalLM``; the drafter's packed ``gate_up_proj`` is split back into
+``gate_proj`` / ``up_proj``. With ``use_ordered_embeddings`` the drafter keeps its LM-head rows in cluster order
+(row j holds token ``token_ordering[j]``, see ``Gemma4Assistant.set_token_ordering``); checkpoints hold them in
+token order, as HF does, so loading reorders them once and saving puts them back.
+"""
+import json
+import os
+import pathlib
+
+import torch
+
+# Checkpoint tensors HF itself ignores for KV-shared layers (K/V come from the target).
+_IGNORED = ("self_attn.k_proj.", "self_attn.v_proj.", "self_attn.k_norm.", "self_attn.v_norm.", "rotary_emb.")
+_ORDER = "masked_embedding.token_ordering"
+
+
+def _slots(model) -> dict[str, torch.Tensor]:
+    """Checkpoint name -> the model's storage (views; gate/up are the two halves of ``gate_up_proj``)."""
+    slots = {}
+    for name, p in model.named_parameters():
+        if name.endswith("gate_up_proj.weight"):
+            i = p.shape[0] // 2
+            slots[name.replace("gate_up_proj", "gate_proj")] = p.data[:i]
+            slots[name.replace("gate_up_proj", "up_proj")] = p.data[i:]
+        else:
+            slots[name] = p.data
+    if model.masked_embedding is not None:
+        slots[_ORDER] = model.masked_embedding.token_ordering
+    return slots
+
+
+def hf_tensors(model) -> dict[str, torch.Tensor]:
+    """Every tensor a checkpoint of ``model`` holds, under HF names, LM-head rows in token order. Views of the
+    model's storage, except the LM head of a centroid-head drafter (a copy put back in token order)."""
+    out = _slots(model)
+    if model.masked_embedding is not None and model.lm_head is not None:
+        rows, order = out["lm_head.weight"], model.masked_embedding.token_ordering
+        out["lm_head.weight"] = torch.empty_like(rows).index_copy_(0, order, rows)
+    return out
+
+
+def _copy(name, dst, t):
+    if tuple(dst.shape) != tuple(t.shape):
+        raise ValueError(f"assistant: checkpoint tensor {name!r} has shape {tuple(t.shape)}, "
+                         f"expected {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(t)
+
+
+def load_checkpoint(model, tensors) -> None:
+    """Strict load of HF-named ``(name, tensor)`` pairs into ``model`` (freshly constructed): packs gate/up, takes
+    ``lm_head`` from ``lm_head.weight`` or (tied) ``model.embed_tokens.weight``, then applies the checkpoint's
+    ``token_ordering`` (which reorders the LM-head rows). Raises ValueError naming the tensor when one matches no
+    parameter, has the wrong shape or is missing, or when ``token_ordering`` is not a permutation."""
+    slots = _slots(model)
+    tied = bool(getattr(model.config, "tie_word_embeddings", True))
+    got, embed, order = set(), None, None
+    for name, t in tensors:
+        if any(s in name for s in _IGNORED) or (name.startswith("masked_embedding.") and name not in slots):
+            continue
+        if name in ("lm_head.weight", "model.embed_tokens.weight") and model.lm_head is None:
+            continue  # use_target_lm_head: the assistant's own table is unused
+        if name == "model.embed_tokens.weight":
+            embed = t  # only the LM head's (tied) source; HF never embeds with it here
+            continue
+        if name not in slots:
+            raise ValueError(f"assistant: checkpoint tensor {name!r} matches no parameter")
+        if name == _ORDER:  # applied last, to the rows loaded in token order (it moves them)
+            order = t
+        else:
+            _copy(name, slots[name], t)
+        got.add(name)
+    if model.lm_head is not None and "lm_head.weight" not in got and tied and embed is not None:
+        _copy("model.embed_tokens.weight", slots["lm_head.weight"], embed)
+        got.add("lm_head.weight")
+    missing = [n for n in slots if n not in got]
+    if missing:
+        hint = (" (a checkpoint without an LM head must set \"use_target_lm_head\": true in config.json)"
+                if "lm_head.weight" in missing else "")
+        raise ValueError(f"assistant: checkpoint is missing tensor {missing[0]!r}{hint}"
+                         + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    if order is not None:
+        model.masked_embedding.token_ordering.copy_(torch.arange(model.vocab_size))  # rows are in token order
+        model.set_token_ordering(order)
+
+
+def read_config(path):
+    """The HF ``Gemma4AssistantConfig`` of a checkpoint dir, reading no tensor (for ``check_assistant_config``
+    before any weights load). Raises ValueError naming the problem: not a dir with a config.json, wrong
+    model_type, no *.safetensors."""
+    from transformers import AutoConfig
+
+    d = pathlib.Path(path).expanduser()
+    if not (d / "config.json").is_file():
+        raise ValueError(f"assistant: {str(path)!r} is not a directory with a config.json")
+    model_type = json.loads((d / "config.json").read_text()).get("model_type")
+    if model_type != "gemma4_assistant":
+        raise ValueError(f"assistant: {str(path)!r} has model_type {model_type!r}, expected 'gemma4_assistant'")
+    if not any(d.glob("*.safetensors")):
+        raise ValueError(f"assistant: {str(path)!r} has no *.safetensors weights")
+    return AutoConfig.from_pretrained(str(d))
+
+
+def load_assistant(cls, path, device="cpu", dtype=torch.float32):
+    """``cls.from_pretrained``: ``read_config``, construct ``cls(config)`` on the meta device, materialise on
+    ``device``, load the dir's tensors, cast floating tensors to ``dtype``. Raises ValueError naming the problem
+    (those of ``read_config``, unsupported config, missing / mis-shaped / unexpected tensor)."""
+    from ..loader import iter_safetensors
+    config = read_config(path)
+    with torch.device("meta"):
+        model = cls(config)
+    model.to_empty(device=device)
+    load_checkpoint(model, iter_safetensors(pathlib.Path(path).expanduser()))
+    return model.to(dtype).eval()
+
+
+def save_pretrained(model, out_dir, info: dict | None = None, max_mb: float = 16.0) -> pathlib.Path:
+    """Write config.json + model.safetensors (``hf_tensors``) + training_info.json (``info``) into ``out_dir``,
+    each file replaced atomically (a kill between two files can pair new weights with the old config; the
+    trainer keeps one architecture per dir). Floating tensors in fp32 if they fit ``max_mb`` MiB, else bf16.
+    Returns the dir."""
+    from safetensors.torch import save_file
+
+    d = pathlib.Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().cpu().contiguous().clone() for k, v in hf_tensors(model).items()}
+    floats = [k for k, v in sd.items() if v.is_floating_point()]
+    if sum(sd[k].numel() * 4 for k in floats) > max_mb * 2**20:
+        sd.update({k: sd[k].to(torch.bfloat16) for k in floats})
+
+    def replace(name, write):
+        tmp = d / f".{name}.tmp"
+        write(tmp)
+        os.chmod(tmp, 0o644)  # package data: readable by everyone
+        os.replace(tmp, d / name)
+    replace("model.safetensors", lambda p: save_file(sd, str(p), metadata={"format": "pt"}))
+    cfg = model.config.to_dict()
+    cfg.pop("_name_or_path", None)  # where it was loaded from: machine-specific
+    cfg["dtype"] = str(sd[floats[0]].dtype).removeprefix("torch.")
+    replace("config.json", lambda p: p.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n"))
+    if info is not None:
+        replace("training_info.json", lambda p: p.write_text(json.dumps(info, indent=2) + "\n"))
+    return d
