@@ -2,9 +2,10 @@
 
 KV cache layout per layer: ``k_cache, v_cache: [num_blocks, page_size, Hkv, D]`` (same shape and strides, last dim
 contiguous, any float dtype). Token j of request b lives at block ``block_table[b, j // page_size]``, offset
-``j % page_size``. Both paths read exactly rows [0, seq_len) of each request (and, with a sliding window, only the
-visible ones): whatever lies in the rest of the last block or in block-table entries past the request's blocks
-(the dummy block 0, recycled blocks, NaN/inf) never reaches the output. GQA: query head h reads kv head
+``j % page_size``. Both paths use exactly rows [0, seq_len) of each request (with a sliding window, only the visible
+ones): whatever lies in the rest of the last block or in block-table entries past the request's blocks (the dummy
+block 0, recycled blocks, NaN/inf) never reaches the output; the Triton paths mask their loads, the references zero
+such rows before any product. GQA: query head h reads kv head
 ``h // (Hq // Hkv)``. Softmax and accumulation run in fp32; outputs have q's dtype.
 
 Sliding window (``sliding_window=W``, HF Gemma 4 ``sliding_window_overlay`` on the causal mask): a query at absolute
@@ -15,6 +16,7 @@ the public function picks one with ``use_triton(q)``. The Triton paths take only
 they never sync (except ``decode_attention(num_splits=None)``, which reads the max length once).
 """
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -50,52 +52,87 @@ def _window(sliding_window, tree_size=0) -> int:
     return min(sliding_window, _NO_WINDOW)
 
 
-def _gather(cache, blocks, lo, hi):
-    """Contiguous [hi - lo, Hkv, D] copy of rows [lo, hi) of one request from the paged cache."""
-    P = cache.shape[1]
-    rows = cache[blocks[lo // P: -(-hi // P)].long()].flatten(0, 1)
-    return rows[lo % P: lo % P + hi - lo]
+def _paged_ref(q, k_cache, v_cache, bt, lens, n, W, scale, tree_mask=None):
+    """Reference core: R rows of n queries each over their request's paged KV; fp32 result [R, n, Hq, D].
+
+    q [R, n, Hq, D]; bt [R, width] block-table rows covering each row's length; lens [R] int64 KV lengths, the n
+    queries being the last n positions (or tree nodes at prefix + depth, tree_mask [R, n, n]). Gathers whole
+    blocks (with a window only the ones that can hold visible keys) and zeroes every gathered row outside
+    [lo, L), lo = max(0, L - n - W + 1), so stale values elsewhere in the pool (NaN/inf) never enter, not even
+    as 0 * NaN.
+    """
+    R, _, Hq, D = q.shape
+    NB, P, Hkv = k_cache.shape[:3]
+    G, width, dev = Hq // Hkv, bt.shape[1], q.device
+    bt = bt.long().clamp(0, NB - 1)  # entries past a request's blocks may hold anything: their rows are zeroed
+    if W < _NO_WINDOW:
+        lo = (lens - (n + W - 1)).clamp(min=0)
+        first = lo // P
+        cols = first[:, None] + torch.arange(min(width, -(-(n + W + P - 2) // P)), device=dev)
+        bt = bt.gather(1, cols.clamp(max=width - 1))
+        keys = first[:, None] * P + torch.arange(bt.shape[1] * P, device=dev)  # [R, S] positions
+        dead = (keys < lo[:, None]) | (keys >= lens[:, None])
+    else:
+        keys = torch.arange(width * P, device=dev)[None]
+        dead = keys >= lens[:, None]
+    S = keys.shape[1]
+    dead_rows = dead.expand(R, S).flatten().nonzero().squeeze(1)  # index_fill_ is far cheaper than masked_fill_
+    k = k_cache.index_select(0, bt.flatten()).view(R * S, -1).float().index_fill_(0, dead_rows, 0.0)
+    v = v_cache.index_select(0, bt.flatten()).view(R * S, -1).float().index_fill_(0, dead_rows, 0.0)
+    k, v = k.view(R, S, Hkv, D), v.view(R, S, Hkv, D)
+    prefix = lens - n
+    kk = keys[:, None, :]
+    if tree_mask is None:  # causal: key <= position (< seq_len)
+        pos = prefix[:, None] + torch.arange(n, device=dev)  # [R, n]
+        seen = kk <= pos[..., None]
+    else:  # node i sees the prefix plus its tree-mask row; keys >= seq_len read the padded False column n
+        j = (kk - prefix[:, None, None]).clamp(0, n).expand(R, n, S)
+        seen = (kk < prefix[:, None, None]) | F.pad(tree_mask, (0, 1)).gather(2, j)
+        if W < _NO_WINDOW:  # the window measures from node i's position prefix + depth_i
+            pos = prefix[:, None] + (tree_mask.sum(-1) - 1).clamp(min=0)
+    if W < _NO_WINDOW:
+        seen = seen & (pos[..., None] - kk < W)  # [R, n, S]
+    bias = torch.where(seen, 0.0, float("-inf"))[:, None, :, None].expand(R, 1, n, G, S).reshape(R, 1, n * G, S)
+    qh = q.float().reshape(R, n, Hkv, G, D).transpose(1, 2).reshape(R, Hkv, n * G, D)
+    o = F.scaled_dot_product_attention(qh, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias, scale=scale)
+    o = o.view(R, Hkv, n, G, D).transpose(1, 2).reshape(R, n, Hq, D)
+    return torch.where(seen.any(-1)[..., None, None], o, 0.0)  # no visible key: 0 (torch < 2.5 SDPA gives NaN)
 
 
 # ---- extend / prefill / tree verify --------------------------------------------------------------------------------
 
 def extend_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, max_seqlen_q,
                          tree_mask=None, *, sliding_window=None):
-    """Torch reference of :func:`extend_attention` (same signature and result). Loops over requests on the host
-    and reads only rows [max(0, prefix - W + 1), seq_len) of each, the keys some query of it can see."""
-    G = _check(q, k_cache, v_cache, block_table)
+    """Torch reference of :func:`extend_attention` (same signature and result). When every request has the same
+    number of new tokens (T == B * max_seqlen_q, or a tree) it runs one batched pass; otherwise it loops over
+    requests on the host. Reads only rows [max(0, prefix - W + 1), seq_len) of each request."""
+    _check(q, k_cache, v_cache, block_table)
+    T, Hq, D = q.shape
     o = torch.zeros_like(q)
     B = cu_seqlens_q.numel() - 1
-    if q.shape[0] == 0 or B <= 0:
+    if T == 0 or B <= 0:
         return o
-    W = _window(sliding_window, 0 if tree_mask is None else tree_mask.shape[-1])
-    Hq, D, Hkv = q.shape[1], q.shape[2], k_cache.shape[2]
-    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    n_tree = 0 if tree_mask is None else tree_mask.shape[-1]
+    W = _window(sliding_window, n_tree)
+    if tree_mask is not None and (tree_mask.shape != (B, n_tree, n_tree) or T != B * n_tree):
+        raise ValueError(f"tree_mask {tuple(tree_mask.shape)} needs shape [B, N, N] with T = B*N ({T} rows)")
+    lens, P = seq_lens.long(), k_cache.shape[1]
+    n = n_tree or (max_seqlen_q if T == B * max_seqlen_q else 0)
+    if n:  # every request has n new tokens: one pass over all of them
+        if bool((lens[:B] < n).any()):
+            raise ValueError(f"every seq_len must be >= its {n} new tokens, got seq_lens {lens.tolist()}")
+        o = _paged_ref(q.reshape(B, n, Hq, D), k_cache, v_cache, block_table[:B], lens[:B], n, W, scale, tree_mask)
+        return o.view(T, Hq, D).to(q.dtype)
+    cu, lens_h = cu_seqlens_q.tolist(), seq_lens.tolist()
     for b in range(B):
-        n, L = cu[b + 1] - cu[b], lens[b]
+        n, L = cu[b + 1] - cu[b], lens_h[b]
         if n == 0:
             continue
-        prefix = L - n
-        if prefix < 0:
+        if L < n:
             raise ValueError(f"request {b}: seq_len {L} < number of new tokens {n}")
-        lo = max(0, prefix - W + 1)
-        k = _gather(k_cache, block_table[b], lo, L).float()
-        v = _gather(v_cache, block_table[b], lo, L).float()
-        qb = q[cu[b]:cu[b + 1]].float().reshape(n, Hkv, G, D)
-        s = torch.einsum("ikgd,jkd->kgij", qb, k) * scale
-        keys = torch.arange(lo, L, device=q.device)
-        if tree_mask is None:
-            pos = prefix + torch.arange(n, device=q.device)
-            allowed = keys[None, :] <= pos[:, None]
-        else:
-            if tree_mask.shape[1:] != (n, n):
-                raise ValueError(f"tree_mask {tuple(tree_mask.shape)} does not match {n} queries of request {b}")
-            pos = prefix + (tree_mask[b].sum(-1) - 1).clamp(min=0)  # node at its depth in the tree
-            allowed = torch.cat([tree_mask.new_ones(n, prefix - lo), tree_mask[b]], dim=1)
-        allowed = allowed & (pos[:, None] - keys[None, :] < W)
-        # A row with no visible key (only possible with a tree mask and no prefix) gives 0, not NaN.
-        p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
-        o[cu[b]:cu[b + 1]] = torch.einsum("kgij,jkd->ikgd", p, v).reshape(n, Hq, D).to(q.dtype)
+        ob = _paged_ref(q[cu[b]:cu[b + 1]][None], k_cache, v_cache, block_table[b:b + 1, :-(-L // P)],
+                        lens[b:b + 1], n, W, scale)
+        o[cu[b]:cu[b + 1]] = ob[0].to(q.dtype)
     return o
 
 
@@ -273,31 +310,18 @@ def decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, scale, row_
                          *, sliding_window=None):
     """Torch reference of :func:`decode_attention` (same signature and result; ``num_splits`` is ignored).
 
-    Vectorised over rows, no host sync: gathers whole block-table rows (with a window, the ceil((W+P-1)/P) blocks
-    that can hold rows [L-W, L)), then masks every row outside [max(0, L - W), L) in the scores and zeroes it in
-    V, so stale values there (NaN/inf) cannot leak through 0 * NaN.
+    One batched pass (no per-row host loop): each row gathers its whole block-table row (with a window, only the
+    blocks that can hold rows [L - W, L)) and zeroes and masks every row outside [max(0, L - W), L).
     """
-    G = _check(q, k_cache, v_cache, block_table)
+    _check(q, k_cache, v_cache, block_table)
     W = _window(sliding_window)
-    R, Hq, D = q.shape
-    NB, P, Hkv = k_cache.shape[:3]
-    width = block_table.shape[1]
-    if R == 0 or width == 0:
+    R = q.shape[0]
+    if R == 0 or block_table.shape[1] == 0:
         return torch.zeros_like(q)
-    req = torch.arange(R, device=q.device) if row_to_req is None else row_to_req.long()
-    lens = seq_lens.long()[req]
-    lo = (lens - W).clamp(min=0)
-    nwin = min(width, -(-(W + P - 1) // P))
-    bidx = (lo // P)[:, None] + torch.arange(nwin, device=q.device)  # [R, nwin] block-table columns
-    keys = (bidx[:, :, None] * P + torch.arange(P, device=q.device)).flatten(1)  # [R, S] positions
-    valid = (keys >= lo[:, None]) & (keys < lens[:, None])
-    # Table entries past a row's blocks may hold anything: clamp to a real block id; those rows are masked.
-    blocks = block_table[req[:, None], bidx.clamp(max=width - 1)].long().clamp(0, NB - 1)
-    k = k_cache[blocks].flatten(1, 2)  # [R, S, Hkv, D]
-    v = v_cache[blocks].flatten(1, 2).masked_fill(~valid[:, :, None, None], 0.0)
-    s = torch.einsum("rkgd,rskd->rkgs", q.float().reshape(R, Hkv, G, D), k.float()) * scale
-    p = torch.softmax(s.masked_fill(~valid[:, None, None, :], float("-inf")), dim=-1).nan_to_num(0.0)
-    return torch.einsum("rkgs,rskd->rkgd", p, v.float()).reshape(R, Hq, D).to(q.dtype)
+    bt, lens = block_table[:R], seq_lens[:R].long()
+    if row_to_req is not None:
+        bt, lens = block_table[row_to_req.long()], seq_lens.long()[row_to_req.long()]
+    return _paged_ref(q[:, None], k_cache, v_cache, bt, lens, 1, W, scale)[:, 0].to(q.dtype)
 
 
 @triton.jit

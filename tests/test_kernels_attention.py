@@ -109,15 +109,16 @@ def window_oracle(q, k, v, pos, W, scale, extra=None):
     return torch.einsum("hij,jhd->ihd", p, v.float().repeat_interleave(g, 1))
 
 
+@pytest.mark.parametrize("ns", [[9, 4, 7, 30], [4, 4, 4, 4]])  # per-request loop; one batched pass (verify)
 @pytest.mark.parametrize("W", [1, 3, 5, 64])
-def test_extend_ref_window_matches_dense_causal(W):
-    lens, ns = [9, 16, 23, 30], [9, 4, 7, 30]  # prefill, chunked prefill with prefix 12 / 16; page 4
+def test_extend_ref_window_matches_dense_causal(W, ns):
+    lens = [9, 16, 23, 30]  # prefill, chunked prefill with prefix 12 / 16; page 4
     q, kc, vc, bt, cu, sl, _, ks, vs = extend_inputs(lens, ns, 6, 2, 16, 4, seed=W)
     o = A.extend_attention_ref(q, kc, vc, bt, cu, sl, 0.37, max(ns), sliding_window=W)
     for b, (L, n) in enumerate(zip(lens, ns)):
         want = window_oracle(q[cu[b]:cu[b + 1]], ks[b], vs[b], L - n + torch.arange(n), W, 0.37)
         torch.testing.assert_close(o[cu[b]:cu[b + 1]], want, atol=1e-5, rtol=1e-5)
-    if W < 9:  # the window changes the result
+    if W < 4:  # the window changes the result
         assert (o - A.extend_attention_ref(q, kc, vc, bt, cu, sl, 0.37, max(ns))).abs().max() > 1e-2
 
 
@@ -207,8 +208,12 @@ def test_extend_triton_strided_q():
     qkv = torch.randn(9, 8, 16)
     q = qkv[:, :4]
     got = A.extend_attention_triton(q, kc, vc, bt, cu, sl, 0.25, 5)
-    torch.testing.assert_close(got, A.extend_attention_ref(q.contiguous(), kc, vc, bt, cu, sl, 0.25, 5),
-                               atol=1e-4, rtol=1e-4)
+    want = A.extend_attention_ref(q.contiguous(), kc, vc, bt, cu, sl, 0.25, 5)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(A.extend_attention_ref(q, kc, vc, bt, cu, sl, 0.25, 5), want)  # per-request loop
+    cu4 = torch.tensor([0, 4, 8], dtype=torch.int32)  # 4 + 4 new tokens: one batched pass
+    assert torch.equal(A.extend_attention_ref(q[:8], kc, vc, bt, cu4, sl, 0.25, 4),
+                       A.extend_attention_ref(q[:8].contiguous(), kc, vc, bt, cu4, sl, 0.25, 4))
 
 
 @pytest.mark.parametrize("dtype,hq,hkv", [(torch.float32, 2, 2), (torch.float32, 6, 2), (torch.bfloat16, 4, 2)])

@@ -42,14 +42,15 @@ def _same(fn, clean, poisoned):
 
 @pytest.mark.parametrize("path", ["ref", "triton"])
 @pytest.mark.parametrize("window", [None, 5])
-def test_extend_ignores_rows_past_seq_len(path, window):
-    lens = [13, 6, 21]  # 5, 6, 4 new tokens: chunked prefill (prefix 8 / 17), prefill; partial last blocks
+@pytest.mark.parametrize("ns", [[5, 6, 4], [4, 4, 4]])  # chunked prefill + prefill; uniform (one batched pass)
+def test_extend_ignores_rows_past_seq_len(path, window, ns):
+    lens = [13, 6, 21]  # partial last blocks
     clean, poisoned, bt = poisoned_pool(lens, 2, 16, 4, seed=1)
-    cu = torch.tensor([0, 5, 11, 15], dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(ns).cumsum(0).tolist()], dtype=torch.int32)
     sl = torch.tensor(lens, dtype=torch.int32)
-    q = torch.randn(15, 4, 16, generator=torch.Generator().manual_seed(2))
+    q = torch.randn(sum(ns), 4, 16, generator=torch.Generator().manual_seed(2))
     fn = getattr(A, f"extend_attention_{path}")
-    _same(lambda k, v: fn(q, k, v, bt, cu, sl, 0.3, 6, sliding_window=window), clean, poisoned)
+    _same(lambda k, v: fn(q, k, v, bt, cu, sl, 0.3, max(ns), sliding_window=window), clean, poisoned)
 
 
 @pytest.mark.parametrize("path", ["ref", "triton"])
