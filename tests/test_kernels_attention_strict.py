@@ -123,3 +123,24 @@ def test_decode_and_draft_window_never_read_rows_before_it(backend):
         # a draft row sees W + 1 rows, [L - W - 1, L)
         clean, poisoned, bt = poisoned_pool(lens, 2, 16, 4, seed=15, starts=[max(0, L - W - 1) for L in lens])
         _same(lambda k, v: A.draft_attention(qd, k, v, bt, sl, r2r, sliding_window=W), clean, poisoned)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_engine_ignores_nan_in_unwritten_kv_rows(tiny_llama_dir, tmp_path, speculative):
+    """The defect end to end: a pool whose every unwritten row is NaN (recycled blocks, the dummy block) gives
+    the same greedy tokens and the same drafts (accept lengths) as a clean pool, on the CPU torch path."""
+    from nanospec import LLM, SamplingParams
+
+    kw = dict(device="cpu", dtype="float32", page_size=4, max_model_len=64)
+    if speculative:
+        from test_spec_lossless import make_assistant
+        kw.update(assistant=make_assistant(tmp_path / "a", tiny_llama_dir, hidden_size=32, num_heads=4), num_steps=3)
+    prompts, sp = [[1, 2, 3, 4, 5], [9] * 11, [40, 41, 42]], SamplingParams(max_tokens=12, ignore_eos=True)
+    clean = LLM(str(tiny_llama_dir), **kw).generate(prompts, sp, use_tqdm=False)
+    llm = LLM(str(tiny_llama_dir), **kw)
+    for pool in llm.runner.kv_pools:
+        pool.fill_(float("nan"))
+    dirty = llm.generate(prompts, sp, use_tqdm=False)
+    assert [o["token_ids"] for o in dirty] == [o["token_ids"] for o in clean]
+    if speculative:
+        assert [o["accept_lengths"] for o in dirty] == [o["accept_lengths"] for o in clean]
