@@ -66,7 +66,7 @@ class LLM:
         allocator = self.runner.allocate_kv_cache()
         if self.worker is not None:
             self.worker.bind(self.runner.kv_pools)
-        graphs = self.runner.capture_graphs(mtp=self.worker.draft_verify if self.worker else None)
+        graphs = self.runner.capture_graphs(self.worker)
         if self.worker is not None:
             self.worker.set_graphs(graphs)
         release = self.worker.on_release if self.worker is not None else self.runner.on_release

@@ -156,9 +156,10 @@ class ModelRunner:
         torch.cuda.synchronize(dev)
 
     # ---- graphs ----------------------------------------------------------------------------------------------------
-    def capture_graphs(self, mtp=None) -> GraphRunner:
-        """Build the graph runner: phase "decode" and, with ``mtp`` (the worker's ``draft_verify``), phase
-        "mtp". Buckets exist only on CUDA without ``enforce_eager``; elsewhere every phase runs eagerly."""
+    def capture_graphs(self, worker=None) -> GraphRunner:
+        """Build the graph runner: phase "decode" and, with the MTP ``worker``, phases "mtp" (greedy batches,
+        ``draft_verify``) and "mtp_sampled" (``draft_verify_sampled``). Buckets exist only on CUDA without
+        ``enforce_eager``; elsewhere every phase runs eagerly."""
         c, dev = self.config, self.device
         use_graphs = dev.type == "cuda" and not c.enforce_eager
         width = -(-(c.max_model_len + self.lookahead) // c.page_size)
@@ -167,8 +168,13 @@ class ModelRunner:
                    "block_table": ((1, width), i32, DUMMY_BLOCK), "seq_lens": ((1,), i32, 1), "L": ((1,), i32, 0),
                    "bonus": ((1,), i64, 0), "hidden": ((1, self.model.config.hidden_size), self.dtype, 0)}
         phases = {"decode": (self._decode_logits, ["ids", "pos", "slots", "block_table", "seq_lens"])}
-        if mtp is not None:
-            phases["mtp"] = (mtp, ["bonus", "hidden", "block_table", "L"])
+        if worker is not None:
+            spec = ["bonus", "hidden", "block_table", "L"]
+            phases["mtp"] = (worker.draft_verify, spec)
+            phases["mtp_sampled"] = (worker.draft_verify_sampled, spec + ["temperature", "top_k", "top_p", "noise"])
+            f32 = torch.float32
+            buffers.update(temperature=((1,), f32, 1.0), top_k=((1,), i32, -1), top_p=((1,), f32, 1.0),
+                           noise=((1, worker.noise_width), f32, 0.5))
         sizes = graph_batch_sizes(c.max_num_seqs) if use_graphs else []
         self.graphs = GraphRunner(phases, buffers, sizes, num_kv_splits(c.max_model_len), dev)
         self.graphs.capture()

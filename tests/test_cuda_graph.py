@@ -39,7 +39,7 @@ PROMPTS = [[1, 2, 3, 4, 5], [9] * 11, [40, 41, 42]]
 
 def with_buckets(llm, sizes):
     """Give the engine's graph runner these buckets: on CPU their phases run eagerly on the padded buffers."""
-    g = llm.runner.capture_graphs(mtp=llm.worker.draft_verify if llm.worker else None)
+    g = llm.runner.capture_graphs(llm.worker)
     rebuilt = GraphRunner(g.phases, g.buffer_specs, sizes, g.num_splits, llm.runner.device)
     llm.runner.graphs = rebuilt
     if llm.worker is not None:
@@ -77,15 +77,18 @@ def test_padding_rows_never_touch_live_blocks(tiny_llama_dir):
     assert live <= touched
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("spec", [None, {"num_steps": 3}, {"num_steps": 2, "topk": 2, "num_draft_tokens": 4}])
-def test_static_graph_path_matches_eager(tiny_llama_dir, tmp_path, spec):
+def test_static_graph_path_matches_eager(tiny_llama_dir, tmp_path, spec, temperature):
     """Whole generations through the static (padded) graph functions equal plain eager runs, with a bucket
-    smaller than the batch too (eager fallback), spec on and off."""
+    smaller than the batch too (eager fallback), spec on and off, greedy and sampled (the "mtp_sampled" phase:
+    sampling tensors and noise are static inputs too)."""
     kw = {}
     if spec:
         from test_spec_lossless import make_assistant
         kw = dict(assistant=make_assistant(tmp_path / "a", tiny_llama_dir, hidden_size=32, num_heads=4), **spec)
-    sp = SamplingParams(max_tokens=10, ignore_eos=True)
+    sp = [SamplingParams(max_tokens=10, ignore_eos=True, temperature=temperature, top_k=50, seed=i)
+          for i in range(len(PROMPTS))]
     ref = [o["token_ids"] for o in _engine(tiny_llama_dir, **kw).generate(PROMPTS, sp, use_tqdm=False)]
     for sizes in ([4], [2]):  # [2] < 3 requests: the full batch falls back to eager, late batches use graphs
         llm = _engine(tiny_llama_dir, **kw)

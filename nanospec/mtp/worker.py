@@ -100,19 +100,22 @@ class FrozenKVMTPWorker:
         L, bt = inp.seq_lens, block_table_tensor(reqs, inp.hidden.device)
         bound = max(r.num_computed + r.num_inflight * self.num_draft_tokens for r in reqs)
         inputs = {"bonus": inp.bonus_tokens, "hidden": inp.hidden, "block_table": bt, "L": L}
-        if all(r.params.greedy for r in reqs):
-            res = self.graphs.run("mtp", inputs, num_kv_splits(bound), reqs=reqs)
-        else:  # sampled batches run eagerly: their noise and filtered distributions stay outside the graph
-            sampling = (*self.sampler.tensors(reqs), self.sampler.noise(reqs, self._noise_width()))
-            res = self.draft_verify(**inputs, num_splits=num_kv_splits(bound), reqs=reqs, sampling=sampling)
-        tree_tokens, out, acc, bonus, hidden = res
+        phase = "mtp"
+        if not all(r.params.greedy for r in reqs):  # a sampled batch: its own graphs, noise drawn on the host side
+            temperature, top_k, top_p = self.sampler.tensors(reqs)
+            noise = self.sampler.noise(reqs, self.noise_width)
+            inputs.update(temperature=temperature, top_k=top_k, top_p=top_p, noise=noise)
+            phase = "mtp_sampled"
+        tree_tokens, out, acc, bonus, hidden = self.graphs.run(phase, inputs, num_kv_splits(bound), reqs=reqs)
         self.draft_inputs = self.draft_inputs.merge(DraftInput(inp.req_ids, bonus, hidden, L + acc.int()))
         result = StepOutput(torch.cat([acc[:, None], out], 1), speculative=True)
         if self.trace is not None:
             self._trace_step(reqs, L.tolist(), tree_tokens.tolist(), result)
         return result
 
-    def _noise_width(self) -> int:
+    @property
+    def noise_width(self) -> int:
+        """Uniform noise per row of a sampled step: V for the bonus token, then one per draft child tried."""
         return self.target.config.vocab_size + self.num_steps * self.topk
 
     def _inputs_for(self, reqs) -> DraftInput:
@@ -157,7 +160,8 @@ class FrozenKVMTPWorker:
 
     def draft_verify(self, bonus, hidden, block_table, L, num_splits=None, reqs=None, sampling=None):
         """One whole speculative step from draft-input tensors (bonus [B], hidden [B, Hb]): the ``mtp`` phase a
-        CUDA graph captures. Eager calls pass ``reqs`` so that ``draft`` sees the requests, and ``sampling``.
+        CUDA graph captures. Eager calls pass ``reqs`` so that ``draft`` sees the requests. ``sampling`` =
+        (temperature, top_k, top_p [B], noise [B, noise_width]) or None (greedy).
         Returns (tree tokens [B, N], emitted, accept_len, bonus, next seed hidden)."""
         if reqs is None:
             tree = run_draft(self.assistant, DraftInput([], bonus, hidden), block_table, L, self.num_steps,
@@ -165,6 +169,12 @@ class FrozenKVMTPWorker:
         else:
             tree = self.draft(reqs, block_table, L, num_splits)
         return (tree.tokens, *self.verify(tree, block_table, L, sampling))
+
+    def draft_verify_sampled(self, bonus, hidden, block_table, L, temperature, top_k, top_p, noise, num_splits=None,
+                             reqs=None):
+        """The ``mtp_sampled`` phase: ``draft_verify`` of a batch with sampled rows, its sampling tensors static
+        graph inputs like the rest."""
+        return self.draft_verify(bonus, hidden, block_table, L, num_splits, reqs, (temperature, top_k, top_p, noise))
 
     def _trace_step(self, reqs, lens, tree_tokens, result) -> None:
         for r, L, toks, emitted in zip(reqs, lens, tree_tokens, result.tokens):
