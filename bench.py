@@ -1,4 +1,5 @@
-"""Benchmark nanospec (the nano-vllm workload, ShareGPT, batch-1 latency, HF comparison): `python bench.py --help`.
+"""Benchmark nanospec (the nano-vllm workload, ShareGPT, batch-1 latency, HF comparison): `python bench.py
+--help`.
 
 The same as the `nanospec-bench` command; the code is in nanospec/tools/bench.py.
 """

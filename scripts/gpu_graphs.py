@@ -1,7 +1,7 @@
-"""CUDA graphs vs eager on one GPU: the same greedy tokens for plain decode, chain speculation (S = 3) and tree
-speculation (S = 3, k = 3, N = 8) with a random-weight assistant, in fp32 and bf16, over 50 held-out ShareGPT
-prompts (96 new tokens each); also the token-match rate of speculation on vs off. Prints one JSON line;
-exits 1 unless graphs and eager agree everywhere.
+"""CUDA graphs vs eager on one GPU: the same greedy tokens for plain decode, chain speculation (S = 3) and
+tree speculation (S = 3, k = 3, N = 8) with a random-weight assistant, in fp32 and bf16, over 50 held-out
+ShareGPT prompts (96 new tokens each); also the token-match rate of speculation on vs off. Prints one JSON
+line; exits 1 unless graphs and eager agree everywhere.
 
     python scripts/gpu_graphs.py
 """
@@ -29,10 +29,21 @@ def main() -> int:
             for name, kw in runs.items():
                 outs = []
                 for eager in (True, False):
-                    llm = LLM(model, device="cuda", dtype=dtype, max_model_len=1024, max_num_seqs=64,
-                              enforce_eager=eager, **kw)
-                    outs.append([o["token_ids"] for o in llm.generate(prompts, SamplingParams(max_tokens=96),
-                                                                       use_tqdm=False)])
+                    llm = LLM(
+                        model,
+                        device="cuda",
+                        dtype=dtype,
+                        max_model_len=1024,
+                        max_num_seqs=64,
+                        enforce_eager=eager,
+                        **kw,
+                    )
+                    outs.append(
+                        [
+                            o["token_ids"]
+                            for o in llm.generate(prompts, SamplingParams(max_tokens=96), use_tqdm=False)
+                        ]
+                    )
                 res[f"{dtype}_{name}_graphs_equal_eager"] = outs[0] == outs[1]
                 tokens[dtype, name] = outs[1]
     for (dtype, name), outs in tokens.items():  # greedy spec-on vs spec-off (fp32: lossless up to rounding)

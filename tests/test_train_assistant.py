@@ -32,8 +32,8 @@ def tiny_target(model_dir):
 
 
 def record_drafts(llm):
-    """Wrap the worker's (eager, CPU) draft: per call, (request ids, seq_lens, drafted chain [B, S+1], per-step
-    (logits, h_next))."""
+    """Wrap the worker's (eager, CPU) draft: per call, (request ids, seq_lens, drafted chain [B, S+1],
+    per-step (logits, h_next))."""
     worker, records = llm.runner.spec, []
     orig = worker.draft
 
@@ -54,8 +54,8 @@ def record_drafts(llm):
 
 
 def test_train_infer_consistency(tiny_llama_dir, tmp_path):
-    """For every draft nanospec ran (several committed lengths L, two requests batched), the trainer's unrolled
-    forward at committed length L gives the same logits and h_next at every step."""
+    """For every draft nanospec ran (several committed lengths L, two requests batched), the trainer's
+    unrolled forward at committed length L gives the same logits and h_next at every step."""
     S = 3
     target = tiny_target(tiny_llama_dir)
     assistant = new_assistant(target, layers=2, seed=0)
@@ -97,8 +97,8 @@ def mean_accept(model_dir, assistant_dir, prompts, max_tokens, S):
 
 
 def test_tiny_training_improves_acceptance(smollm2_tokenizer, tmp_path):
-    """A few hundred steps on the target's own greedy continuations lower the loss and beat a random assistant's
-    acceptance length on those prompts (measured by nanospec's spec decoding, greedy)."""
+    """A few hundred steps on the target's own greedy continuations lower the loss and beat a random
+    assistant's acceptance length on those prompts (measured by nanospec's spec decoding, greedy)."""
     torch.manual_seed(0)
     S, T = 3, 40
     tiny_llama_dir = make_tiny_model(tmp_path / "target", smollm2_tokenizer, seed=3, vocab_size=512)
@@ -142,8 +142,9 @@ def test_tiny_training_improves_acceptance(smollm2_tokenizer, tmp_path):
 
 
 def test_cli_init_continues_from_checkpoint(tiny_llama_dir, tmp_path):
-    """``--init DIR`` trains that checkpoint (its layer count, its weights) rather than a fresh assistant: with a
-    vanishing learning rate the saved weights are the initial ones, and training_info records the init."""
+    """``--init DIR`` trains that checkpoint (its layer count, its weights) rather than a fresh assistant:
+    with a vanishing learning rate the saved weights are the initial ones, and training_info records the
+    init."""
     target = tiny_target(tiny_llama_dir)
     start = new_assistant(target, layers=2, seed=0)
     randomize(start, 7, std=0.15)  # unlike any fresh init
@@ -198,7 +199,8 @@ def test_steps_past_the_sequence_report_nan(tiny_llama_dir):
 
 
 def test_sample_positions_skip_the_prompt():
-    """With prompt starts, committed lengths cover exactly [start, len-1]; a sequence with no response has none."""
+    """With prompt starts, committed lengths cover exactly [start, len-1]; a sequence with no response has
+    none."""
     lens, starts = torch.tensor([10, 6, 5]), torch.tensor([4, 6, 0])
     Ls, valid = sample_positions(lens, 16, torch.Generator().manual_seed(0), starts)
     got = [sorted(Ls[b][valid[b]].tolist()) for b in range(3)]

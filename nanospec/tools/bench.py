@@ -1,16 +1,16 @@
-"""Benchmark nanospec: the nano-vllm workload, ShareGPT prompts, batch-1 latency, speculation and HF transformers.
+"""Benchmark nanospec: the nano-vllm workload, ShareGPT prompts, batch-1 latency, speculation and HF
+transformers.
 
-    python bench.py                                          # nano-vllm workload (256 seqs), default SmolLM2 +
-                                                             # its shipped assistant (--assistant none: without)
-    python bench.py --shape qwen3-0.6b --compare-hf --hf-num-seqs 16      # random weights, HF ratio in the same run
-    python bench.py --workload sharegpt --batch-1                         # latency with the shipped assistant
+    python bench.py                                      # nano-vllm workload (256 seqs), default SmolLM2 +
+                                                         # its shipped assistant (--assistant none: without)
+    python bench.py --shape qwen3-0.6b --compare-hf --hf-num-seqs 16  # random weights; HF in the same run
+    python bench.py --workload sharegpt --batch-1                     # latency with the shipped assistant
     python bench.py --shape smollm2-135m --num-seqs 4 --max-input-len 64 --max-output-len 16 --device cpu
 
-Prints the nano-vllm line `Total: Ntok, Time: ts, Throughput: xtok/s` (N = generated tokens), the HF line with the
-ratio under --compare-hf, then one JSON line with every figure (batch-1: ms/token = wall time / generated tokens,
-prefill included). `--assistant random` writes a random-weight gemma4_assistant for the target (telemetry, speed).
-Absolute times count only on a GPU; on CPU compare ratios measured in one run.
-"""
+Prints the nano-vllm line `Total: Ntok, Time: ts, Throughput: xtok/s` (N = generated tokens), the HF line with
+the ratio under --compare-hf, then one JSON line with every figure (batch-1: ms/token = wall time / generated
+tokens, prefill included). `--assistant random` writes a random-weight gemma4_assistant for the target
+(telemetry, speed). Absolute times count only on a GPU; on CPU compare ratios measured in one run."""
 
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ QWEN3_0_6B.update(bos_token_id=151643, eos_token_id=151645)
 
 
 def nanovllm_workload(num_seqs=256, max_input_len=1024, max_output_len=1024, seed=0):
-    """nano-vllm's bench.py draws, in its order: every prompt (length, then ids in [0, 10000]), then every max_tokens.
-    Lengths are randint(100, max) as there; a max below 100 lowers the 100 to it (small CPU runs).
+    """nano-vllm's bench.py draws, in its order: every prompt (length, then ids in [0, 10000]), then every
+    max_tokens. Lengths are randint(100, max) as there; a max below 100 lowers the 100 to it (small CPU runs).
     Returns ``(prompts: list of token-id lists, max_tokens: list[int])``."""
     random.seed(seed)
     rand, lo_in, lo_out = random.randint, min(100, max_input_len), min(100, max_output_len)
@@ -48,10 +48,11 @@ def nanovllm_workload(num_seqs=256, max_input_len=1024, max_output_len=1024, see
 
 
 def sharegpt_workload(tokenizer, num_seqs=None, max_input_len=1024, max_output_len=1024, seed=0, min_len=4):
-    """Requests from the held-out ShareGPT "eval" split (``datasets.load_sharegpt``): the first user turn (chat
-    template applied when the tokenizer has one) of conversations whose next turn is an answer, in a fixed shuffled
-    order (``seed``); the prompt must have min_len..max_input_len tokens and the answer >= min_len; its max_tokens
-    is the answer's token count capped at max_output_len. Returns ``(prompts, max_tokens)`` as nanovllm_workload."""
+    """Requests from the held-out ShareGPT "eval" split (``datasets.load_sharegpt``): the first user turn
+    (chat template applied when the tokenizer has one) of conversations whose next turn is an answer, in a
+    fixed shuffled order (``seed``); the prompt must have min_len..max_input_len tokens and the answer >=
+    min_len; its max_tokens is the answer's token count capped at max_output_len. Returns ``(prompts,
+    max_tokens)`` as nanovllm_workload."""
     from .datasets import load_sharegpt
 
     convs, prompts, max_tokens = load_sharegpt("eval"), [], []
@@ -115,9 +116,10 @@ def sync(device) -> None:
 
 
 def run_hf(model_dir, random_init, prompts, params, device, dtype, batch_size, eos_ids):
-    """HF transformers ``generate`` over ``prompts`` (token-id lists) with the ``params`` (SamplingParams) nanospec
-    ran, in left-padded batches of ``batch_size`` (1: per request). Counts per request the tokens nanospec would
-    emit (<= its max_tokens, cut after the first id in ``eos_ids`` unless ignore_eos). Returns (tokens, seconds)."""
+    """HF transformers ``generate`` over ``prompts`` (token-id lists) with the ``params`` (SamplingParams)
+    nanospec ran, in left-padded batches of ``batch_size`` (1: per request). Counts per request the tokens
+    nanospec would emit (<= its max_tokens, cut after the first id in ``eos_ids`` unless ignore_eos). Returns
+    (tokens, seconds)."""
     from transformers import AutoConfig, AutoModelForCausalLM, logging
 
     logging.set_verbosity_error()
@@ -152,8 +154,8 @@ def run_hf(model_dir, random_init, prompts, params, device, dtype, batch_size, e
 
 
 def kernel_bench(dtype=torch.bfloat16, contexts=(8192, 16384, 32768)) -> list[dict]:
-    """HBM bandwidth of decode, frozen-KV draft (topk 3) and tree-verify (12 nodes) attention for 8 requests of
-    each context length, 32 query / 8 KV heads of 128, page size 16 (CUDA only, triton.testing.do_bench).
+    """HBM bandwidth of decode, frozen-KV draft (topk 3) and tree-verify (12 nodes) attention for 8 requests
+    of each context length, 32 query / 8 KV heads of 128, page size 16 (CUDA only, triton.testing.do_bench).
 
     Bytes counted = the K/V rows each kernel must read once (batch x context x 2 x Hkv x D x elt); the copy
     baseline is a device-to-device copy of the same size (read + write counted)."""
@@ -286,8 +288,8 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
 
 
 def main(argv=None) -> dict:
-    """``bench.py`` / ``nanospec-bench``: ``parse_args``, then ``run`` (or ``kernel_bench``); prints the figures
-    as one JSON line last and returns them."""
+    """``bench.py`` / ``nanospec-bench``: ``parse_args``, then ``run`` (or ``kernel_bench``); prints the
+    figures as one JSON line last and returns them."""
     args = parse_args(argv)
     loader.configure_cpu_threads()
     if args.kernels and not torch.cuda.is_available():

@@ -2,13 +2,13 @@
 
     python -m nanospec.tools.bundle --out DIR [--part-mb 60]
 
-Fills the nanospec cache first where needed (the default model converted, ShareGPT and HumanEval fetched), then
-writes ``DIR/nanospec-cache.tar.000``, ``.001``, ... (one uncompressed tar of the cache's
+Fills the nanospec cache first where needed (the default model converted, ShareGPT and HumanEval fetched),
+then writes ``DIR/nanospec-cache.tar.000``, ``.001``, ... (one uncompressed tar of the cache's
 ``SmolLM2-135M-Instruct/`` and ``data/``, about 650 MB, cut into parts of at most ``--part-mb`` MiB) and
-``DIR/REASSEMBLE.txt`` with the command that rebuilds the cache on the other machine (nanospec then needs neither
-pip nor gguf there):
+``DIR/REASSEMBLE.txt`` with the command that rebuilds the cache on the other machine (nanospec then needs
+neither pip nor gguf there):
 
-    C=${NANOSPEC_CACHE:-$HOME/.cache/nanospec}; mkdir -p "$C" && cat DIR/*.tar.* | tar -x -C "$C"
+    C=${NANOSPEC_CACHE:-~/.cache/nanospec}; mkdir -p "$C" && cat DIR/*.tar.* | tar -xC "$C"
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def bundle(out: pathlib.Path, part_mb: int) -> list[pathlib.Path]:
             parts.append(out / f"{tar_path.name}.{len(parts):03d}")
             parts[-1].write_bytes(chunk)
     tar_path.unlink()
-    cmd = f'C=${{NANOSPEC_CACHE:-$HOME/.cache/nanospec}}; mkdir -p "$C" && cat {out.name}/*.tar.* | tar -x -C "$C"'
+    cmd = f'C=${{NANOSPEC_CACHE:-~/.cache/nanospec}}; mkdir -p "$C" && cat {out.name}/*.tar.* | tar -xC "$C"'
     (out / "REASSEMBLE.txt").write_text(f"# run from the folder that holds {out.name}/\n{cmd}\n")
     return parts
 

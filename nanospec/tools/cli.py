@@ -1,5 +1,5 @@
-"""Argument checks of nanospec's command-line tools (train, eval, bench): every bad value stops argparse with a
-message naming the option and its allowed range, before any model or data is loaded."""
+"""Argument checks of nanospec's command-line tools (train, eval, bench): every bad value stops argparse with
+a message naming the option and its allowed range, before any model or data is loaded."""
 
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ def number_list(typ=float, lo: float = 0):
 
 
 def check_out_dir(ap: argparse.ArgumentParser, option: str, path: str) -> None:
-    """``ap.error`` unless ``path`` is a directory or could be created as one (its nearest existing ancestor is a
-    writable directory); creates nothing, so a command rejected later leaves no trace."""
+    """``ap.error`` unless ``path`` is a directory or could be created as one (its nearest existing ancestor
+    is a writable directory); creates nothing, so a command rejected later leaves no trace."""
     p = pathlib.Path(path).expanduser().absolute()
     while not p.exists() and p != p.parent:
         p = p.parent
@@ -68,10 +68,10 @@ def make_out_dir(ap: argparse.ArgumentParser, option: str, path: str) -> None:
 
 
 def load_assistant(ap: argparse.ArgumentParser, option: str, value: str, layers: int | None = None):
-    """``--init`` / ``--assistant``: load that assistant checkpoint (CPU, a few MB) while checking arguments, so a
-    bad one costs no model or data work; ``ap.error`` if it does not load or (``layers`` given) has another layer
-    count. Returns (assistant, dir). 'default' is resolved whatever the target; ``load_target`` checks that the
-    target is the default one."""
+    """``--init`` / ``--assistant``: load that assistant checkpoint (CPU, a few MB) while checking arguments,
+    so a bad one costs no model or data work; ``ap.error`` if it does not load or (``layers`` given) has
+    another layer count. Returns (assistant, dir). 'default' is resolved whatever the target; ``load_target``
+    checks that the target is the default one."""
     from ..models.gemma4_assistant import Gemma4Assistant
     from ..spec.worker import resolve_assistant
 
@@ -92,9 +92,9 @@ def load_assistant(ap: argparse.ArgumentParser, option: str, value: str, layers:
 def load_target(
     ap: argparse.ArgumentParser, option: str, model: str | None, assistant_option: str, assistant
 ):
-    """Resolve ``--target`` / ``--model`` (None: the default model) and load its config and tokenizer; ``ap.error``
-    if that fails or if ``assistant`` is 'default' (the shipped assistant) for a target other than the default.
-    Returns ``(model_dir, config, tokenizer)``."""
+    """Resolve ``--target`` / ``--model`` (None: the default model) and load its config and tokenizer;
+    ``ap.error`` if that fails or if ``assistant`` is 'default' (the shipped assistant) for a target other
+    than the default. Returns ``(model_dir, config, tokenizer)``."""
     from ..loader import is_default_target, load_config, load_tokenizer, resolve_model_dir
 
     try:

