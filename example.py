@@ -1,7 +1,9 @@
 """Quick generation with nanospec: chat prompts through SmolLM2-135M-Instruct (default model, no hub access).
 
-python example.py                       # default model; the shipped assistant when present
-python example.py --model DIR --assistant none --temperature 0.7
+    python example.py                       # default model; the shipped assistant when present
+    python example.py --model DIR --assistant none --temperature 0.7
+
+Every option is checked before torch or a model is loaded.
 """
 
 import argparse
@@ -26,9 +28,8 @@ def bounded(typ, lo, hi=math.inf):
         except ValueError:
             v = math.nan
         if not (math.isfinite(v) and lo <= v <= hi):
-            raise argparse.ArgumentTypeError(
-                f"must be {'an int' if typ is int else 'a number'} in [{lo}, {hi}], got {text!r}"
-            )
+            kind = "an int" if typ is int else "a number"
+            raise argparse.ArgumentTypeError(f"must be {kind} in [{lo}, {hi}], got {text!r}")
         return v
 
     return parse
@@ -38,11 +39,7 @@ def parse_args(argv=None):
     """Every option checked here, before torch or a model is loaded (``--help`` needs neither)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="HF-format Llama/Qwen3 dir (default: SmolLM2-135M-Instruct)")
-    ap.add_argument(
-        "--assistant",
-        default="auto",
-        help="gemma4_assistant dir, 'default', 'none', or 'auto' (the shipped one on the default model)",
-    )
+    ap.add_argument("--assistant", default="auto", help="gemma4_assistant dir | default | none | auto")
     ap.add_argument("--num-steps", type=bounded(int, 1), help="draft steps per verify (default 5)")
     ap.add_argument("--max-tokens", type=bounded(int, 1, 4096), default=128, help="new tokens per prompt")
     ap.add_argument("--temperature", type=bounded(float, 0), default=0.0, help="0 is greedy")
@@ -70,27 +67,19 @@ def main(argv=None):
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA device (use cpu or auto)")
     assistant = args.assistant
-    if assistant == "auto":
-        assistant = (
-            "default" if args.model is None and (DEFAULT_ASSISTANT / "config.json").exists() else "none"
-        )
+    if assistant == "auto":  # the shipped assistant on the default model
+        shipped = args.model is None and (DEFAULT_ASSISTANT / "config.json").exists()
+        assistant = "default" if shipped else "none"
     if assistant == "none" and args.num_steps is not None:
         ap.error("--num-steps needs an assistant (--assistant is none, or auto on another --model)")
     assistant_kwargs = {} if assistant == "none" else {"assistant": assistant, "num_steps": args.num_steps}
     configure_cpu_threads()
-    llm = LLM(
-        args.model,
-        device=args.device,
-        max_model_len=args.max_tokens + 256,
-        max_num_seqs=16,
-        **assistant_kwargs,
-    )
-    prompts = [
-        llm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
-        )
-        for p in PROMPTS
-    ]
+    try:  # what the engine rejects (an assistant that does not fit the model, ...) is a usage error too
+        llm = LLM(args.model, device=args.device, max_model_len=args.max_tokens + 256, **assistant_kwargs)
+    except ValueError as e:
+        ap.error(str(e))
+    chat = dict(tokenize=False, add_generation_prompt=True)
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], **chat) for p in PROMPTS]
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params)
     dt = time.perf_counter() - t0

@@ -49,21 +49,22 @@ def configure_cpu_threads(probe=None) -> int:
 
     With torch's default (one OpenMP thread per core), every op of a small model ends on a barrier that waits
     for the slowest thread; when other processes keep a core busy, that thread waits for a time slice and
-    decoding slows down 5-20x (measured on a loaded 2-core machine: `python example.py` 1.6 tok/s with 2
-    threads, 2.5-9 with one). So 1, 2, 4 ... up to the current count n threads are timed on decode-sized GEMMs
-    (``probe(threads, limit_s) -> seconds``, giving up past ``limit_s``; ~20 ms in all) and the fastest is
-    kept; fewer than n is printed on stderr. Nothing changes when n is 1, when OMP_NUM_THREADS /
-    MKL_NUM_THREADS set it, or when CUDA is available (GPU runs barely use the CPU).
+    decoding slows down 5-20x (measured on a loaded 2-core machine: `python example.py` 0.9-3 tok/s with 2
+    threads, 10-16 with one; idle, 31 vs 21). So 1, 2, 4 ... up to the current count n threads are timed on
+    decode-sized GEMMs (``probe(threads, limit_s) -> seconds``, giving up past ``limit_s``; tens of ms, ~1 s on
+    a loaded machine) and the most threads that are not 25% slower than fewer are kept; fewer than n is printed
+    on stderr. Nothing changes when n is 1, when OMP_NUM_THREADS / MKL_NUM_THREADS set it, or when CUDA is
+    available (GPU runs barely use the CPU).
     """
     n = torch.get_num_threads()
     if n == 1 or torch.cuda.is_available() or {"OMP_NUM_THREADS", "MKL_NUM_THREADS"} & os.environ.keys():
         return n
     probe = probe or _time_small_gemms
     best, t_best, c = 1, probe(1, float("inf")), 1
-    while c < n:
+    while c < n:  # more threads unless clearly slower (idle, 2 threads decode ~1.5x faster than one)
         c = min(2 * c, n)
-        t = probe(c, t_best)
-        best, t_best = (c, t) if t < t_best else (best, t_best)
+        t = probe(c, 1.25 * t_best)
+        best, t_best = (c, t) if t < 1.25 * t_best else (best, t_best)
     torch.set_num_threads(best)
     if best < n:
         print(f"nanospec: {best} torch thread(s), not {n}: more were slower just now (other processes keep "

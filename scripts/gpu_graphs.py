@@ -25,25 +25,13 @@ def main() -> int:
         prompts = sharegpt_workload(tok, 50, 512, 128)[0]
         runs = {"plain": {}, "chain": dict(assistant=assistant, num_steps=3)}
         runs["tree"] = dict(assistant=assistant, num_steps=3, topk=3, num_draft_tokens=8)
+        sp, engine = SamplingParams(max_tokens=96), dict(device="cuda", max_model_len=1024, max_num_seqs=64)
         for dtype in ("float32", "bfloat16"):
             for name, kw in runs.items():
                 outs = []
                 for eager in (True, False):
-                    llm = LLM(
-                        model,
-                        device="cuda",
-                        dtype=dtype,
-                        max_model_len=1024,
-                        max_num_seqs=64,
-                        enforce_eager=eager,
-                        **kw,
-                    )
-                    outs.append(
-                        [
-                            o["token_ids"]
-                            for o in llm.generate(prompts, SamplingParams(max_tokens=96), use_tqdm=False)
-                        ]
-                    )
+                    llm = LLM(model, dtype=dtype, enforce_eager=eager, **engine, **kw)
+                    outs.append([o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)])
                 res[f"{dtype}_{name}_graphs_equal_eager"] = outs[0] == outs[1]
                 tokens[dtype, name] = outs[1]
     for (dtype, name), outs in tokens.items():  # greedy spec-on vs spec-off (fp32: lossless up to rounding)

@@ -220,7 +220,7 @@ def test_cli_rejects_bad_values_before_loading(monkeypatch, capsys, tmp_path, mo
 @pytest.mark.parametrize("module,argv", [
     ("tools.train", []), ("tools.train", ["--regenerate", "0", "--step-decay", "1", "--seed", "0"]),
     ("tools.train", ["--time-budget-min", "0.5", "--seq-len", "16", "--all-positions", "--out", "{tmp}/a/b",
-                         "--init", "default"]),
+                     "--init", "default"]),
     ("tools.train", ["--regenerate", "0", "--all-turns", "--regen-budget-min", "1", "--max-new-tokens", "8"]),
     ("tools.eval", []), ("tools.eval", ["--max-tokens", "2", "--tree-tokens", "2", "--steps", "1"])])
 def test_cli_accepts_valid_values(monkeypatch, tmp_path, module, argv):

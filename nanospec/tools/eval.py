@@ -111,6 +111,8 @@ def agreement(
 
 def main(argv=None):
     """The evaluation CLI (module docstring); every value is checked before any model or data work."""
+    from ..loader import configure_cpu_threads
+
     ap = argparse.ArgumentParser("nanospec-eval", description=__doc__, formatter_class=cli.HelpFormatter)
     add = ap.add_argument
     add("--model", help="target dir (default: SmolLM2-135M-Instruct)")
@@ -131,6 +133,7 @@ def main(argv=None):
         ap.error(f"--datasets must name sharegpt and/or humaneval, got {a.datasets!r}")
     _, assistant_dir = cli.load_assistant(ap, "--assistant", a.assistant)  # a few MB: fails before the target
     model_dir, _, tok = cli.load_target(ap, "--model", a.model, "--assistant", a.assistant)
+    configure_cpu_threads()
     if a.agreement:
         res = agreement(model_dir, assistant_dir, a.num_prompts, a.max_tokens, a.max_prompt_tokens)
         print("\n".join(f"{split}: {json.dumps(r)}" for split, r in res.items()))
