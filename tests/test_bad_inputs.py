@@ -190,29 +190,29 @@ def test_checkpoint_with_wrong_shapes(tmp_path, tiny_llama_dir):
 
 
 @pytest.mark.parametrize("module,argv,option", [
-    ("train_assistant", ["--regenerate", ""], "--regenerate"),
-    ("train_assistant", ["--regenerate", "0,-1"], "--regenerate"),
-    ("train_assistant", ["--layers", "0"], "--layers"), ("train_assistant", ["--lr", "nan"], "--lr"),
-    ("train_assistant", ["--epochs", "0"], "--epochs"),
-    ("train_assistant", ["--time-budget-min", "-1"], "--time-budget"),
-    ("train_assistant", ["--seq-len", "4"], "--seq-len"), ("train_assistant", ["--init", "/nonexistent"], "--init"),
-    ("train_assistant", ["--init", "default", "--layers", "2"], "--layers"),
-    ("train_assistant", ["--init", ""], "--init"), ("train_assistant", ["--init", "{tmp}"], "--init"),
-    ("train_assistant", ["--out", "/dev/null/x"], "--out"), ("train_assistant", ["--all-turns"], "--all-turns"),
-    ("train_assistant", ["--max-new-tokens", "64"], "--max-new-tokens"),
-    ("train_assistant", ["--regen-budget-min", "1"], "--regen-budget-min"),
-    ("eval_acceptance", ["--dtype", "int8"], "--dtype"),
-    ("eval_acceptance", ["--assistant", "/nonexistent"], "--assistant"),
-    ("eval_acceptance", ["--assistant", "{tmp}"], "--assistant"),
-    ("eval_acceptance", ["--temperatures", "0,-1"], "--temper"),
-    ("eval_acceptance", ["--steps", "0"], "--steps"), ("eval_acceptance", ["--datasets", "sharegtp"], "--datasets"),
-    ("eval_acceptance", ["--num-prompts", "0"], "--num-prompts")])
+    ("tools.train", ["--regenerate", ""], "--regenerate"),
+    ("tools.train", ["--regenerate", "0,-1"], "--regenerate"),
+    ("tools.train", ["--layers", "0"], "--layers"), ("tools.train", ["--lr", "nan"], "--lr"),
+    ("tools.train", ["--epochs", "0"], "--epochs"),
+    ("tools.train", ["--time-budget-min", "-1"], "--time-budget"),
+    ("tools.train", ["--seq-len", "4"], "--seq-len"), ("tools.train", ["--init", "/nonexistent"], "--init"),
+    ("tools.train", ["--init", "default", "--layers", "2"], "--layers"),
+    ("tools.train", ["--init", ""], "--init"), ("tools.train", ["--init", "{tmp}"], "--init"),
+    ("tools.train", ["--out", "/dev/null/x"], "--out"), ("tools.train", ["--all-turns"], "--all-turns"),
+    ("tools.train", ["--max-new-tokens", "64"], "--max-new-tokens"),
+    ("tools.train", ["--regen-budget-min", "1"], "--regen-budget-min"),
+    ("tools.eval", ["--dtype", "int8"], "--dtype"),
+    ("tools.eval", ["--assistant", "/nonexistent"], "--assistant"),
+    ("tools.eval", ["--assistant", "{tmp}"], "--assistant"),
+    ("tools.eval", ["--temperatures", "0,-1"], "--temper"),
+    ("tools.eval", ["--steps", "0"], "--steps"), ("tools.eval", ["--datasets", "sharegtp"], "--datasets"),
+    ("tools.eval", ["--num-prompts", "0"], "--num-prompts")])
 def test_cli_rejects_bad_values_before_loading(monkeypatch, capsys, tmp_path, module, argv, option):
     """Both CLIs stop in argparse, naming the option, before any model, tokenizer or data is touched."""
     import importlib
 
     from nanospec import loader
-    monkeypatch.chdir(tmp_path)  # nothing may be left behind (train_assistant's --out is made after the checks)
+    monkeypatch.chdir(tmp_path)  # nothing may be left behind (the trainer's --out is made after the checks)
     monkeypatch.setattr(loader, "resolve_model_dir", lambda *a, **k: pytest.fail("loaded a model first"))
     with pytest.raises(SystemExit) as e:
         importlib.import_module(f"nanospec.{module}").main([x.format(tmp=tmp_path) for x in argv])
@@ -220,11 +220,11 @@ def test_cli_rejects_bad_values_before_loading(monkeypatch, capsys, tmp_path, mo
 
 
 @pytest.mark.parametrize("module,argv", [
-    ("train_assistant", []), ("train_assistant", ["--regenerate", "0", "--ce-weight", "0", "--seed", "0"]),
-    ("train_assistant", ["--time-budget-min", "0.5", "--seq-len", "16", "--all-positions", "--out", "{tmp}/a/b",
-                         "--init", "default"]),
-    ("train_assistant", ["--regenerate", "0", "--all-turns", "--regen-budget-min", "1", "--max-new-tokens", "8"]),
-    ("eval_acceptance", []), ("eval_acceptance", ["--max-tokens", "2", "--tree-tokens", "2", "--steps", "1"])])
+    ("tools.train", []), ("tools.train", ["--regenerate", "0", "--step-decay", "1", "--seed", "0"]),
+    ("tools.train", ["--time-budget-min", "0.5", "--seq-len", "16", "--all-positions", "--out", "{tmp}/a/b",
+                     "--init", "default"]),
+    ("tools.train", ["--regenerate", "0", "--all-turns", "--regen-budget-min", "1", "--max-new-tokens", "8"]),
+    ("tools.eval", []), ("tools.eval", ["--max-tokens", "2", "--tree-tokens", "2", "--steps", "1"])])
 def test_cli_accepts_valid_values(monkeypatch, tmp_path, module, argv):
     """Defaults and edge-valid values get past the checks (to the model load, stubbed here)."""
     import importlib
@@ -234,7 +234,7 @@ def test_cli_accepts_valid_values(monkeypatch, tmp_path, module, argv):
     class Reached(Exception):
         pass
 
-    monkeypatch.chdir(tmp_path)  # train_assistant creates its --out dir (default ./assistant_out) up front
+    monkeypatch.chdir(tmp_path)  # the trainer creates its --out dir (default ./assistant_out) up front
     monkeypatch.setattr(loader, "resolve_model_dir", lambda *a, **k: (_ for _ in ()).throw(Reached()))
     with pytest.raises(Reached):
         importlib.import_module(f"nanospec.{module}").main([x.format(tmp=tmp_path) for x in argv])
@@ -243,7 +243,8 @@ def test_cli_accepts_valid_values(monkeypatch, tmp_path, module, argv):
 def test_cli_checks_that_need_the_tokenizer(monkeypatch, capsys, tmp_path, smollm2_dir):
     """Checks made once the target's tokenizer is loaded, still before any data or model work: a --seq-len that
     ends inside every chat prompt (nothing left to train), a --model that does not resolve."""
-    from nanospec import datasets, eval_acceptance, train_assistant
+    from nanospec.tools import datasets, train
+    from nanospec.tools import eval as eval_tool
     from nanospec.loader import load_tokenizer
 
     class Reached(Exception):
@@ -252,10 +253,10 @@ def test_cli_checks_that_need_the_tokenizer(monkeypatch, capsys, tmp_path, smoll
     monkeypatch.setattr(datasets, "load_sharegpt", lambda *a, **k: (_ for _ in ()).throw(Reached()))
     shortest = len(datasets.chat_prompts(load_tokenizer(smollm2_dir), ["x"], 1)[0])
     out = ["--out", str(tmp_path / "out")]
-    for module, argv, option in [(train_assistant, ["--seq-len", str(shortest)] + out, "--seq-len"),
-                                 (eval_acceptance, ["--model", str(tmp_path / "none")], "--model")]:
+    for module, argv, option in [(train, ["--seq-len", str(shortest)] + out, "--seq-len"),
+                                 (eval_tool, ["--model", str(tmp_path / "none")], "--model")]:
         with pytest.raises(SystemExit) as e:
             module.main(argv)
         assert e.value.code == 2 and option in capsys.readouterr().err and not any(tmp_path.iterdir())
     with pytest.raises(Reached):  # one token more passes the check (on to the data load, stubbed here)
-        train_assistant.main(["--seq-len", str(shortest + 1)] + out)
+        train.main(["--seq-len", str(shortest + 1)] + out)

@@ -72,3 +72,18 @@ def test_wheel_contents(tmp_path):
     ours = {p.name for p in (REPO / "kernels").glob("*.py")}
     assert {n.split("/")[-1] for n in names if n.startswith("nanospec/kernels/")} >= ours
     assert "nanospec/models/llama.py" in names and "nanospec/mtp/__init__.py" in names
+    assert {f"nanospec/tools/{m}.py" for m in ("__init__", "train", "eval", "bench", "datasets", "cli")} <= set(names)
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "nanospec-train = nanospec.tools.train:main" in zipfile.ZipFile(
+        next((tmp_path / "dist").glob("nanospec-*.whl"))).read(entry_points).decode()
+
+
+def test_console_scripts_point_at_mains():
+    """pyproject's console scripts (nanospec-train, -eval, -bench) name functions that exist."""
+    import importlib
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert {"nanospec-train", "nanospec-eval", "nanospec-bench"} <= scripts.keys()
+    for target in scripts.values():
+        module, func = target.split(":")
+        assert callable(getattr(importlib.import_module(module), func)), target

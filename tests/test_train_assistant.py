@@ -1,20 +1,28 @@
-"""The Frozen-KV MTP assistant trainer (nanospec.train_assistant): train/infer consistency against nanospec's own
+"""The Frozen-KV MTP assistant trainer (nanospec.tools.train): train/infer consistency against nanospec's own
 draft loop, a tiny training run that improves real acceptance, and the shipped checkpoint (CPU, fp32)."""
+
 import json
 import random
 
 import pytest
 import torch
-
 from conftest import make_tiny_model, randomize
+
 from nanospec import LLM, SamplingParams
-from nanospec.datasets import chat_prompts, regenerate_sequences
 from nanospec.loader import load_config
 from nanospec.model_runner import build_target
 from nanospec.models.gemma4_assistant import Gemma4Assistant
 from nanospec.mtp.worker import DEFAULT_ASSISTANT
-from nanospec.train_assistant import (capture_target, distill_loss, main, new_assistant, sample_positions, train,
-                                      unroll)
+from nanospec.tools.datasets import chat_prompts, regenerate_sequences, regeneration_prompts
+from nanospec.tools.train import (
+    capture_target,
+    distill_loss,
+    main,
+    new_assistant,
+    sample_positions,
+    train,
+    unroll,
+)
 
 ENGINE = dict(dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=200, page_size=4)
 
@@ -24,27 +32,30 @@ def tiny_target(model_dir):
 
 
 def record_drafts(llm):
-    """Wrap the worker's (eager, CPU) draft: per call, (request ids, seq_lens, drafted chain [B, S+1], per-step
-    (logits, h_next))."""
+    """Wrap the worker's (eager, CPU) draft: per call, (request ids, seq_lens, drafted chain [B, S+1],
+    per-step (logits, h_next))."""
     worker, records = llm.worker, []
     orig = worker.draft
 
     def draft(reqs, bt, L, *args, **kwargs):
         steps = []
-        hook = worker.assistant.register_forward_hook(lambda m, a, out: steps.append((out[0].clone(), out[1].clone())))
+        hook = worker.assistant.register_forward_hook(
+            lambda m, a, out: steps.append((out[0].clone(), out[1].clone()))
+        )
         try:
             tree = orig(reqs, bt, L, *args, **kwargs)
         finally:
             hook.remove()
         records.append(([r.request_id for r in reqs], L.tolist(), tree.tokens.clone(), steps))
         return tree
+
     worker.draft = draft
     return records
 
 
 def test_train_infer_consistency(tiny_llama_dir, tmp_path):
-    """For every draft nanospec ran (several committed lengths L, two requests batched), the trainer's unrolled
-    forward at committed length L gives the same logits and h_next at every step."""
+    """For every draft nanospec ran (several committed lengths L, two requests batched), the trainer's
+    unrolled forward at committed length L gives the same logits and h_next at every step."""
     S = 3
     target = tiny_target(tiny_llama_dir)
     assistant = new_assistant(target, layers=2, seed=0)
@@ -53,7 +64,9 @@ def test_train_infer_consistency(tiny_llama_dir, tmp_path):
     llm = LLM(str(tiny_llama_dir), assistant=str(tmp_path / "a"), num_steps=S, **ENGINE)
     records = record_drafts(llm)
     prompts = [[5, 17, 300, 42, 9, 1000, 7], [123, 8, 4000]]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True), use_tqdm=False
+    )
     full = {i: p + o["token_ids"] for i, (p, o) in enumerate(zip(prompts, outs))}
     loaded = Gemma4Assistant.from_pretrained(tmp_path / "a")  # also checks the save -> HF names -> load path
     loaded.bind_target(target, kv=False)
@@ -76,22 +89,25 @@ def test_train_infer_consistency(tiny_llama_dir, tmp_path):
 
 def mean_accept(model_dir, assistant_dir, prompts, max_tokens, S):
     llm = LLM(str(model_dir), assistant=str(assistant_dir), num_steps=S, **ENGINE)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                        use_tqdm=False)
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False
+    )
     acc = [a for o in outs for a in o["accept_lengths"]]
     return sum(acc) / len(acc)
 
 
 def test_tiny_training_improves_acceptance(smollm2_tokenizer, tmp_path):
-    """A few hundred steps on the target's own greedy continuations lower the loss and beat a random assistant's
-    acceptance length on those prompts (measured by nanospec's spec decoding, greedy)."""
+    """A few hundred steps on the target's own greedy continuations lower the loss and beat a random
+    assistant's acceptance length on those prompts (measured by nanospec's spec decoding, greedy)."""
     torch.manual_seed(0)
     S, T = 3, 40
     tiny_llama_dir = make_tiny_model(tmp_path / "target", smollm2_tokenizer, seed=3, vocab_size=512)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (6,), generator=g).tolist() for _ in range(6)]
     base = LLM(str(tiny_llama_dir), **ENGINE)
-    outs = base.generate(prompts, SamplingParams(temperature=0, max_tokens=T, ignore_eos=True), use_tqdm=False)
+    outs = base.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=T, ignore_eos=True), use_tqdm=False
+    )
     seqs = [p + o["token_ids"] for p, o in zip(prompts, outs)]
     target = tiny_target(tiny_llama_dir)
     rand = new_assistant(target, layers=1, seed=0)
@@ -100,34 +116,69 @@ def test_tiny_training_improves_acceptance(smollm2_tokenizer, tmp_path):
     Ls, valid = sample_positions(lens, 64, torch.Generator().manual_seed(1))
     with torch.no_grad():
         loss0 = float(distill_loss(rand, target, tokens, lens, hidden, kv, Ls, valid, S)[0])
-    trained, summary = train(target, seqs, tmp_path / "trained", layers=1, num_steps=S, batch_size=6,
-                             positions_per_seq=64, lr=3e-3, warmup=10, epochs=250, seed=0, progress=False)
+    trained, summary = train(
+        target,
+        seqs,
+        tmp_path / "trained",
+        layers=1,
+        num_steps=S,
+        batch_size=6,
+        positions_per_seq=64,
+        lr=3e-3,
+        warmup=10,
+        epochs=250,
+        seed=0,
+        progress=False,
+    )
     with torch.no_grad():
         loss1 = float(distill_loss(trained, target, tokens, lens, hidden, kv, Ls, valid, S)[0])
     assert summary["steps"] == 250 and loss1 < 0.3 * loss0, (loss0, loss1)
     acc_rand = mean_accept(tiny_llama_dir, tmp_path / "random", prompts, T, S)
     acc_trained = mean_accept(tiny_llama_dir, tmp_path / "trained", prompts, T, S)
-    print(f"loss {loss0:.3f} -> {loss1:.3f}; mean acceptance random {acc_rand:.2f} -> trained {acc_trained:.2f}")
+    print(
+        f"loss {loss0:.3f} -> {loss1:.3f}; mean acceptance random {acc_rand:.2f} -> trained {acc_trained:.2f}"
+    )
     assert acc_rand < 1.5 and acc_trained > acc_rand + 0.8, (acc_rand, acc_trained)
 
 
 def test_cli_init_continues_from_checkpoint(tiny_llama_dir, tmp_path):
-    """``--init DIR`` trains that checkpoint (its layer count, its weights) rather than a fresh assistant: with a
-    vanishing learning rate the saved weights are the initial ones, and training_info records the init."""
+    """``--init DIR`` trains that checkpoint (its layer count, its weights) rather than a fresh assistant:
+    with a vanishing learning rate the saved weights are the initial ones, and training_info records the
+    init."""
     target = tiny_target(tiny_llama_dir)
     start = new_assistant(target, layers=2, seed=0)
     randomize(start, 7, std=0.15)  # unlike any fresh init
     start.save_pretrained(tmp_path / "init")
-    main(["--target", str(tiny_llama_dir), "--init", str(tmp_path / "init"), "--num-conversations", "3",
-          "--max-tokens", "60", "--seq-len", "24", "--all-positions", "--batch-size", "1", "--lr", "1e-12", "--out",
-          str(tmp_path / "out")])
+    main(
+        [
+            "--target",
+            str(tiny_llama_dir),
+            "--init",
+            str(tmp_path / "init"),
+            "--num-conversations",
+            "3",
+            "--max-tokens",
+            "60",
+            "--seq-len",
+            "24",
+            "--all-positions",
+            "--batch-size",
+            "1",
+            "--lr",
+            "1e-12",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     got = Gemma4Assistant.from_pretrained(tmp_path / "out").hf_tensors()
     want = start.hf_tensors()
     assert got.keys() == want.keys() and any(".layers.1." in k for k in got)
     for k in want:
         torch.testing.assert_close(got[k], want[k].detach(), rtol=0, atol=1e-6)
     info = json.loads((tmp_path / "out" / "training_info.json").read_text())
-    assert info["layers"] == 2 and info["args"]["init"] == str(tmp_path / "init") and info["steps"] >= 1
+    assert (
+        info["args"]["layers"] == 2 and info["args"]["init"] == str(tmp_path / "init") and info["steps"] >= 1
+    )
     assert info["init"] == {"dir": str(tmp_path / "init"), "training_info": None}
     assert info["per_step_kl"][0] > 0  # it trained on real positions
     assert "_name_or_path" not in json.loads((tmp_path / "out" / "config.json").read_text())
@@ -148,7 +199,8 @@ def test_steps_past_the_sequence_report_nan(tiny_llama_dir):
 
 
 def test_sample_positions_skip_the_prompt():
-    """With prompt starts, committed lengths cover exactly [start, len-1]; a sequence with no response has none."""
+    """With prompt starts, committed lengths cover exactly [start, len-1]; a sequence with no response has
+    none."""
     lens, starts = torch.tensor([10, 6, 5]), torch.tensor([4, 6, 0])
     Ls, valid = sample_positions(lens, 16, torch.Generator().manual_seed(0), starts)
     got = [sorted(Ls[b][valid[b]].tolist()) for b in range(3)]
@@ -158,38 +210,46 @@ def test_sample_positions_skip_the_prompt():
 def test_regenerate_sequences(tiny_llama_dir, smollm2_tokenizer):
     """Self-distillation data: per temperature round, each first user turn's chat prompt + the target's own
     response as nanospec generates it (greedy rounds equal a plain generate), with the prompt lengths."""
-    convs = [[{"role": "user", "content": t}, {"role": "assistant", "content": "x"}]
-             for t in ("Hello there", "Write a poem about the sea", "2+2?")]
+    texts = ["Hello there", "Write a poem about the sea", "2+2?"]
+    convs = [[{"role": "user", "content": t}, {"role": "assistant", "content": "x"}] for t in texts]
     engine = {k: v for k, v in ENGINE.items() if k != "max_model_len"}  # sized by regenerate_sequences
-    seqs, starts, stats = regenerate_sequences(str(tiny_llama_dir), smollm2_tokenizer, convs, [0.0, 0.7],
-                                               max_prompt_tokens=4, max_new_tokens=6, progress=False, **engine)
-    texts = [c[0]["content"] for c in convs]
+    got = regeneration_prompts(smollm2_tokenizer, convs, max_prompt_tokens=4)
     random.Random(0).shuffle(texts)  # seed 0's prompt order, the same in every round
     prompts = chat_prompts(smollm2_tokenizer, texts, 4)
+    assert got == prompts
+    seqs, starts, stats = regenerate_sequences(
+        str(tiny_llama_dir), prompts, [0.0, 0.7], 6, progress=False, **engine
+    )
     assert [q[:s] for q, s in zip(seqs, starts)] == prompts * 2
-    greedy = LLM(str(tiny_llama_dir), **ENGINE).generate(prompts, SamplingParams(temperature=0, max_tokens=6),
-                                                       use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    greedy = LLM(str(tiny_llama_dir), **ENGINE).generate(prompts, params, use_tqdm=False)
     assert starts == [len(p) for p in prompts] * 2 and stats["rounds"] == 2 and stats["sequences"] == 6
     assert seqs[:3] == [p + o["token_ids"] for p, o in zip(prompts, greedy)]
-    assert all(q[:len(p)] == p and len(p) < len(q) <= len(p) + 6 for q, p in zip(seqs[3:], prompts))
-    assert stats["generated_tokens"] == sum(len(q) - s for q, s in zip(seqs, starts))
-    convs[0] += [{"role": "user", "content": "More"}, {"role": "assistant", "content": "y"},
-                 {"role": "user", "content": "2+2?"}]  # a new text, then a repeat of another first turn
+    assert all(q[: len(p)] == p and len(p) < len(q) <= len(p) + 6 for q, p in zip(seqs[3:], prompts))
+    assert (
+        stats["generated_tokens"] == sum(len(q) - s for q, s in zip(seqs, starts)) and stats["prompts"] == 3
+    )
+    # a new text, then a repeat of another first turn
+    convs[0] += [{"role": "user", "content": "More"}, {"role": "assistant", "content": "y"}]
+    convs[0] += [{"role": "user", "content": "2+2?"}]
     convs[1] += [{"role": "user", "content": "More"}]
-    seqs, starts, stats = regenerate_sequences(str(tiny_llama_dir), smollm2_tokenizer, convs, [0.0], 4, 2,
-                                               progress=False, all_turns=True, **engine)
-    texts = [c[0]["content"] for c in convs] + ["More"]  # distinct texts, first turns first, then shuffled
-    random.Random(0).shuffle(texts)
-    assert stats["prompts"] == 4 and [q[:s] for q, s in zip(seqs, starts)] == chat_prompts(smollm2_tokenizer, texts, 4)
-    seqs1, starts1, _ = regenerate_sequences(str(tiny_llama_dir), smollm2_tokenizer, convs, [0.0], 4, 2,
-                                             progress=False, all_turns=True, seed=1, **engine)
-    assert seqs1 != seqs and sorted(seqs1) == sorted(seqs)  # another order of the same greedy sequences
+    orders = []
+    for seed in (0, 1):  # distinct texts, first turns first, then shuffled by the seed
+        orders.append([c[0]["content"] for c in convs] + ["More"])
+        random.Random(seed).shuffle(orders[-1])
+        want = chat_prompts(smollm2_tokenizer, orders[-1], 4)
+        assert regeneration_prompts(smollm2_tokenizer, convs, 4, all_turns=True, seed=seed) == want
+    assert orders[0] != orders[1]
     with pytest.raises(ValueError, match="temperatures"):
-        regenerate_sequences(str(tiny_llama_dir), smollm2_tokenizer, convs, [], **engine)
+        regenerate_sequences(str(tiny_llama_dir), prompts, [], **engine)
+    with pytest.raises(ValueError, match="no prompts"):
+        regeneration_prompts(smollm2_tokenizer, [[{"role": "user", "content": " "}]], 4)
 
 
-@pytest.mark.skipif(not (DEFAULT_ASSISTANT / "config.json").exists(),
-                    reason=f"no shipped assistant at {DEFAULT_ASSISTANT} (train one: python -m nanospec.train_assistant)")
+@pytest.mark.skipif(
+    not (DEFAULT_ASSISTANT / "config.json").exists(),
+    reason=f"no shipped assistant at {DEFAULT_ASSISTANT} (train one: python -m nanospec.tools.train)",
+)
 def test_shipped_checkpoint(smollm2_dir, smollm2_tokenizer):
     cfg = json.loads((DEFAULT_ASSISTANT / "config.json").read_text())
     assert cfg["model_type"] == "gemma4_assistant" and cfg["use_target_lm_head"] is True
@@ -198,9 +258,12 @@ def test_shipped_checkpoint(smollm2_dir, smollm2_tokenizer):
     assert sum(p.stat().st_size for p in DEFAULT_ASSISTANT.iterdir()) <= 16 * 2**20
     a = Gemma4Assistant.from_pretrained(DEFAULT_ASSISTANT)
     assert a.lm_head is None and len(a.model.layers) == cfg["text_config"]["num_hidden_layers"]
-    chat = [smollm2_tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                  add_generation_prompt=True)
-            for q in ("What is the capital of France?", "Write a haiku about the sea.")]
+    chat = [
+        smollm2_tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
+        for q in ("What is the capital of France?", "Write a haiku about the sea.")
+    ]
     params = SamplingParams(temperature=0, max_tokens=24)
     kw = dict(dtype="float32", device="cpu", max_model_len=512)
     off = LLM(None, **kw).generate(chat, params, use_tqdm=False)

@@ -1,0 +1,107 @@
+"""Argument checks of nanospec's command-line tools (train, eval, bench): every bad value stops argparse with
+a message naming the option and its allowed range, before any model or data is loaded."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import pathlib
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Module docstring kept as written; options with help text show their default (unless unset: None)."""
+
+    def _get_help_string(self, action):
+        unset = action.default is None or action.default is False
+        return action.help if unset else super()._get_help_string(action)
+
+
+def number(typ=float, lo: float = 0, gt: float | None = None):
+    """argparse ``type``: a finite ``typ`` that is >= ``lo`` (or > ``gt`` when given); else an argparse error
+    naming the option, e.g. ``argument --lr: must be a float > 0, got 'nan'``."""
+    bound = f"{'an int' if typ is int else 'a float'} " + (f">= {lo:g}" if gt is None else f"> {gt:g}")
+
+    def parse(text: str):
+        try:
+            v = typ(text)
+        except ValueError:
+            v = math.nan
+        if not math.isfinite(v) or (v < lo if gt is None else v <= gt):
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text!r}")
+        return v
+
+    return parse
+
+
+def number_list(typ=float, lo: float = 0):
+    """argparse ``type``: ``"0,0.7"`` -> ``[0.0, 0.7]``, every item a ``number(typ, lo)``."""
+
+    def parse(text: str) -> list:
+        try:
+            return [number(typ, lo)(x) for x in text.split(",")]
+        except argparse.ArgumentTypeError:
+            msg = f"must be a comma-separated list of {typ.__name__}s >= {lo:g}, got {text!r}"
+            raise argparse.ArgumentTypeError(msg) from None
+
+    return parse
+
+
+def check_out_dir(ap: argparse.ArgumentParser, option: str, path: str) -> None:
+    """``ap.error`` unless ``path`` is a directory or could be created as one (its nearest existing ancestor
+    is a writable directory); creates nothing, so a command rejected later leaves no trace."""
+    p = pathlib.Path(path).expanduser().absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if not p.is_dir() or not os.access(p, os.W_OK | os.X_OK):
+        ap.error(
+            f"{option} must be a directory that can be created, got {path!r} ({str(p)!r} is not writable)"
+        )
+
+
+def make_out_dir(ap: argparse.ArgumentParser, option: str, path: str) -> None:
+    """Create ``path`` (and parents) once every other check passed; ``ap.error`` if that fails."""
+    try:
+        pathlib.Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        ap.error(f"{option} must be a directory that can be created, got {path!r}: {e.strerror}")
+
+
+def load_assistant(ap: argparse.ArgumentParser, option: str, value: str, layers: int | None = None):
+    """``--init`` / ``--assistant``: load that assistant checkpoint (CPU, a few MB) while checking arguments,
+    so a bad one costs no model or data work; ``ap.error`` if it does not load or (``layers`` given) has
+    another layer count. Returns (assistant, dir). 'default' is resolved whatever the target; ``load_target``
+    checks that the target is the default one."""
+    from ..models.gemma4_assistant import Gemma4Assistant
+    from ..mtp.worker import resolve_assistant
+
+    what = "'default' or an HF gemma4_assistant checkpoint dir"
+    if value != "default" and not (value and pathlib.Path(value).is_dir()):
+        ap.error(f"{option} must be {what}, got {value!r} (no such dir)")
+    try:
+        d = resolve_assistant(value, target_is_default=True)
+        assistant = Gemma4Assistant.from_pretrained(d)
+    except (ValueError, OSError, KeyError, TypeError) as e:
+        ap.error(f"{option} must be {what}, got {value!r}: {e}")
+    n = assistant.text_config.num_hidden_layers
+    if layers not in (None, n):
+        ap.error(f"--layers {layers} contradicts {option} {value!r}, which has {n} layer(s)")
+    return assistant, d
+
+
+def load_target(
+    ap: argparse.ArgumentParser, option: str, model: str | None, assistant_option: str, assistant
+):
+    """Resolve ``--target`` / ``--model`` (None: the default model) and load its config and tokenizer;
+    ``ap.error`` if that fails or if ``assistant`` is 'default' (the shipped assistant) for a target other
+    than the default. Returns ``(model_dir, config, tokenizer)``."""
+    from ..loader import is_default_target, load_config, load_tokenizer, resolve_model_dir
+
+    try:
+        model_dir = resolve_model_dir(model)
+        cfg, tok = load_config(model_dir), load_tokenizer(model_dir)
+    except (ValueError, OSError) as e:
+        ap.error(f"{option}: {e}")
+    if assistant == "default" and not is_default_target(cfg, tok):
+        ap.error(f"{assistant_option} default is SmolLM2-135M-Instruct's; give a DIR for this {option}")
+    return model_dir, cfg, tok

