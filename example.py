@@ -44,6 +44,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens", type=bounded(int, 1, 4096), default=128, help="new tokens per prompt")
     ap.add_argument("--temperature", type=bounded(float, 0), default=0.0, help="0 is greedy")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--trace", action="store_true", help="print the Frozen-KV MTP lifecycle events of every step")
     args = ap.parse_args(argv)
     if args.model is not None and not os.path.isdir(args.model):
         ap.error(f"--model must be an HF-format model dir, got {args.model!r} (no such dir)")
@@ -70,9 +71,12 @@ def main(argv=None):
     if assistant == "auto":  # the shipped assistant on the default model
         shipped = args.model is None and (DEFAULT_ASSISTANT / "config.json").exists()
         assistant = "default" if shipped else "none"
-    if assistant == "none" and args.num_steps is not None:
-        ap.error("--num-steps needs an assistant (--assistant is none, or auto on another --model)")
+    for flag, given in (("--num-steps", args.num_steps is not None), ("--trace", args.trace)):
+        if assistant == "none" and given:
+            ap.error(f"{flag} needs an assistant (--assistant is none, or auto on another --model)")
     assistant_kwargs = {} if assistant == "none" else {"assistant": assistant, "num_steps": args.num_steps}
+    if args.trace:
+        assistant_kwargs["trace"] = True
     configure_cpu_threads()
     try:  # what the engine rejects (an assistant that does not fit the model, ...) is a usage error too
         llm = LLM(args.model, device=args.device, max_model_len=args.max_tokens + 256, **assistant_kwargs)
@@ -81,7 +85,7 @@ def main(argv=None):
     chat = dict(tokenize=False, add_generation_prompt=True)
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], **chat) for p in PROMPTS]
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = llm.generate(prompts, params, use_tqdm=not args.trace)
     dt = time.perf_counter() - t0
     for prompt, out in zip(PROMPTS, outputs):
         print(f"\nPrompt: {prompt!r}\nCompletion: {out['text']!r}")

@@ -1,7 +1,7 @@
 """Frozen-KV MTP lifecycle contract (DESIGN §4, rules 1-6), preemption under speculation, and bad input.
 
-One test (or a small group) per rule; each comment names the production bug it guards (see
-``../shared/frozen_kv_mtp_brief.md`` §5). fp32 on CPU with a tiny random Llama target (conftest's
+One test (or a small group) per rule; each comment names the production bug it guards (the SGLang issue or pull
+request, by number). fp32 on CPU with a tiny random Llama target (conftest's
 ``tiny_llama_dir``) and a tiny random ``gemma4_assistant`` saved with HF ``save_pretrained``.
 
 Several tests install an *oracle drafter*: ``FrozenKVMTPWorker.draft`` is replaced by one that proposes the

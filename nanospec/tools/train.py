@@ -1,4 +1,4 @@
-"""Distill a Frozen-KV MTP assistant (HF ``gemma4_assistant``) for a frozen target (DESIGN §6).
+"""Distill a Frozen-KV MTP assistant (HF ``gemma4_assistant``) for a frozen target (DESIGN §7).
 
     python -m nanospec.tools.train [--target DIR] [--layers 1] [--num-steps 5] [--seq-len 256]
         [--max-tokens N] [--time-budget-min M] [--out DIR] ...
