@@ -44,7 +44,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens", type=bounded(int, 1, 4096), default=128, help="new tokens per prompt")
     ap.add_argument("--temperature", type=bounded(float, 0), default=0.0, help="0 is greedy")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    ap.add_argument("--trace", action="store_true", help="print the Frozen-KV MTP lifecycle events of every step")
+    ap.add_argument("--trace", action="store_true", help="print the Frozen-KV MTP lifecycle events per step")
     args = ap.parse_args(argv)
     if args.model is not None and not os.path.isdir(args.model):
         ap.error(f"--model must be an HF-format model dir, got {args.model!r} (no such dir)")

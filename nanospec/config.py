@@ -67,21 +67,25 @@ class EngineConfig:
         for name in ("enforce_eager", "enable_prefix_caching", "overlap_schedule"):
             v = getattr(self, name)
             if not isinstance(v, bool) and not (v is None and name == "overlap_schedule"):
-                raise TypeError(f"{name} must be a bool{' or None' if name == 'overlap_schedule' else ''}, got {v!r}")
+                kinds = "a bool or None" if name == "overlap_schedule" else "a bool"
+                raise TypeError(f"{name} must be {kinds}, got {v!r}")
         if self.seed >= 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.trace is not None and self.trace is not True and not callable(self.trace):
-            raise TypeError(f"trace must be None, True or a callable (step, event, fields), got {self.trace!r}")
+            raise TypeError(f"trace must be None, True or a callable (step, event, fields), "
+                            f"got {self.trace!r}")
         if self.trace is not None and self.assistant is None:
             raise ValueError("trace shows the Frozen-KV MTP lifecycle: it needs an assistant")
         if self.draft_position_offset > 0:
             raise ValueError(f"draft_position_offset must be -1 or 0, got {self.draft_position_offset}")
         if self.dtype not in ("auto", *DTYPES):
-            raise ValueError(f"dtype must be one of 'auto', {', '.join(map(repr, DTYPES))}; got {self.dtype!r}")
+            allowed = ", ".join(map(repr, DTYPES))
+            raise ValueError(f"dtype must be one of 'auto', {allowed}; got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked for but torch sees no CUDA device; use device='cpu' or 'auto'")
+            raise ValueError("device='cuda' was asked for but torch sees no CUDA device; "
+                             "use device='cpu' or 'auto'")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -91,7 +95,8 @@ class EngineConfig:
         if self.assistant is None:
             given = [n for n in ("num_steps", "topk", "num_draft_tokens") if getattr(self, n) is not None]
             if given:
-                raise ValueError(f"{', '.join(given)} only apply to speculative decoding: pass assistant=DIR or "
+                raise ValueError(f"{', '.join(given)} only apply to speculative decoding: "
+                                 "pass assistant=DIR or "
                                  f"'default', or drop them")
             return
         self.num_steps = 5 if self.num_steps is None else self.num_steps
@@ -106,7 +111,8 @@ class EngineConfig:
             raise ValueError(f"num_draft_tokens must be in [2, {hi}] (1 + num_steps * topk), "
                              f"got {self.num_draft_tokens}")
         if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1:
-            raise ValueError(f"with topk=1, num_draft_tokens must equal num_steps + 1 = {self.num_steps + 1}, "
+            raise ValueError("with topk=1, num_draft_tokens must equal num_steps + 1 = "
+                             f"{self.num_steps + 1}, "
                              f"got {self.num_draft_tokens}")
 
     @classmethod

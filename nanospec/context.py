@@ -1,10 +1,11 @@
 """Per-forward attention metadata and how layers find it.
 
 Convention (one for the target and the drafter): the caller builds an ``AttnMetadata`` with one of the named
-constructors and makes it current with ``with attn_metadata(md):`` around the forward; attention layers read it with
-``get_attn_metadata()``. As in nano-vllm, this keeps every model's ``forward(ids, positions)`` HF-shaped, and a CUDA
-graph captures the same static tensors the eager path reads. The constructors are the only place a mode's fields
-are chosen: ``draft`` takes no write slots at all, so the drafter cannot write KV by construction (DESIGN §4 rule 3).
+constructors and makes it current with ``with attn_metadata(md):`` around the forward; attention layers read
+it with ``get_attn_metadata()``. As in nano-vllm, this keeps every model's ``forward(ids, positions)``
+HF-shaped, and a CUDA graph captures the same static tensors the eager path reads. The constructors are the
+only place a mode's fields are chosen: ``draft`` takes no write slots at all, so the drafter cannot write KV
+by construction (DESIGN §4 rule 3).
 """
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -46,15 +47,19 @@ class AttnMetadata:
         return cls("decode", block_table, seq_lens, slot_mapping, num_splits=num_splits)
 
     @classmethod
-    def verify(cls, block_table, committed_lens, slot_mapping, num_tokens: int, tree_mask=None) -> "AttnMetadata":
-        """``num_tokens`` tree tokens per request after ``committed_lens`` [B] int32 cached rows; the tree mask
-        (None for a chain) says which tree tokens each one sees."""
+    def verify(cls, block_table, committed_lens, slot_mapping, num_tokens: int,
+               tree_mask=None) -> "AttnMetadata":
+        """``num_tokens`` tree tokens per request after ``committed_lens`` [B] int32 cached rows; the tree
+        mask (None for a chain) says which tree tokens each one sees."""
         B = committed_lens.shape[0]
-        cu = torch.arange(0, (B + 1) * num_tokens, num_tokens, dtype=torch.int32, device=committed_lens.device)
-        return cls("verify", block_table, committed_lens + num_tokens, slot_mapping, cu, num_tokens, tree_mask)
+        dev = committed_lens.device
+        cu = torch.arange(0, (B + 1) * num_tokens, num_tokens, dtype=torch.int32, device=dev)
+        seq_lens = committed_lens + num_tokens
+        return cls("verify", block_table, seq_lens, slot_mapping, cu, num_tokens, tree_mask)
 
     @classmethod
-    def draft(cls, block_table, committed_lens, row_to_req=None, num_splits: int | None = None) -> "AttnMetadata":
+    def draft(cls, block_table, committed_lens, row_to_req=None,
+              num_splits: int | None = None) -> "AttnMetadata":
         """Frozen-KV draft queries over exactly rows [0, L) of each request; no write slots exist."""
         return cls("draft", block_table, committed_lens, row_to_req=row_to_req, num_splits=num_splits)
 

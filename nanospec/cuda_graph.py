@@ -1,17 +1,16 @@
 """CUDA graphs per batch-size bucket for the hot phases: plain decode and the whole speculative step.
 
-Each phase is a pure tensor function of named inputs (no host syncs). ``GraphRunner.run`` is the one place that
-decides graph or eager: a batch that fits a bucket is copied into the first rows of static buffers and the
-bucket's graph replays (padding rows point at the reserved dummy block 0, so their K/V writes land there and they
-read one dummy key: they never touch a live request's KV); a batch larger than every bucket, or a phase with no
-buckets (CPU, ``enforce_eager``), runs the same function eagerly on the live tensors. On CPU, tests give buckets
-explicitly: the function then runs eagerly on the padded static buffers, exactly what a graph would replay.
+Each phase is a pure tensor function of named inputs (no host syncs). ``GraphRunner.run`` is the one place
+that decides graph or eager: a batch that fits a bucket is copied into the first rows of static buffers and
+the bucket's graph replays (padding rows point at the reserved dummy block 0, so their K/V writes land there
+and they read one dummy key: they never touch a live request's KV); a batch larger than every bucket, or a
+phase with no buckets (CPU, ``enforce_eager``), runs the same function eagerly on the live tensors. On CPU,
+tests give buckets explicitly: the function then runs eagerly on the padded static buffers, exactly what a
+graph would replay.
 """
 from collections.abc import Callable
 
 import torch
-
-from .kv_cache import DUMMY_BLOCK
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -30,14 +29,15 @@ def select_bucket(batch_size: int, sizes: list[int]) -> int | None:
 class StaticBuffers:
     """Named static tensors of ``max_rows`` rows (times ``shape[0]`` for per-token buffers).
 
-    ``fill(name, live)`` copies the live rows to the front and writes the buffer's pad value into the rest, so a
-    captured graph always sees a fully defined batch.
+    ``fill(name, live)`` copies the live rows to the front and writes the buffer's pad value into the rest, so
+    a captured graph always sees a fully defined batch.
     """
 
     def __init__(self, device, max_rows: int, specs: dict[str, tuple[tuple[int, ...], torch.dtype, float]]):
         self.pads = {}
         for name, (shape, dtype, pad) in specs.items():
-            setattr(self, name, torch.full((max_rows * shape[0], *shape[1:]), pad, dtype=dtype, device=device))
+            buf = torch.full((max_rows * shape[0], *shape[1:]), pad, dtype=dtype, device=device)
+            setattr(self, name, buf)
             self.pads[name] = pad
 
     def fill(self, name: str, live: torch.Tensor) -> None:
@@ -55,8 +55,8 @@ class BucketGraphs:
     """``fn(bs)`` (reading static buffers, returning tensors) captured as one CUDA graph per bucket.
 
     ``capture()`` warms every kernel specialization with an eager call first (a JIT compile inside capture
-    invalidates it), captures largest-first into one shared memory pool. ``run(bs)`` replays the bucket's graph
-    and returns its static outputs; with no graph for ``bs`` it calls ``fn(bs)`` eagerly.
+    invalidates it), captures largest-first into one shared memory pool. ``run(bs)`` replays the bucket's
+    graph and returns its static outputs; with no graph for ``bs`` it calls ``fn(bs)`` eagerly.
     """
 
     def __init__(self, fn: Callable[[int], object], sizes: list[int], device):
@@ -89,8 +89,8 @@ class GraphRunner:
 
     ``phases``: name -> (fn, input names); ``fn(num_splits=..., **inputs)`` is pure tensor code. ``buffers``
     declares every static input: name -> (per-row shape, dtype, pad value). Block tables are
-    ``ceil((max_model_len + lookahead) / page_size)`` wide so a live table always fits; the split-KV count is fixed
-    (``num_splits``, from max_model_len) so captured graphs never sync. ``sizes`` empty = always eager.
+    ``ceil((max_model_len + lookahead) / page_size)`` wide so a live table always fits; the split-KV count is
+    fixed (``num_splits``, from max_model_len) so captured graphs never sync. ``sizes`` empty = always eager.
     """
 
     def __init__(self, phases: dict[str, tuple[Callable, list[str]]], buffers: dict, sizes: list[int],

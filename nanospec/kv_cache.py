@@ -11,8 +11,8 @@ DUMMY_BLOCK = 0  # reserved: padding rows (CUDA graphs, idle slots) point here a
 def slot_mapping(block_table: torch.Tensor, rows: torch.Tensor, token_idx: torch.Tensor, page_size: int):
     """Pool slots of token ``token_idx`` of request row ``rows`` (broadcast together; int64 result).
 
-    Token j of a request lives at slot ``block_table[row, j // page_size] * page_size + j % page_size``: the one
-    place this formula is written (prefill, decode, verify writes and the tree compaction all use it).
+    Token j of a request lives at slot ``block_table[row, j // page_size] * page_size + j % page_size``: the
+    one place this formula is written (prefill, decode, verify writes and the tree compaction all use it).
     """
     return block_table.long()[rows, token_idx // page_size] * page_size + token_idx % page_size
 
@@ -29,11 +29,11 @@ class BlockAllocator:
 
     A request owns ``req.block_table`` (block ids in order); ``slot_mapping`` turns token indices into slots.
 
-    Prefix caching (``enable_prefix_caching``): a full block written by a prefill is keyed by a hash of every token
-    up to and including the block (chained, so equal keys mean equal prefixes) and can be shared. Blocks are
-    ref-counted; a block whose last owner leaves stays cached (free, evictable) and is evicted least recently
-    freed first, only when the allocator needs blocks. Blocks that a decode or verify writes into (draft rows,
-    rejected rows, the partial last block) are never registered, so they stay private.
+    Prefix caching (``enable_prefix_caching``): a full block written by a prefill is keyed by a hash of every
+    token up to and including the block (chained, so equal keys mean equal prefixes) and can be shared. Blocks
+    are ref-counted; a block whose last owner leaves stays cached (free, evictable) and is evicted least
+    recently freed first, only when the allocator needs blocks. Blocks that a decode or verify writes into
+    (draft rows, rejected rows, the partial last block) are never registered, so they stay private.
     """
 
     def __init__(self, num_blocks: int, page_size: int, enable_prefix_caching: bool = False):
@@ -64,7 +64,8 @@ class BlockAllocator:
         return self.blocks_needed(req, num_slots) <= self.num_free
 
     def allocate(self, req: Request, num_slots: int) -> None:
-        """Grow ``req.block_table`` to cover ``num_slots`` slots. Raises RuntimeError when the pool is short."""
+        """Grow ``req.block_table`` to cover ``num_slots`` slots. Raises RuntimeError when the pool is
+        short."""
         n = self.blocks_needed(req, num_slots)
         if n > self.num_free:
             raise RuntimeError(f"KV pool exhausted: need {n} blocks, {self.num_free} free")
@@ -78,8 +79,8 @@ class BlockAllocator:
             req.block_table.append(block)
 
     def free(self, req: Request) -> None:
-        """Drop ``req``'s hold on every block (committed rows and any rejected-draft tail); a block no one holds
-        goes back to the pool, or stays cached (evictable) if it is registered."""
+        """Drop ``req``'s hold on every block (committed rows and any rejected-draft tail); a block no one
+        holds goes back to the pool, or stays cached (evictable) if it is registered."""
         for block in req.block_table:
             self.ref_count[block] -= 1
             if self.ref_count[block] == 0:
@@ -89,10 +90,11 @@ class BlockAllocator:
                     self.free_blocks.append(block)
         req.block_table = []
 
-    # ---- prefix caching ------------------------------------------------------------------------------------------
+    # ---- prefix caching
+    # ------------------------------------------------------------------------------------------
     def _hashes(self, req: Request, num_tokens: int) -> list[int]:
-        """Chained hashes of the first ``num_tokens // page_size`` full blocks of ``req``'s tokens (kept on the
-        request: its token prefix never changes, so each block is hashed once)."""
+        """Chained hashes of the first ``num_tokens // page_size`` full blocks of ``req``'s tokens (kept on
+        the request: its token prefix never changes, so each block is hashed once)."""
         ps, out = self.page_size, req.block_hashes
         n = num_tokens // ps
         if len(out) < n:
@@ -102,8 +104,8 @@ class BlockAllocator:
         return out[:n]
 
     def match_prefix(self, req: Request) -> int:
-        """For a request with no blocks yet: take the cached blocks of its longest cached prefix (at most all but
-        its last prefill token, which is always computed) and return how many tokens they hold."""
+        """For a request with no blocks yet: take the cached blocks of its longest cached prefix (at most all
+        but its last prefill token, which is always computed) and return how many tokens they hold."""
         if not self.enable_prefix_caching or req.block_table:
             return 0
         for h in self._hashes(req, req.prefill_len - 1):
@@ -117,8 +119,8 @@ class BlockAllocator:
         return len(req.block_table) * self.page_size
 
     def register_prefill(self, req: Request, num_prefilled: int) -> None:
-        """Make the full blocks among ``req``'s first ``num_prefilled`` tokens (all written by prefill) sharable.
-        A prefix another block already holds keeps that block; this one stays private."""
+        """Make the full blocks among ``req``'s first ``num_prefilled`` tokens (all written by prefill)
+        sharable. A prefix another block already holds keeps that block; this one stays private."""
         if not self.enable_prefix_caching:
             return
         for block, h in zip(req.block_table, self._hashes(req, num_prefilled)):

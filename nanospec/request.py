@@ -33,7 +33,8 @@ class Request:
         self.stop_str_index: int | None = None  # where the text is cut, when a stop string matched
         self.accept_lengths: list[int] = []
         self.num_cached_tokens: int | None = None  # prompt tokens whose KV came from the prefix cache
-        self.block_hashes: list[int] = []  # chained hashes of the full blocks of all_token_ids (prefix caching)
+        # chained hashes of the full blocks of all_token_ids (prefix caching)
+        self.block_hashes: list[int] = []
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self._tokenizer = tokenizer
 
@@ -48,8 +49,9 @@ class Request:
 
     @property
     def prefill_len(self) -> int:
-        """Tokens a prefill must put in KV: the whole prompt when new; all but the last token when resumed after
-        preemption (that token, already emitted, is the next step's input / bonus token, so nothing is resampled)."""
+        """Tokens a prefill must put in KV: the whole prompt when new; all but the last token when resumed
+        after preemption (that token, already emitted, is the next step's input / bonus token, so nothing is
+        resampled)."""
         return self.num_tokens - (1 if self.output_token_ids else 0)
 
     @property

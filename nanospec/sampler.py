@@ -9,8 +9,8 @@ class Sampler:
     """Turns logits into tokens for a batch of requests; used by the model runner (prefill, decode) and by the
     Frozen-KV MTP worker (verify), which both pass the requests explicitly.
 
-    Noise comes from the engine generator (``seed``), or for a request with ``SamplingParams.seed`` from its own
-    generator keyed by (seed, output index), so its samples do not depend on the batch it runs in.
+    Noise comes from the engine generator (``seed``), or for a request with ``SamplingParams.seed`` from its
+    own generator keyed by (seed, output index), so its samples do not depend on the batch it runs in.
     """
 
     def __init__(self, device: torch.device, seed: int):

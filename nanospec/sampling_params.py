@@ -27,11 +27,13 @@ class SamplingParams:
         def num(name, kinds):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, kinds):
-                raise TypeError(f"SamplingParams.{name} must be {'an int' if kinds is int else 'a number'}, got {v!r}")
+                kind = "an int" if kinds is int else "a number"
+                raise TypeError(f"SamplingParams.{name} must be {kind}, got {v!r}")
             return v
 
         if not (math.isfinite(num("temperature", (int, float))) and self.temperature >= 0):
-            raise ValueError(f"SamplingParams.temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
+            raise ValueError("SamplingParams.temperature must be finite and >= 0 (0 = greedy), "
+                             f"got {self.temperature}")
         if not 0 < num("top_p", (int, float)) <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if num("top_k", int) == 0 or self.top_k < -1:
@@ -49,7 +51,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"SamplingParams.stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+            raise ValueError("SamplingParams.stop_token_ids must be non-negative ints, "
+                             f"got {self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:

@@ -18,7 +18,8 @@ class Batch:
     reqs: list[Request]
     num_new: list[int] = field(default_factory=list)
     epochs: list[int] = field(default_factory=list)  # each request's epoch at launch (set by on_launch)
-    done: list[bool] = field(default_factory=list)  # prefill: whether request i's prompt completes (on_launch)
+    # prefill: whether request i's prompt completes (set by on_launch)
+    done: list[bool] = field(default_factory=list)
 
     def completes(self, i: int) -> bool:
         """Whether request i's prefill finishes this step (a new request then samples its first token); valid
@@ -58,11 +59,12 @@ class Scheduler:
     With overlap scheduling the host plans step n+1 before it has committed step n: a decode request may then
     have one step in flight, so KV is reserved for two lookaheads and the step's inputs come from the device.
     A request that finished (or was preempted) after a step was launched is skipped when that step commits,
-    so nothing past its stop is ever emitted. ``lookahead`` is how many KV rows beyond the committed length one
-    decode step writes: 1 for plain decode, N (draft tokens verified) under speculation. Preempted requests free all their blocks, keep their
-    outputs, and are recomputed by a later prefill over prompt + outputs (nothing is lost).
-    ``on_release(reqs, reason)`` is called by ``_release``, the one exit from the running set (finish, abort,
-    preemption), in the same call that frees the request's KV blocks: the MTP worker drops its draft input there.
+    so nothing past its stop is ever emitted. ``lookahead`` is how many KV rows beyond the committed length
+    one decode step writes: 1 for plain decode, N (draft tokens verified) under speculation. Preempted
+    requests free all their blocks, keep their outputs, and are recomputed by a later prefill over prompt +
+    outputs (nothing is lost). ``on_release(reqs, reason)`` is called by ``_release``, the one exit from the
+    running set (finish, abort, preemption), in the same call that frees the request's KV blocks: the MTP
+    worker drops its draft input there.
     """
 
     def __init__(self, config: EngineConfig, allocator: BlockAllocator, lookahead: int = 1, on_release=None):
@@ -81,7 +83,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def abort(self, request_id: int) -> Request | None:
-        """Drop a waiting or running request (its blocks and draft input go); returns it, or None if unknown."""
+        """Drop a waiting or running request (its blocks and draft input go); returns it, or None if
+        unknown."""
         for req in [*self.waiting, *self.running]:
             if req.request_id == request_id:
                 (self.waiting if req in self.waiting else self.running).remove(req)
@@ -92,7 +95,8 @@ class Scheduler:
         return None
 
     def _release(self, req: Request, reason: str) -> None:
-        """Free ``req``'s KV blocks and, in the same call, its draft input (reason: finished/aborted/preempted)."""
+        """Free ``req``'s KV blocks and, in the same call, its draft input (reason:
+        finished/aborted/preempted)."""
         self.allocator.free(req)
         if self.on_release is not None:
             self.on_release([req], reason)
@@ -102,11 +106,11 @@ class Scheduler:
 
         While requests are decoding, prefill and decode steps alternate: a waiting prompt gets at most one
         prefill step (up to ``max_num_batched_tokens`` tokens, longer prompts are chunked) between two decode
-        steps, so running requests never wait longer than one prefill chunk for their next token. Mixing decode
-        rows into the prefill forward (vLLM's chunked prefill) would need, under speculation, draft + tree-verify
-        rows of varying tree masks inside the extend forward; alternating keeps every forward one mode and bounds
-        the gap just as well. Measured (CPU, 7 decoding requests and one 2,000-token prompt in chunks of 256): see
-        README, "Decode never stalls".
+        steps, so running requests never wait longer than one prefill chunk for their next token. Mixing
+        decode rows into the prefill forward (vLLM's chunked prefill) would need, under speculation, draft +
+        tree-verify rows of varying tree masks inside the extend forward; alternating keeps every forward one
+        mode and bounds the gap just as well. Measured (CPU, 7 decoding requests and one 2,000-token prompt in
+        chunks of 256): see README, "Decode never stalls".
         """
         decode_turn = bool(self.running) and self.last_kind == "prefill"
         batch = self._schedule_decode() if decode_turn else self._schedule_prefill()
@@ -158,7 +162,8 @@ class Scheduler:
         req.num_inflight = 0
         req.num_computed = 0
         req.status = Status.WAITING
-        # A half-prefilled head holds blocks and must finish first: queued in front of it, a victim that does not
+        # A half-prefilled head holds blocks and must finish first: queued in front of it, a victim that does
+        # not
         # fit would wait forever for those blocks (running empty, nothing schedulable).
         self.waiting.insert(1 if self.waiting and self.waiting[0].num_computed else 0, req)
         self.num_preemptions += 1
@@ -182,9 +187,9 @@ class Scheduler:
     def commit(self, batch: Batch, new_tokens: list[list[int]], accept_lens: list[int] | None = None):
         """Commit a launched step's results; returns the requests that finished. ``new_tokens[i]`` are request
         i's sampled tokens (empty for an unfinished prefill chunk or a resumed request); under speculation the
-        accepted drafts plus the bonus token, whose K/V rows (all but the bonus) the verify step committed, and
-        ``accept_lens[i]`` is recorded in ``accept_lengths`` (before any cut by a stop rule). The one place
-        tokens are committed; every token is checked for a stop (DESIGN §4 rule 5)."""
+        accepted drafts plus the bonus token, whose K/V rows (all but the bonus) the verify step committed,
+        and ``accept_lens[i]`` is recorded in ``accept_lengths`` (before any cut by a stop rule). The one
+        place tokens are committed; every token is checked for a stop (DESIGN §4 rule 5)."""
         finished = []
         for i, (req, toks) in enumerate(zip(batch.reqs, new_tokens)):
             if req.is_finished or req.epoch != batch.epochs[i]:
