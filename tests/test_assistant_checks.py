@@ -1,5 +1,6 @@
-"""An assistant that does not fit the target is refused from the two configs, before any weights load (DESIGN §4
-rule 2: check, then construct, allocate, bind): a mismatch used to surface only after the target had loaded."""
+"""An assistant that does not fit the target is refused from the two configs, before any weights load (DESIGN
+§4 rule 2: check, then construct, allocate, bind): a mismatch used to surface only after the target had
+loaded."""
 
 import copy
 

@@ -1,6 +1,6 @@
-"""Prefix caching (``LLM(enable_prefix_caching=True)``, the default): shared full prompt blocks are computed once,
-outputs stay token-identical to the cache off (greedy, fp32, speculation on), ``num_cached_tokens`` is exact, and
-at idle every block is free or cached-and-free with all ref counts 0."""
+"""Prefix caching (``LLM(enable_prefix_caching=True)``, the default): shared full prompt blocks are computed
+once, outputs stay token-identical to the cache off (greedy, fp32, speculation on), ``num_cached_tokens`` is
+exact, and at idle every block is free or cached-and-free with all ref counts 0."""
 import pytest
 import torch
 from test_spec_lifecycle import asst_dir, greedy, make_llm, target_cfg  # noqa: F401
