@@ -1,5 +1,6 @@
 """Scheduler, block allocator, request finish rules and sampling reproducibility (CPU, fp32, a micro random Llama
 with a 512-token vocabulary: prompts are token-id lists)."""
+
 import pytest
 import torch
 
@@ -31,9 +32,11 @@ def _drive(llm, prompts, params, max_steps=2000):
         if not llm.has_unfinished():
             break
     else:
-        pytest.fail(f"engine made no progress: {len(done)}/{len(ids)} done after {max_steps} steps, "
-                    f"waiting={len(llm.scheduler.waiting)} running={len(llm.scheduler.running)} "
-                    f"free={llm.runner.allocator.num_free}/{llm.runner.allocator.num_usable}")
+        pytest.fail(
+            f"engine made no progress: {len(done)}/{len(ids)} done after {max_steps} steps, "
+            f"waiting={len(llm.scheduler.waiting)} running={len(llm.scheduler.running)} "
+            f"free={llm.runner.allocator.num_free}/{llm.runner.allocator.num_usable}"
+        )
     return [done[i] for i in ids]
 
 
@@ -167,10 +170,14 @@ def test_seeded_sampling_is_batch_independent(micro_llama_dir):
     prompt = _prompts(1, (11,), seed=7)[0]
     others = _prompts(3, (6, 19, 9), seed=8)
     alone = _engine(micro_llama_dir, seed=0).generate([prompt], SEEDED, use_tqdm=False)[0]["token_ids"]
-    mix = [SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True), GREEDY,
-           SamplingParams(temperature=0.7, top_p=0.5, max_tokens=12, ignore_eos=True, seed=9)]
-    outs = _engine(micro_llama_dir, seed=5).generate([others[0], prompt, others[1], others[2]],
-                                                     [mix[0], SEEDED, mix[1], mix[2]], use_tqdm=False)
+    mix = [
+        SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True),
+        GREEDY,
+        SamplingParams(temperature=0.7, top_p=0.5, max_tokens=12, ignore_eos=True, seed=9),
+    ]
+    outs = _engine(micro_llama_dir, seed=5).generate(
+        [others[0], prompt, others[1], others[2]], [mix[0], SEEDED, mix[1], mix[2]], use_tqdm=False
+    )
     assert outs[1]["token_ids"] == alone
     # ... and under preemption / chunking, where the request is recomputed and sampled in a prefill step
     small = _engine(micro_llama_dir, seed=6, num_kv_blocks=14, max_num_batched_tokens=6)
@@ -314,10 +321,10 @@ def test_finish_precedence_on_one_token(tok):
 
 def test_finish_stop_string_cuts_text_and_tokens(tok):
     ids = _ids(tok, "The answer is 42. Done here and more text follows")
-    stop_at = next(i for i in range(len(ids)) if "Done" in tok.decode(ids[:i + 1]))
+    stop_at = next(i for i in range(len(ids)) if "Done" in tok.decode(ids[: i + 1]))
     r = _request(tok, max_tokens=100, stop=["Done", "never matches"])
     kept = r.append_tokens(ids)
-    assert kept == stop_at + 1 and r.output_token_ids == ids[:stop_at + 1]
+    assert kept == stop_at + 1 and r.output_token_ids == ids[: stop_at + 1]
     assert r.finish_reason == "stop" and r.output_text() == "The answer is 42. "
     assert "Done" not in r.output_text()
 
@@ -325,7 +332,7 @@ def test_finish_stop_string_cuts_text_and_tokens(tok):
 def test_finish_stop_string_spanning_two_commits(tok):
     ids = _ids(tok, "alpha beta gamma delta")
     # stop string "beta gam" starts in the first commit and is completed by the second
-    split = next(i for i in range(len(ids)) if "beta" in tok.decode(ids[:i + 1])) + 1
+    split = next(i for i in range(len(ids)) if "beta" in tok.decode(ids[: i + 1])) + 1
     r = _request(tok, max_tokens=100, stop="beta gam")
     assert r.append_tokens(ids[:split]) == split and not r.is_finished
     kept = r.append_tokens(ids[split:])
@@ -341,10 +348,10 @@ def test_stop_string_end_to_end(micro_llama_dir):
     prompt = _prompts(1, (6,), seed=11)[0]
     free = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     text = free["text"]
-    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert len(stop) == 3 and stop.strip()
     out = llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True, stop=stop), use_tqdm=False)[0]
     assert out["finish_reason"] == "stop"
-    assert out["text"] == text[:text.find(stop)]
-    assert free["token_ids"][:len(out["token_ids"])] == out["token_ids"]
+    assert out["text"] == text[: text.find(stop)]
+    assert free["token_ids"][: len(out["token_ids"])] == out["token_ids"]
     assert len(out["token_ids"]) < 16 and _all_free(llm)
