@@ -12,8 +12,8 @@ import torch  # noqa: E402
 if ON_GPU:
     torch.set_default_device("cuda")
 
-# One intra-op thread: the tests' ops are small, and with two threads every op pays an OpenMP barrier that costs
-# milliseconds whenever the other core is busy (measured 8 s vs 230 s for one test on a loaded 2-core box).
+# One intra-op thread: the tests' ops are small, and with two threads every op pays an OpenMP barrier that
+# costs milliseconds whenever the other core is busy (8 s vs 230 s for one test on a loaded 2-core box).
 torch.set_num_threads(int(os.environ.get("NANOSPEC_TEST_THREADS", "1")))
 
 
@@ -28,7 +28,7 @@ def triton_backend():
     set_backend(old)
 
 
-# ---------------------------------------------------------------------------------------------- tiny HF models
+# --------------------------------------------------------------------------------------------- tiny HF models
 def randomize(model, seed: int, std: float = 0.15) -> None:
     """Non-trivial random weights: matrices N(0, std), norm weights around 1 (so every tensor matters and the
     logits are spread out, which keeps greedy argmax far from ties)."""
@@ -42,7 +42,7 @@ def randomize(model, seed: int, std: float = 0.15) -> None:
 def make_tiny_model(path, tokenizer, arch: str = "llama", seed: int = 0, **overrides):
     """Save a tiny random HF Llama / Qwen3 (fp32 safetensors + ``tokenizer``) in ``path``; returns ``path``.
 
-    Defaults: hidden 64, 2 layers, 4 heads / 2 KV heads, head_dim 16, the tokenizer's vocab (49152 for SmolLM2).
+    Defaults: hidden 64, 2 layers, 4 heads / 2 KV heads, head_dim 16, the tokenizer's vocab (SmolLM2: 49152).
     """
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 

@@ -1,4 +1,4 @@
-"""Frozen-KV MTP drafter (nanospec.models.gemma4_assistant) against HF Gemma4AssistantForCausalLM, on CPU in fp32."""
+"""Frozen-KV MTP drafter (nanospec.models.gemma4_assistant) vs HF Gemma4AssistantForCausalLM, CPU, fp32."""
 
 import json
 import shutil
@@ -72,13 +72,13 @@ def assistant_config(
 
 
 def randomize(model, seed, std=0.2):
-    """Non-trivial random weights: matrices N(0, std), norms / layer scalars around 1 (so every one matters)."""
+    """Non-trivial random weights: matrices N(0, std), norms / layer scalars near 1 (so each one matters)."""
     conftest.randomize(model, seed, std)
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """HF Llama target + its nanospec twin, HF assistant saved as a gemma4_assistant dir, target K/V per prompt."""
+    """HF Llama target + its nanospec twin, HF assistant saved as a gemma4_assistant dir, K/V per prompt."""
     torch.manual_seed(0)
     tmp = tmp_path_factory.mktemp("assist")
     hf_t = HFLlama(target_config()).eval()
@@ -99,7 +99,7 @@ def world(tmp_path_factory):
 
 
 def paged_pool(target, seqs, lens, seed=3):
-    """A garbage-filled pool; writes each request's [0, L) K/V of the last target layer into scattered blocks."""
+    """A garbage-filled pool with each request's [0, L) K/V of the last target layer in scattered blocks."""
     g = torch.Generator().manual_seed(seed)
     W = max(-(-n // PAGE) for n in lens)
     nb = len(lens) * W + 3
@@ -126,7 +126,7 @@ def hf_step(hf_t, hf_a, tok, h, k, v, L, pos):
 
 
 def dense_attn(k, v, L):
-    """An ``attn_fn`` over contiguous K/V [1, Hkv, T, D] rows [0, L): GQA, scale 1.0 (what a trainer plugs in)."""
+    """An ``attn_fn`` over contiguous K/V [1, Hkv, T, D] rows [0, L): GQA, scale 1.0 (a trainer's plug-in)."""
 
     def attn(layer_idx, q):
         g = q.shape[1] // HKV
@@ -312,7 +312,7 @@ def test_use_target_lm_head(world, tmp_path):
     torch.testing.assert_close(outs[0][1], outs[1][1])
 
 
-# ---- Gemma 4 targets: sliding + full layers (per-type geometry, RoPE, window), KV sharing, the centroid head ------
+# ---- Gemma 4 targets: sliding + full layers (per-type geometry, RoPE, window), KV sharing, the centroid head
 GV, GHB, GW, GPAGE = 128, 48, 5, 4  # vocab, backbone hidden, sliding window, page size
 SL, FU = "sliding_attention", "full_attention"
 G_TYPES = [SL, FU, SL, SL, SL, FU]  # with 2 KV-shared layers: sliding KV lives in layer 3, full KV in layer 1
@@ -342,7 +342,8 @@ def gemma_text(**kw):
 
 
 def gemma_assistant_config(centroids=False, backbone=GHB, **kw):
-    """A 3-layer (sliding, sliding, full) assistant for ``gemma_text()``; ``centroids``: 16 clusters of 8, top 3."""
+    """A 3-layer (sliding, sliding, full) assistant for ``gemma_text()``; ``centroids``: 16 clusters of 8,
+    top 3."""
     tc = gemma_text(
         **{
             "hidden_size": 32,
@@ -361,8 +362,9 @@ def gemma_assistant_config(centroids=False, backbone=GHB, **kw):
 
 
 class GemmaTarget:
-    """What the drafter binds to on a Gemma 4 target: its config, embedding (scaled by sqrt(Hb)), tied LM head,
-    per-type RoPE tables, and per layer the paged K/V views (KV-owning layers only) and sliding window."""
+    """What the drafter binds to on a Gemma 4 target: its config, embedding (scaled by sqrt(Hb)), tied LM
+    head, per-type RoPE tables, and per layer the paged K/V views (KV-owning layers only) and the sliding
+    window."""
 
     def __init__(self, pools):
         self.config = gemma_text()
@@ -392,8 +394,9 @@ class GemmaTarget:
 
 @pytest.fixture(scope="module")
 def gemma_world():
-    """Random paged K/V for the sliding owner (layer 3: 2 heads x 16) and the full owner (layer 1: 1 head x 32),
-    garbage everywhere else; three requests of committed lengths 11 (> window + 1), 4 and 8 in scattered blocks."""
+    """Random paged K/V for the sliding owner (layer 3: 2 heads x 16) and the full owner (layer 1: 1 head x
+    32), garbage everywhere else; three requests of committed lengths 11 (> window + 1), 4 and 8 in
+    scattered blocks."""
     g = torch.Generator().manual_seed(4)
     lens = [11, 4, 8]
     W = -(-max(lens) // GPAGE)
@@ -442,8 +445,8 @@ def gemma_assistant(tmp_path, centroids, seed=11):
 @pytest.mark.parametrize("centroids", [False, True])
 @torch.no_grad()
 def test_gemma4_parity_sliding_full_two_steps(gemma_world, tmp_path, centroids):
-    """Logits, propose() (k = 1 and k = 4) and h_next equal HF given the same K/V as shared_kv_states, over two
-    recurrent steps, for rows of three requests (one with two rows, as a top-k frontier)."""
+    """Logits, propose() (k = 1 and k = 4) and h_next equal HF given the same K/V as shared_kv_states, over
+    two recurrent steps, for rows of three requests (one with two rows, as a top-k frontier)."""
     target, lens = gemma_world["target"], gemma_world["lens"]
     hf_a, a = gemma_assistant(tmp_path, centroids)
     a.bind_target(target)
@@ -504,16 +507,12 @@ def test_gemma4_propose_triton_matches_torch(gemma_world, tmp_path, triton_backe
 
 
 def test_check_assistant_config_layer_maps(world):
-    assert check_assistant_config(gemma_assistant_config(), gemma_text()) == [
-        3,
-        3,
-        1,
-    ]  # last non-shared per type
+    # last non-shared per type
+    assert check_assistant_config(gemma_assistant_config(), gemma_text()) == [3, 3, 1]
     assert check_assistant_config(gemma_assistant_config(), gemma_text(num_kv_shared_layers=0)) == [4, 4, 5]
     assert check_assistant_config(assistant_config(), target_config()) == [2, 2]  # Llama: every layer owns KV
-    cfg = assistant_io.read_config(
-        world["tmp"] / "assistant"
-    )  # configs alone, as read before any weights load
+    # configs alone, as read before any weights load
+    cfg = assistant_io.read_config(world["tmp"] / "assistant")
     assert check_assistant_config(cfg, AutoConfig.from_pretrained(world["tmp"] / "target")) == [2, 2]
     with pytest.raises(ValueError, match="model_type"):
         assistant_io.read_config(world["tmp"] / "target")

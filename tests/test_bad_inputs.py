@@ -23,7 +23,7 @@ def _untouched(llm):
     return not s.waiting and not s.running and a.num_free == a.num_usable
 
 
-# --------------------------------------------------------------------------------------- SamplingParams fields
+# -------------------------------------------------------------------------------------- SamplingParams fields
 @pytest.mark.parametrize(
     "kw, field",
     [
@@ -293,8 +293,8 @@ def test_cli_accepts_valid_values(monkeypatch, tmp_path, module, argv):
 
 
 def test_cli_checks_that_need_the_tokenizer(monkeypatch, capsys, tmp_path, smollm2_dir):
-    """Checks made once the target's tokenizer is loaded, still before any data or model work: a --seq-len that
-    ends inside every chat prompt (nothing left to train), a --model that does not resolve."""
+    """Checks made once the target's tokenizer is loaded, still before any data or model work: a --seq-len
+    that ends inside every chat prompt (nothing left to train), a --model that does not resolve."""
     from nanospec.loader import load_tokenizer
     from nanospec.tools import datasets, train
     from nanospec.tools import eval as eval_tool

@@ -1,4 +1,4 @@
-"""The centroid ("ordered embeddings") LM head: the gather-GEMV kernel, checkpoints, bad inputs, and the engine."""
+"""The centroid ("ordered embeddings") LM head: gather-GEMV kernel, checkpoints, bad inputs, the engine."""
 
 import json
 
@@ -17,8 +17,8 @@ from nanospec.models.gemma4_assistant import Gemma4Assistant, assistant_config_f
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_interpreter_matches_reference(dtype):
-    """Triton (interpreter) == torch reference == the definition; odd S and H (H over two BLOCK_H chunks), rows
-    with a padded row stride, repeated clusters, an empty batch."""
+    """Triton (interpreter) == torch reference == the definition; odd S and H (H over two BLOCK_H chunks),
+    rows with a padded row stride, repeated clusters, an empty batch."""
     g = torch.Generator().manual_seed(0)
     R, C, S, H, K = 3, 5, 6, 200, 2
     hidden = torch.randn(R, H, generator=g).to(dtype)
@@ -73,7 +73,7 @@ def test_checkpoint_reorders_rows_once_and_saves_them_back(tmp_path):
 
 
 def test_bad_centroid_inputs(tmp_path):
-    """ValueError naming the field: from the config alone where it suffices (no weights read), else at load."""
+    """ValueError naming the field: from the config alone when it suffices (no weights read), else on load."""
     for kw, field in (
         (dict(num_centroids=12), "num_centroids"),
         (dict(centroid_intermediate_top_k=17), "centroid_intermediate_top_k"),
@@ -105,8 +105,8 @@ def test_bad_centroid_inputs(tmp_path):
 @pytest.mark.parametrize("use_target_lm_head", [False, True])
 @torch.no_grad()
 def test_dense_logits_are_the_full_head_in_token_order(tmp_path, use_target_lm_head):
-    """forward(dense=True) (what a trainer scores) is the plain LM head over all tokens, whatever the ordering;
-    set_token_ordering moves the own rows (or re-gathers the target's) without changing it."""
+    """forward(dense=True) (what a trainer scores) is the plain LM head over all tokens, whatever the
+    ordering; set_token_ordering moves the own rows (or re-gathers the target's) without changing it."""
     from test_assistant import GemmaTarget
 
     target = GemmaTarget({})

@@ -1,7 +1,7 @@
 """CPU checks of the CUDA-graph machinery: buckets, static buffers, padding rows, eager fallback.
 
-On CPU ``BucketGraphs.run`` calls the phase function eagerly on the padded static buffers, which is exactly what
-a graph replays on the GPU; so padding and static-shape logic are tested here, capture itself on the GPU.
+On CPU ``BucketGraphs.run`` calls the phase function eagerly on the padded static buffers, which is exactly
+what a graph replays on the GPU; so padding and static-shape logic are tested here, capture itself on the GPU.
 """
 
 import pytest
@@ -83,9 +83,8 @@ def test_padding_rows_never_touch_live_blocks(tiny_llama_dir):
     changed = (r.kv_pools[0] != before).flatten(start_dim=4).any(-1)  # [layers, 2, blocks, page_size]
     live = {(s // 4, s % 4) for s in md.slot_mapping.tolist()}
     touched = {(b, o) for b, o in changed.any(0).any(0).nonzero().tolist()}
-    assert touched - live <= {
-        (DUMMY_BLOCK, o) for o in range(4)
-    }  # padding writes land in the dummy block only
+    # padding writes land in the dummy block only
+    assert touched - live <= {(DUMMY_BLOCK, o) for o in range(4)}
     assert live <= touched
 
 

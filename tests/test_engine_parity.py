@@ -121,7 +121,7 @@ def test_logits_parity_llama3_rope_scaling(tiny_llama3_rope_dir):
 
 
 def test_llama3_rope_scaling_is_applied(tiny_llama3_rope_dir, tiny_llama_dir):
-    """The llama3 table differs from the plain one past the original context (else the parity test is vacuous)."""
+    """The llama3 table differs from the plain one past the original context (else parity is vacuous)."""
     scaled = _engine(tiny_llama3_rope_dir).runner.model
     plain = _engine(tiny_llama_dir).runner.model
     assert scaled.rope_scaling["rope_type"] == "llama3" and plain.rope_scaling is None
@@ -129,13 +129,14 @@ def test_llama3_rope_scaling_is_applied(tiny_llama3_rope_dir, tiny_llama_dir):
 
 
 def test_logits_parity_chunked_extend_over_paged_prefix(tiny_qwen3_dir):
-    """Prefill in uneven chunks (a chunk starting mid-page, a request joining in a later step): every chunk attends
-    to the cached prefix and the logits still equal HF's."""
+    """Prefill in uneven chunks (a chunk starting mid-page, a request joining in a later step): every chunk
+    attends to the cached prefix and the logits still equal HF's."""
     _check_logits_parity(tiny_qwen3_dir, chunks=[[3, 6, 0], [2, 7, 13], [0, 4, 20]], seed=2)
 
 
 def test_smollm2_greedy_matches_hf_generate(smollm2_dir):
-    """Real SmolLM2-135M-Instruct weights, fp32: one batched nanospec generate == HF greedy generate per prompt."""
+    """Real SmolLM2-135M-Instruct weights, fp32: one batched nanospec generate == HF greedy generate, per
+    prompt."""
     llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", max_model_len=256, page_size=16)
     tok = llm.tokenizer
     questions = [

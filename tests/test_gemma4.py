@@ -382,8 +382,8 @@ def test_target_class_routing(tmp_path):
 
 
 def test_triton_kernels_parity(pair, triton_backend):
-    """The same model through the Triton kernels (the interpreter on CPU): prefill of two requests, one of them
-    longer than the window, then two decode steps."""
+    """The same model through the Triton kernels (the interpreter on CPU): prefill of two requests, one of
+    them longer than the window, then two decode steps."""
     hf, model = pair
     g = torch.Generator().manual_seed(5)
     seqs = [torch.randint(3, 256, (n + 2,), generator=g).tolist() for n in (3, 9)]

@@ -1,14 +1,12 @@
-"""The whole engine with every kernel through Triton (the interpreter on CPU) equals the torch-reference run."""
+"""The whole engine with every kernel through Triton (the CPU interpreter) equals the torch-reference run."""
 
 import pytest
 
 from nanospec import LLM, SamplingParams
 from nanospec.kernels import activation, attention, norm, rope, sampling
 
-PROMPTS = [
-    [1, 17, 400, 23, 99, 5, 311],
-    [2, 250, 8, 41, 73, 120, 9, 64, 300, 12, 7],
-]  # ids < 512 (micro vocab)
+# ids < 512 (micro vocab)
+PROMPTS = [[1, 17, 400, 23, 99, 5, 311], [2, 250, 8, 41, 73, 120, 9, 64, 300, 12, 7]]
 PARAMS = [
     SamplingParams(max_tokens=4, ignore_eos=True),
     SamplingParams(temperature=0.8, top_k=40, top_p=0.9, max_tokens=4, ignore_eos=True, seed=3),
@@ -16,6 +14,7 @@ PARAMS = [
 
 
 def _run(model_dir):
+    # the 11-token prompt is chunked: extend attention over a paged prefix
     llm = LLM(
         str(model_dir),
         dtype="float32",
@@ -24,7 +23,7 @@ def _run(model_dir):
         max_model_len=24,
         max_num_seqs=2,
         max_num_batched_tokens=8,
-    )  # the 11-token prompt is chunked: extend attention over a paged prefix
+    )
     outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     a = llm.runner.allocator
     assert a.num_free == a.num_usable

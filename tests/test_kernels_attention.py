@@ -1,4 +1,4 @@
-"""Paged attention: torch references vs a dense SDPA oracle, and Triton kernels (interpreter on CPU) vs references."""
+"""Paged attention: torch references vs a dense SDPA oracle; Triton kernels (interpreter) vs references."""
 
 import pytest
 import torch
@@ -104,9 +104,9 @@ def test_decode_ref_matches_dense():
 
 
 def window_oracle(q, k, v, pos, W, scale, extra=None):
-    """Dense fp32 masked softmax for queries at positions ``pos`` [n] over contiguous keys at positions 0..L-1:
-    key j is visible iff j <= pos_i and pos_i - j < W (HF sliding_window_overlay on the causal mask); ``extra``
-    [n, L] bool replaces the causal part (a tree mask)."""
+    """Dense fp32 masked softmax for queries at positions ``pos`` [n] over contiguous keys at positions
+    0..L-1: key j is visible iff j <= pos_i and pos_i - j < W (HF sliding_window_overlay on the causal mask);
+    ``extra`` [n, L] bool replaces the causal part (a tree mask)."""
     j = torch.arange(k.shape[0])
     allowed = (j[None, :] <= pos[:, None]) if extra is None else extra
     allowed = allowed & (pos[:, None] - j[None, :] < W)
@@ -194,9 +194,8 @@ def test_draft_window_follows_hf_assistant_mask():
             {"full_attention": (kv, kv), "sliding_attention": (kv, kv)},
         )
         m = masks["sliding_attention"]
-        seen = (
-            torch.ones(L, dtype=torch.bool) if m is None else (m[0, 0, 0] == 0)
-        )  # additive mask: 0 = visible
+        # additive mask: 0 = visible
+        seen = torch.ones(L, dtype=torch.bool) if m is None else (m[0, 0, 0] == 0)
         want = dense(q[b : b + 1], ks[b], vs[b], seen[None], 1.0)
         torch.testing.assert_close(got[b : b + 1], want, atol=1e-5, rtol=1e-5)
         assert seen.sum() == min(L, W + 1) and seen[-1]  # the last W + 1 rows
@@ -275,15 +274,8 @@ def test_tree_triton_general_mask():
 DECODE_CASES = [
     # dtype, hq, hkv, d, page, lens, row_to_req (None = identity)
     (torch.float32, 2, 2, 16, 4, [8, 7, 9, 1], None),
-    (
-        torch.float32,
-        4,
-        2,
-        32,
-        16,
-        [33, 0, 16],
-        [0, 0, 0, 1, 1, 1, 2, 2, 2],
-    ),  # k=3 rows per request, seq_len 0
+    # k=3 rows per request, seq_len 0
+    (torch.float32, 4, 2, 32, 16, [33, 0, 16], [0, 0, 0, 1, 1, 1, 2, 2, 2]),
     (torch.float32, 6, 2, 64, 4, [97, 12], [1, 0, 1, 0, 1, 0]),
     (torch.bfloat16, 3, 1, 64, 16, [40, 17], [0, 1, 1]),
     (torch.float16, 4, 4, 32, 4, [5, 64], None),
@@ -390,9 +382,8 @@ def test_dispatch(monkeypatch, triton_backend):
     calls = []
     monkeypatch.setattr(A, "decode_attention_triton", lambda *a, **k: calls.append("triton") or "t")
     monkeypatch.setattr(A, "decode_attention_ref", lambda *a, **k: calls.append("ref") or "r")
-    cpu = torch.device(
-        "cpu"
-    )  # explicit: "auto" must pick the reference for CPU tensors, also on GPU machines
+    # explicit: "auto" must pick the reference for CPU tensors, also on GPU machines
+    cpu = torch.device("cpu")
     kv = torch.zeros(1, 4, 1, 16, device=cpu)
     args = (
         torch.zeros(1, 1, 16, device=cpu),
@@ -429,9 +420,8 @@ def test_empty_batches_launch_nothing(monkeypatch):
             )
             assert o.shape == (0, 2, 16) and o.dtype == torch.bfloat16
     for fn in (A.decode_attention_ref, A.decode_attention_triton):
-        o = fn(
-            q, kc, vc, torch.zeros(0, 1, dtype=torch.int32), empty_i, 1.0
-        )  # empty seq_lens: no max() on it
+        # empty seq_lens: no max() on it
+        o = fn(q, kc, vc, torch.zeros(0, 1, dtype=torch.int32), empty_i, 1.0)
         assert o.shape == (0, 2, 16) and o.dtype == torch.bfloat16
 
 

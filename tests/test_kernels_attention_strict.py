@@ -1,5 +1,5 @@
-"""Paged attention reads exactly rows [0, seq_len) of each request: non-finite values anywhere else in the pool
-(the rest of the last block, later block-table entries, the dummy block 0) change nothing."""
+"""Paged attention reads exactly rows [0, seq_len) of each request: non-finite values anywhere else in the
+pool (the rest of the last block, later block-table entries, the dummy block 0) change nothing."""
 
 import pytest
 import torch
@@ -11,8 +11,8 @@ from nanospec.kernels import using_backend
 def poisoned_pool(lens, hkv, d, page, seed=0, spare=2, starts=None):
     """(clean pool, poisoned pool, block_table): block 0 is the dummy block; requests own random other blocks;
     table entries past a request's blocks point at block 0 or spare blocks. Every row that is not a row
-    starts[b] <= j < L of some request (starts default 0) holds finite noise in the clean pool and NaN / +inf /
-    -inf in the poisoned one."""
+    starts[b] <= j < L of some request (starts default 0) holds finite noise in the clean pool and NaN /
+    +inf / -inf in the poisoned one."""
     g = torch.Generator().manual_seed(seed)
     nblk = [-(-L // page) for L in lens]
     nb = 1 + sum(nblk) + spare
@@ -49,9 +49,8 @@ def _same(fn, clean, poisoned):
 
 @pytest.mark.parametrize("path", ["ref", "triton"])
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize(
-    "ns", [[5, 6, 4], [4, 4, 4]]
-)  # chunked prefill + prefill; uniform (one batched pass)
+# chunked prefill + prefill; uniform (one batched pass)
+@pytest.mark.parametrize("ns", [[5, 6, 4], [4, 4, 4]])
 def test_extend_ignores_rows_past_seq_len(path, window, ns):
     lens = [13, 6, 21]  # partial last blocks
     clean, poisoned, bt = poisoned_pool(lens, 2, 16, 4, seed=1)
@@ -94,7 +93,7 @@ def test_decode_and_draft_ignore_rows_past_seq_len(path, window):
         )
 
 
-# ---------------------------------------------------------------- a sliding window reads only the rows it can see
+# ------------------------------------------------------------ a sliding window reads only the rows it can see
 
 
 @pytest.mark.parametrize("path", ["ref", "triton"])

@@ -1,4 +1,4 @@
-"""RMSNorm, RoPE (+ paged KV store) and gated activations: Triton (interpreter) vs torch reference vs HF oracles."""
+"""RMSNorm, RoPE (+ paged KV store), gated activations: Triton (interpreter) vs torch reference vs HF."""
 
 import pytest
 import torch

@@ -7,7 +7,8 @@ import torch
 
 from nanospec.kernels import sampling
 
-# rows: sampling-off, greedy, top-k only, top-p only, both, k >= V (off), k = 1, tight top_p, T = 0 with filters
+# rows: sampling-off, greedy, top-k only, top-p only, both, k >= V (off), k = 1, tight top_p,
+# T = 0 with filters
 TEMP = [1.0, 0.0, 0.7, 1.3, 0.9, 1.0, 2.0, 0.5, 0.0]
 TOPK = [0, 5, 50, 0, 200, 100000, 1, -1, 3]
 TOPP = [1.0, 0.9, 1.0, 0.8, 0.6, 0.95, 1.0, 0.05, 0.5]
@@ -30,9 +31,8 @@ def small_block(monkeypatch):
 @pytest.mark.parametrize("V,dtype", [(3000, torch.float32), (1000, torch.bfloat16)])
 def test_filtered_probs_triton_vs_ref(small_block, V, dtype):
     torch.manual_seed(0)
-    pool = (
-        (torch.randn(20 * V) * 3).to(dtype).unique()
-    )  # distinct values: keep the logits tie-free in bf16 too
+    # distinct values: keep the logits tie-free in bf16 too
+    pool = (torch.randn(20 * V) * 3).to(dtype).unique()
     logits = torch.stack([pool[torch.randperm(len(pool))[:V]] for _ in TEMP])
     got = sampling.filtered_probs_triton(logits, *params())
     want = sampling.filtered_probs_ref(logits, *params())

@@ -1,6 +1,6 @@
-"""The Frozen-KV MTP worker's lifecycle hooks fire in the documented order (``nanospec/mtp/worker.py``), recorded
-through ``LLM(trace=...)``: prefill, decode (draft + verify), finish, all-finish-in-verify, preemption and abort.
-A release must free the request's KV blocks and its draft input in the same call."""
+"""The Frozen-KV MTP worker's lifecycle hooks fire in the documented order (``nanospec/mtp/worker.py``),
+recorded through ``LLM(trace=...)``: prefill, decode (draft + verify), finish, all-finish-in-verify,
+preemption and abort. A release must free the request's KV blocks and its draft input in the same call."""
 
 import pytest
 from helpers import HB, PROMPTS, greedy, make_llm

@@ -1,9 +1,9 @@
 """Overlap scheduling (``LLM(overlap_schedule=True)``): the host plans and launches step n+1 before it commits
 step n; next inputs stay on the device. On CPU torch is synchronous, so the same code path runs here: outputs
 must be token-identical to overlap off for plain decode, chain and tree speculation, with stops inside
-multi-token commits, max_tokens 1-3, preemption, all-finish-in-verify and requests arriving mid-run; blocks exact
-at idle. The oracle drafter proposes the target's own continuation from the *device* committed length, so it
-stays right when the host lags a step."""
+multi-token commits, max_tokens 1-3, preemption, all-finish-in-verify and requests arriving mid-run; blocks
+exact at idle. The oracle drafter proposes the target's own continuation from the *device* committed length,
+so it stays right when the host lags a step."""
 
 import pytest
 import torch

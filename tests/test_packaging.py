@@ -1,5 +1,5 @@
-"""kernels/ ships only as ``nanospec.kernels`` (DESIGN §1): never as a top-level ``kernels`` package, which would
-shadow (or be shadowed by) HF's PyPI ``kernels`` distribution."""
+"""kernels/ ships only as ``nanospec.kernels`` (DESIGN §1): never as a top-level ``kernels`` package, which
+would shadow (or be shadowed by) HF's PyPI ``kernels`` distribution."""
 
 import importlib.util
 import pathlib
@@ -44,7 +44,7 @@ def test_pyproject_maps_kernels_under_nanospec():
 
 
 def test_installed_top_level_kernels_is_not_ours(tmp_path):
-    """From outside the repo, ``import kernels`` never finds nanospec's folder (it is absent, or HF's package)."""
+    """From outside the repo, ``import kernels`` never finds nanospec's folder (absent, or HF's package)."""
     code = (
         "import importlib.util, nanospec.kernels as k; s = importlib.util.find_spec('kernels'); "
         "print(k.__file__); print(s.origin if s else None)"

@@ -1,5 +1,5 @@
-"""Scheduler, block allocator, request finish rules and sampling reproducibility (CPU, fp32, a micro random Llama
-with a 512-token vocabulary: prompts are token-id lists)."""
+"""Scheduler, block allocator, request finish rules and sampling reproducibility (CPU, fp32, a micro random
+Llama with a 512-token vocabulary: prompts are token-id lists)."""
 
 import pytest
 import torch
@@ -22,7 +22,7 @@ def _prompts(n, lens, seed=0, vocab=512):
 
 
 def _drive(llm, prompts, params, max_steps=2000):
-    """add_request + step() until done, with a step bound so that a scheduler deadlock fails instead of hanging."""
+    """add_request + step() until done, with a step bound so that a scheduler deadlock fails, not hangs."""
     params = params if isinstance(params, list) else [params] * len(prompts)
     ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
     done = {}
@@ -41,7 +41,7 @@ def _drive(llm, prompts, params, max_steps=2000):
 
 
 def _all_free(llm):
-    """Every block is free or cached-and-free, no block is held (ref counts 0), and no block is listed twice."""
+    """Every block is free or cached-and-free, no block is held (ref counts 0), no block is listed twice."""
     a = llm.runner.allocator
     free = sorted([*a.free_blocks, *a.evictable])
     return a.num_free == a.num_usable and free == list(range(1, a.num_blocks)) and not any(a.ref_count)
@@ -63,7 +63,8 @@ def reference(micro_llama_dir):
 # ------------------------------------------------------------------------------------------ engine behaviour
 def test_preemption_by_recompute_keeps_greedy_output(micro_llama_dir, reference):
     prompts, ref = reference
-    # one request needs ceil((48 + 1) / 4) = 13 blocks; 14 usable blocks cannot hold 5 requests of up to 38 tokens
+    # one request needs ceil((48 + 1) / 4) = 13 blocks;
+    # 14 usable blocks cannot hold 5 requests of up to 38 tokens
     llm = _engine(micro_llama_dir, num_kv_blocks=14)
     assert llm.runner.allocator.num_usable == 13
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -96,8 +97,8 @@ def test_chunked_prefill_equals_unchunked(micro_llama_dir, reference):
 
 
 def test_chunked_prefill_under_preemption_makes_progress(micro_llama_dir, reference):
-    """Chunked prompts and a pool so small that decode must preempt while a prompt is half prefilled: the engine
-    never stalls (a half-prefilled request holding blocks must not starve the requests queued in front of it)."""
+    """Chunked prompts and a pool so small that decode must preempt while a prompt is half prefilled: the
+    engine never stalls (a half-prefilled request that holds blocks must not starve requests queued ahead)."""
     prompts, ref = reference
     llm = _engine(micro_llama_dir, num_kv_blocks=14, max_num_batched_tokens=6)
     outs = _drive(llm, prompts, GREEDY)
@@ -106,7 +107,7 @@ def test_chunked_prefill_under_preemption_makes_progress(micro_llama_dir, refere
 
 
 def test_long_prompt_and_long_generation_contend(micro_llama_dir):
-    """A long generation decoding while a long chunked prompt arrives, in a pool that holds only one of them."""
+    """A long generation decodes while a long chunked prompt arrives, in a pool that fits only one of them."""
     llm_ref = _engine(micro_llama_dir)
     prompts = _prompts(2, (8, 36), seed=3)
     params = [SamplingParams(max_tokens=38, ignore_eos=True), SamplingParams(max_tokens=8, ignore_eos=True)]
@@ -152,7 +153,7 @@ def test_step_after_finish_is_empty(micro_llama_dir):
 
 
 def test_generate_keeps_requests_it_does_not_own(micro_llama_dir):
-    """A request queued with add_request() that finishes inside generate() is handed out by the next step()."""
+    """A request queued by add_request() that finishes inside generate() is handed out by the next step()."""
     llm = _engine(micro_llama_dir)
     rid = llm.add_request([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
     out = llm.generate([[4, 5, 6]], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)

@@ -1,13 +1,14 @@
 """Frozen-KV MTP lifecycle contract (DESIGN §4, rules 1-6), preemption under speculation, and bad input.
 
-One test (or a small group) per rule; each comment names the production bug it guards (the SGLang issue or pull
-request, by number). fp32 on CPU with a tiny random Llama target (conftest's
+One test (or a small group) per rule; each comment names the production bug it guards (the SGLang issue or
+pull request, by number). fp32 on CPU with a tiny random Llama target (conftest's
 ``tiny_llama_dir``) and a tiny random ``gemma4_assistant`` saved with HF ``save_pretrained``.
 
 Several tests install an *oracle drafter*: ``FrozenKVMTPWorker.draft`` is replaced by one that proposes the
-target's own greedy continuation (computed spec-off) as a chain, optionally corrupted from a chosen depth on, so
-one verify commits many tokens (rule 5) and rows of one batch accept different counts (rule 6). The oracle also
-checks, on every draft, that each row's seed is the request's own last token and that L is its own committed length.
+target's own greedy continuation (computed spec-off) as a chain, optionally corrupted from a chosen depth on,
+so one verify commits many tokens (rule 5) and rows of one batch accept different counts (rule 6). The oracle
+also checks, on every draft, that each row's seed is the request's own last token and that L is its own
+committed length.
 """
 
 import copy
@@ -46,9 +47,8 @@ def oracle(monkeypatch, reference):
         def draft(self, reqs, block_table, seq_lens, num_splits=None):
             seed = self.draft_inputs.filter([r.request_id for r in reqs])
             assert seed.req_ids == [r.request_id for r in reqs]
-            assert seed.bonus_tokens.tolist() == [
-                r.all_token_ids[-1] for r in reqs
-            ]  # own, fresh seed per row
+            # own, fresh seed per row
+            assert seed.bonus_tokens.tolist() == [r.all_token_ids[-1] for r in reqs]
             assert seq_lens.tolist() == [r.num_tokens - 1 for r in reqs]  # own L: all but the bonus in KV
             rows = []
             for r in reqs:
@@ -81,9 +81,9 @@ def straddle(tok, ids, i):
 
 
 # =============================================================================================== rule 1
-# Bug: sglang #27007 (fixed by PR #26859). When every request finished in the same verify, the v1 worker skipped
-# the seed step and left the *verify* input in spec_info; merging the next prefill crashed (AttributeError,
-# VerifyInput has no merge_batch). Rule: the batch is left with an idle (0-row) DraftInput.
+# Bug: sglang #27007 (fixed by PR #26859). When every request finished in the same verify, the v1 worker
+# skipped the seed step and left the *verify* input in spec_info; merging the next prefill crashed
+# (AttributeError, VerifyInput has no merge_batch). Rule: the batch is left with an idle (0-row) DraftInput.
 @pytest.mark.parametrize("drafter", ["real", "oracle"])
 def test_rule1_all_finish_in_one_verify_leaves_idle_input(
     tiny_llama_dir, asst_dir, reference, oracle, drafter
@@ -165,8 +165,8 @@ def test_rule1_draft_input_filter_merge_mix():
 
 
 # =============================================================================================== rule 2
-# Bug: sglang #29021 -> #29616. FrozenKVMTPDraftWorker.__init__ read the target's memory pool, so the target pool
-# had to be allocated before the draft worker existed (a scheduler special case, KV sizing outside
+# Bug: sglang #29021 -> #29616. FrozenKVMTPDraftWorker.__init__ read the target's memory pool, so the target
+# pool had to be allocated before the draft worker existed (a scheduler special case, KV sizing outside
 # load -> profile -> allocate). Rule: construct (no pool) -> allocate the target pool -> bind views into it;
 # the drafter allocates no KV of its own.
 def test_rule2_construct_then_allocate_then_bind(tiny_llama_dir, asst_dir, target_cfg, monkeypatch):
@@ -224,8 +224,8 @@ def test_rule2_construct_then_allocate_then_bind(tiny_llama_dir, asst_dir, targe
         assert k.data_ptr() == pool[n_layers - 1, 0].data_ptr() == tgt.layers[-1].self_attn.k_cache.data_ptr()
         assert v.data_ptr() == pool[n_layers - 1, 1].data_ptr() == tgt.layers[-1].self_attn.v_cache.data_ptr()
         assert k.shape == pool.shape[2:] and v.shape == pool.shape[2:]
-    # no KV of its own: no module of the drafter holds a cache, and every non-parameter tensor it references is
-    # the target's (pool views, RoPE table, embedding / LM head)
+    # no KV of its own: no module of the drafter holds a cache, and every non-parameter tensor it references
+    # is the target's (pool views, RoPE table, embedding / LM head)
     target_ptrs = {t.untyped_storage().data_ptr() for t in [*tgt.parameters(), tgt.cos_sin, pool]}
     params = {id(p) for p in a.parameters()}
     seen = []
@@ -355,9 +355,10 @@ def test_rule3_long_prompt_num_steps_1(tiny_llama_dir, asst_dir, record_draft_me
 
 
 # =============================================================================================== rule 4
-# Bug: sglang #33892. A DP rank with no requests still stepped in a non-IDLE mode and the frozen-KV metadata init
-# took seq_lens.max() of an empty tensor ("max(): Expected reduction dim to be specified for input.numel() == 0").
-# Rule: a step with zero rows returns cleanly; no max()/cumsum over empty tensors anywhere on the path.
+# Bug: sglang #33892. A DP rank with no requests still stepped in a non-IDLE mode and the frozen-KV metadata
+# init took seq_lens.max() of an empty tensor ("max(): Expected reduction dim to be specified for
+# input.numel() == 0"). Rule: a step with zero rows returns cleanly; no max()/cumsum over empty tensors
+# anywhere on the path.
 def test_rule4_zero_row_step_engine(tiny_llama_dir, asst_dir):
     llm = make_llm(tiny_llama_dir, asst_dir, num_steps=3)
     assert llm.step() == [] and not llm.has_unfinished()
@@ -421,10 +422,11 @@ def test_rule4_empty_attention_metadata_no_max(tiny_llama_dir, asst_dir):
 
 
 # =============================================================================================== rule 5
-# Bugs: sglang #23802 + #25980 (follow-ups #27637, #28802, #30291/#31569/#33758). With multi-token commits the stop
-# check looked at a fixed tail window / only the end of the run, emitted tokens past the stop, checked EOS before
-# the stop string, and let the max_new_tokens check mask an in-run stop. Rule: every token of a commit is checked in
-# order, stop string > stop token > length, cut at the first stop, `>=` length test, bonus never dropped.
+# Bugs: sglang #23802 + #25980 (follow-ups #27637, #28802, #30291/#31569/#33758). With multi-token commits the
+# stop check looked at a fixed tail window / only the end of the run, emitted tokens past the stop, checked
+# EOS before the stop string, and let the max_new_tokens check mask an in-run stop. Rule: every token of a
+# commit is checked in order, stop string > stop token > length, cut at the first stop, `>=` length test,
+# bonus never dropped.
 @pytest.mark.parametrize("drafter", ["real", "oracle"])
 def test_rule5_max_tokens_exact(tiny_llama_dir, asst_dir, reference, oracle, drafter):
     if drafter == "oracle":
@@ -500,9 +502,8 @@ def test_rule5_precedence(tiny_llama_dir, asst_dir, reference, oracle):
     out = run(max_tokens=k + 1)
     assert (out["token_ids"], out["finish_reason"], out["text"]) == (ref[: k + 1], "length", full)
     # the first stop in the commit wins whatever its kind
-    out = run(
-        stop=[straddle(tok, ref, 3)], stop_token_ids=[first_occurrence(ref, 2)]
-    )  # token 2 < string at 4
+    # token 2 < string at 4
+    out = run(stop=[straddle(tok, ref, 3)], stop_token_ids=[first_occurrence(ref, 2)])
     assert (out["token_ids"], out["finish_reason"], out["text"]) == (ref[:3], "stop", tok.decode(ref[:3]))
     s1 = straddle(tok, ref, 1)  # completes at token 2, before the stop token at 4
     out = run(stop=[s1], stop_token_ids=[first_occurrence(ref, 4)], max_tokens=5)
@@ -512,8 +513,9 @@ def test_rule5_precedence(tiny_llama_dir, asst_dir, reference, oracle):
 
 
 # =============================================================================================== rule 6
-# Bug class: per-request state shared across a batch (one L / accept length for all rows). Rule: rows accepting
-# different counts keep their own L; greedy output of each request is identical batched (mixed lengths) or alone.
+# Bug class: per-request state shared across a batch (one L / accept length for all rows). Rule: rows
+# accepting different counts keep their own L; greedy output of each request is identical batched (mixed
+# lengths) or alone.
 def _wrong_at(prompt, n):  # deterministic per (request, progress): rows of a batch accept different counts
     return ((len(prompt) * 131 + n * 31) * 2654435761 >> 11) % (S + 1)
 
@@ -536,8 +538,9 @@ def test_rule6_rows_independent(tiny_llama_dir, asst_dir, reference, oracle):
 
 
 def test_rule6_rows_independent_tree(tiny_llama_dir, asst_dir, reference, monkeypatch):
-    """topk 2 (S 2, N 5): rows of one verify take different tree paths (0->2->4, 0->2->3, or nothing accepted),
-    each moving different K/V rows (tree index -> depth) at its own L: compact_accepted_kv must act per row."""
+    """topk 2 (S 2, N 5): rows of one verify take different tree paths (0->2->4, 0->2->3, or nothing
+    accepted), each moving different K/V rows (tree index -> depth) at its own L: compact_accepted_kv must
+    act per row."""
     m = torch.zeros(5, 5, dtype=torch.bool)
     for i, anc in enumerate([[0], [0, 1], [0, 2], [0, 2, 3], [0, 2, 4]]):
         m[i, anc] = True
@@ -576,9 +579,9 @@ def test_rule6_rows_independent_tree(tiny_llama_dir, asst_dir, reference, monkey
 
 
 # =============================================================================================== preemption
-# Preemption by recompute keeps working under speculation: lookahead N rows are reserved per decode, a preempted
-# request's blocks (rejected tail included) are freed, its re-prefill seed replaces the stale one (the oracle
-# asserts every seed is fresh), and the output equals spec-off greedy.
+# Preemption by recompute keeps working under speculation: lookahead N rows are reserved per decode, a
+# preempted request's blocks (rejected tail included) are freed, its re-prefill seed replaces the stale one
+# (the oracle asserts every seed is fresh), and the output equals spec-off greedy.
 def test_preemption_with_speculation(tiny_llama_dir, asst_dir, reference, oracle):
     oracle(_wrong_at)
     llm = make_llm(tiny_llama_dir, asst_dir, num_steps=3, page_size=4, max_model_len=64, num_kv_blocks=19)
@@ -589,8 +592,8 @@ def test_preemption_with_speculation(tiny_llama_dir, asst_dir, reference, oracle
     assert llm.scheduler.num_preemptions > 0
     for ref, sp, o in zip(refs, params, outs):
         assert o["token_ids"] == ref[: sp.max_tokens] and o["finish_reason"] == "length"
-        # a resumed request re-prefills all but its last token and emits nothing, so every token after the first
-        # still comes from a verify step
+        # a resumed request re-prefills all but its last token and emits nothing, so every token after the
+        # first still comes from a verify step
         assert 1 + sum(o["accept_lengths"]) >= len(o["token_ids"])
     alloc = llm.runner.allocator
     assert alloc.num_free == alloc.num_usable
@@ -601,7 +604,7 @@ def test_preemption_with_speculation(tiny_llama_dir, asst_dir, reference, oracle
 # =============================================================================================== bad input
 @pytest.fixture
 def no_work(monkeypatch):
-    """Fail the test if the engine allocates its KV pool (config errors must also come before building models)."""
+    """Fail the test if the engine allocates its KV pool (config errors must come before building models)."""
 
     def boom(*a, **k):
         raise AssertionError("work started before validation")

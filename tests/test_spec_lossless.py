@@ -134,7 +134,7 @@ def test_greedy_lossless_oracle_drafter(monkeypatch, tiny_llama_dir, tiny_assist
 
 
 def test_greedy_lossless_smollm2(smollm2_dir, tmp_path):
-    """Real weights: SmolLM2-135M with a random assistant, chains and trees, chat prompts, batched, page size 4."""
+    """Real weights: SmolLM2-135M, random assistant, chains and trees, chat prompts, batched, page size 4."""
     asst = make_assistant(tmp_path / "a", smollm2_dir, std=0.05, hidden_size=64, num_heads=3)
     tok = LLM(str(smollm2_dir), dtype="float32", device="cpu", max_model_len=256, max_num_seqs=4).tokenizer
     questions = (
