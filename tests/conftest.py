@@ -12,8 +12,8 @@ import torch  # noqa: E402
 if ON_GPU:
     torch.set_default_device("cuda")
 
-# One intra-op thread: the tests' ops are small, and with two threads every op pays an OpenMP barrier that costs
-# milliseconds whenever the other core is busy (measured 8 s vs 230 s for one test on a loaded 2-core box).
+# One intra-op thread: the tests' ops are small, and with two threads every op pays an OpenMP barrier that
+# costs milliseconds whenever the other core is busy (8 s vs 230 s for one test on a loaded 2-core box).
 torch.set_num_threads(int(os.environ.get("NANOSPEC_TEST_THREADS", "1")))
 
 
@@ -28,7 +28,7 @@ def triton_backend():
     set_backend(old)
 
 
-# ---------------------------------------------------------------------------------------------- tiny HF models
+# --------------------------------------------------------------------------------------------- tiny HF models
 def randomize(model, seed: int, std: float = 0.15) -> None:
     """Non-trivial random weights: matrices N(0, std), norm weights around 1 (so every tensor matters and the
     logits are spread out, which keeps greedy argmax far from ties)."""
@@ -42,17 +42,30 @@ def randomize(model, seed: int, std: float = 0.15) -> None:
 def make_tiny_model(path, tokenizer, arch: str = "llama", seed: int = 0, **overrides):
     """Save a tiny random HF Llama / Qwen3 (fp32 safetensors + ``tokenizer``) in ``path``; returns ``path``.
 
-    Defaults: hidden 64, 2 layers, 4 heads / 2 KV heads, head_dim 16, the tokenizer's vocab (49152 for SmolLM2).
+    Defaults: hidden 64, 2 layers, 4 heads / 2 KV heads, head_dim 16, the tokenizer's vocab (SmolLM2: 49152).
     """
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    base = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                tie_word_embeddings=False, rms_norm_eps=1e-6, bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    base = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     base.update(overrides)
-    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
+    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[
+        arch
+    ]
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**base)).float().eval()
     randomize(model, seed)
@@ -85,30 +98,111 @@ def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer):
 @pytest.fixture(scope="session")
 def tiny_llama_tied_dir(tmp_path_factory, smollm2_tokenizer):
     """Tiny random Llama with tied embeddings (as SmolLM2), 3 layers."""
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama_tied"), smollm2_tokenizer, "llama", seed=2,
-                           tie_word_embeddings=True, num_hidden_layers=3)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny_llama_tied"),
+        smollm2_tokenizer,
+        "llama",
+        seed=2,
+        tie_word_embeddings=True,
+        num_hidden_layers=3,
+    )
 
 
 @pytest.fixture(scope="session")
 def tiny_llama3_rope_dir(tmp_path_factory, smollm2_tokenizer):
     """Tiny random Llama 3 with llama3 rope scaling (a short original context, so the scaling bites)."""
-    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama3"), smollm2_tokenizer, "llama", seed=3,
-                           rope_parameters=rope)
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny_llama3"), smollm2_tokenizer, "llama", seed=3, rope_parameters=rope
+    )
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory, smollm2_tokenizer):
     """Tiny random Qwen3 (per-head q/k norm, head_dim 16, untied)."""
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), smollm2_tokenizer, "qwen3", seed=4,
-                           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny_qwen3"),
+        smollm2_tokenizer,
+        "qwen3",
+        seed=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )
 
 
 @pytest.fixture(scope="session")
 def micro_llama_dir(tmp_path_factory, smollm2_tokenizer):
     """A very small Llama (hidden 32, vocab 512: the SmolLM2 tokenizer's first 512 ids) for interpreter runs;
     feed it token-id prompts below 512."""
-    return make_tiny_model(tmp_path_factory.mktemp("micro_llama"), smollm2_tokenizer, "llama", seed=5,
-                           vocab_size=512, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                           num_key_value_heads=1, head_dim=16)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("micro_llama"),
+        smollm2_tokenizer,
+        "llama",
+        seed=5,
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
+
+
+# ----------------------------------------------------------------- speculative engine: tiny Llama + assistant
+def save_assistant(path, target_cfg, seed=7, **kw):
+    """Save a random ``gemma4_assistant`` for ``target_cfg`` in ``path``; returns ``path``.
+
+    2 layers, H 32, 4 heads, own LM head; ``kw`` overrides those ``assistant_config_for`` arguments.
+    """
+    from transformers import Gemma4AssistantForCausalLM
+
+    from nanospec.models.gemma4_assistant import assistant_config_for
+
+    cfg = assistant_config_for(target_cfg, **{"num_layers": 2, "hidden_size": 32, "num_heads": 4, **kw})
+    torch.manual_seed(seed)
+    model = Gemma4AssistantForCausalLM(cfg).eval()
+    randomize(model, seed, 0.3)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def target_cfg(tiny_llama_dir):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def asst_dir(tmp_path_factory, target_cfg):
+    """A random 2-layer gemma4_assistant for the tiny Llama (H 32, 4 heads of head_dim 16, own LM head)."""
+    return save_assistant(tmp_path_factory.mktemp("assistant"), target_cfg)
+
+
+@pytest.fixture(scope="module")
+def ref_llm(tiny_llama_dir):
+    from helpers import make_llm
+
+    return make_llm(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(ref_llm):
+    """prompt -> the target's spec-off greedy continuation (REF_LEN tokens, batch of one), cached."""
+    from helpers import greedy
+
+    cache = {}
+
+    def ref(prompt):
+        key = tuple(prompt)
+        if key not in cache:
+            cache[key] = ref_llm.generate([list(prompt)], greedy(), use_tqdm=False)[0]["token_ids"]
+        return cache[key]
+
+    return ref

@@ -1,4 +1,5 @@
 """Bad input raises ValueError / TypeError naming the field, before any work; the engine keeps serving."""
+
 import json
 import shutil
 
@@ -11,7 +12,9 @@ GOOD = SamplingParams(max_tokens=3, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return LLM(str(tiny_llama_dir), dtype="float32", device="cpu", page_size=4, max_model_len=32, max_num_seqs=4)
+    return LLM(
+        str(tiny_llama_dir), dtype="float32", device="cpu", page_size=4, max_model_len=32, max_num_seqs=4
+    )
 
 
 def _untouched(llm):
@@ -20,56 +23,71 @@ def _untouched(llm):
     return not s.waiting and not s.running and a.num_free == a.num_usable
 
 
-# --------------------------------------------------------------------------------------- SamplingParams fields
-@pytest.mark.parametrize("kw, field", [
-    (dict(temperature=-0.1), "temperature"),
-    (dict(temperature="hot"), "temperature"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(temperature=float("inf")), "temperature"),
-    (dict(top_p=float("nan")), "top_p"),
-    (dict(ignore_eos="no"), "ignore_eos"),
-    (dict(seed=-1), "seed"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_p=-1), "top_p"),
-    (dict(top_k=0), "top_k"),
-    (dict(top_k=-2), "top_k"),
-    (dict(top_k=2.5), "top_k"),
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(max_tokens=-3), "max_tokens"),
-    (dict(max_tokens=True), "max_tokens"),
-    (dict(seed=1.5), "seed"),
-    (dict(seed=2**63), "seed"),  # used to give the same samples as a smaller seed
-    (dict(stop=[""]), "stop"),
-    (dict(stop_token_ids=[-1]), "stop_token_ids"),
-])
+# -------------------------------------------------------------------------------------- SamplingParams fields
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature="hot"), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(ignore_eos="no"), "ignore_eos"),
+        (dict(seed=-1), "seed"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_p=-1), "top_p"),
+        (dict(top_k=0), "top_k"),
+        (dict(top_k=-2), "top_k"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-3), "max_tokens"),
+        (dict(max_tokens=True), "max_tokens"),
+        (dict(seed=1.5), "seed"),
+        (dict(seed=2**63), "seed"),  # used to give the same samples as a smaller seed
+        (dict(stop=[""]), "stop"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    ],
+)
 def test_sampling_params_rejects(kw, field):
     with pytest.raises((ValueError, TypeError), match=field):
         SamplingParams(**kw)
 
 
 def test_sampling_params_boundaries_accepted():
-    for kw in (dict(temperature=0), dict(top_p=1.0), dict(top_p=1e-6), dict(top_k=-1), dict(top_k=1),
-               dict(max_tokens=1), dict(stop="x"), dict(seed=0), dict(seed=2**63 - 1)):
+    for kw in (
+        dict(temperature=0),
+        dict(top_p=1.0),
+        dict(top_p=1e-6),
+        dict(top_k=-1),
+        dict(top_k=1),
+        dict(max_tokens=1),
+        dict(stop="x"),
+        dict(seed=0),
+        dict(seed=2**63 - 1),
+    ):
         SamplingParams(**kw)
     assert SamplingParams(stop="x").stop == ["x"]
 
 
 # --------------------------------------------------------------------------------------- prompts
-@pytest.mark.parametrize("prompt, params, exc, field", [
-    ("", GOOD, ValueError, "prompt"),
-    ([], GOOD, ValueError, "prompt"),
-    ([1, 2, -1], GOOD, ValueError, "prompt token ids"),
-    ([1, 49152], GOOD, ValueError, "prompt token ids"),
-    ([1, 10**9], GOOD, ValueError, "prompt token ids"),
-    ([1, 2.0], GOOD, TypeError, "prompt"),
-    ([1, True], GOOD, TypeError, "prompt"),
-    (None, GOOD, TypeError, "prompt"),
-    ([1] * 30, SamplingParams(max_tokens=3), ValueError, "max_model_len"),  # 30 + 3 > 32
-    ([1] * 32, SamplingParams(max_tokens=1), ValueError, "max_tokens"),
-    ([1, 2], dict(max_tokens=3), TypeError, "sampling_params"),
-    ([1, 2], SamplingParams(max_tokens=3, stop_token_ids=[49152]), ValueError, "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "prompt, params, exc, field",
+    [
+        ("", GOOD, ValueError, "prompt"),
+        ([], GOOD, ValueError, "prompt"),
+        ([1, 2, -1], GOOD, ValueError, "prompt token ids"),
+        ([1, 49152], GOOD, ValueError, "prompt token ids"),
+        ([1, 10**9], GOOD, ValueError, "prompt token ids"),
+        ([1, 2.0], GOOD, TypeError, "prompt"),
+        ([1, True], GOOD, TypeError, "prompt"),
+        (None, GOOD, TypeError, "prompt"),
+        ([1] * 30, SamplingParams(max_tokens=3), ValueError, "max_model_len"),  # 30 + 3 > 32
+        ([1] * 32, SamplingParams(max_tokens=1), ValueError, "max_tokens"),
+        ([1, 2], dict(max_tokens=3), TypeError, "sampling_params"),
+        ([1, 2], SamplingParams(max_tokens=3, stop_token_ids=[49152]), ValueError, "stop_token_ids"),
+    ],
+)
 def test_bad_prompt_raises_before_any_work(llm, prompt, params, exc, field):
     before = llm._next_id
     with pytest.raises(exc, match=field):
@@ -123,29 +141,32 @@ def test_prompts_must_be_a_list(llm):
 
 
 # --------------------------------------------------------------------------------------- engine options
-@pytest.mark.parametrize("kw, exc, field", [
-    (dict(dtype="float8"), ValueError, "dtype"),
-    (dict(dtype="fp32"), ValueError, "dtype"),
-    (dict(device="tpu"), ValueError, "device"),
-    (dict(device="cuda:0"), ValueError, "device"),
-    (dict(max_model_len=1), ValueError, "max_model_len"),
-    (dict(max_model_len=16.0), TypeError, "max_model_len"),
-    (dict(max_num_seqs=0), ValueError, "max_num_seqs"),
-    (dict(max_num_batched_tokens=0), ValueError, "max_num_batched_tokens"),
-    (dict(page_size=0), ValueError, "page_size"),
-    (dict(num_kv_blocks=1), ValueError, "num_kv_blocks"),
-    (dict(gpu_memory_utilization=0.0), ValueError, "gpu_memory_utilization"),
-    (dict(gpu_memory_utilization=1.5), ValueError, "gpu_memory_utilization"),
-    (dict(cpu_kv_cache_gb=0), ValueError, "cpu_kv_cache_gb"),
-    (dict(seed=-1), ValueError, "seed"),
-    (dict(seed=2**70), ValueError, "seed"),  # used to fail late inside torch, not naming seed
-    (dict(load_format="pt"), ValueError, "load_format"),
-    (dict(max_num_seq=4), TypeError, "max_num_seq"),
-    (dict(temperature=0.5), TypeError, "temperature"),
-    (dict(num_steps=3), ValueError, "num_steps"),
-    (dict(topk=2), ValueError, "topk"),
-    (dict(num_draft_tokens=4), ValueError, "num_draft_tokens"),
-])
+@pytest.mark.parametrize(
+    "kw, exc, field",
+    [
+        (dict(dtype="float8"), ValueError, "dtype"),
+        (dict(dtype="fp32"), ValueError, "dtype"),
+        (dict(device="tpu"), ValueError, "device"),
+        (dict(device="cuda:0"), ValueError, "device"),
+        (dict(max_model_len=1), ValueError, "max_model_len"),
+        (dict(max_model_len=16.0), TypeError, "max_model_len"),
+        (dict(max_num_seqs=0), ValueError, "max_num_seqs"),
+        (dict(max_num_batched_tokens=0), ValueError, "max_num_batched_tokens"),
+        (dict(page_size=0), ValueError, "page_size"),
+        (dict(num_kv_blocks=1), ValueError, "num_kv_blocks"),
+        (dict(gpu_memory_utilization=0.0), ValueError, "gpu_memory_utilization"),
+        (dict(gpu_memory_utilization=1.5), ValueError, "gpu_memory_utilization"),
+        (dict(cpu_kv_cache_gb=0), ValueError, "cpu_kv_cache_gb"),
+        (dict(seed=-1), ValueError, "seed"),
+        (dict(seed=2**70), ValueError, "seed"),  # used to fail late inside torch, not naming seed
+        (dict(load_format="pt"), ValueError, "load_format"),
+        (dict(max_num_seq=4), TypeError, "max_num_seq"),
+        (dict(temperature=0.5), TypeError, "temperature"),
+        (dict(num_steps=3), ValueError, "num_steps"),
+        (dict(topk=2), ValueError, "topk"),
+        (dict(num_draft_tokens=4), ValueError, "num_draft_tokens"),
+    ],
+)
 def test_bad_engine_options(tiny_llama_dir, monkeypatch, kw, exc, field):
     import nanospec.llm as llm_mod
 
@@ -189,29 +210,39 @@ def test_checkpoint_with_wrong_shapes(tmp_path, tiny_llama_dir):
         LLM(str(bad), device="cpu", max_model_len=32, page_size=4)
 
 
-@pytest.mark.parametrize("module,argv,option", [
-    ("tools.train", ["--regenerate", ""], "--regenerate"),
-    ("tools.train", ["--regenerate", "0,-1"], "--regenerate"),
-    ("tools.train", ["--layers", "0"], "--layers"), ("tools.train", ["--lr", "nan"], "--lr"),
-    ("tools.train", ["--epochs", "0"], "--epochs"),
-    ("tools.train", ["--time-budget-min", "-1"], "--time-budget"),
-    ("tools.train", ["--seq-len", "4"], "--seq-len"), ("tools.train", ["--init", "/nonexistent"], "--init"),
-    ("tools.train", ["--init", "default", "--layers", "2"], "--layers"),
-    ("tools.train", ["--init", ""], "--init"), ("tools.train", ["--init", "{tmp}"], "--init"),
-    ("tools.train", ["--out", "/dev/null/x"], "--out"), ("tools.train", ["--all-turns"], "--all-turns"),
-    ("tools.train", ["--max-new-tokens", "64"], "--max-new-tokens"),
-    ("tools.train", ["--regen-budget-min", "1"], "--regen-budget-min"),
-    ("tools.eval", ["--dtype", "int8"], "--dtype"),
-    ("tools.eval", ["--assistant", "/nonexistent"], "--assistant"),
-    ("tools.eval", ["--assistant", "{tmp}"], "--assistant"),
-    ("tools.eval", ["--temperatures", "0,-1"], "--temper"),
-    ("tools.eval", ["--steps", "0"], "--steps"), ("tools.eval", ["--datasets", "sharegtp"], "--datasets"),
-    ("tools.eval", ["--num-prompts", "0"], "--num-prompts")])
+@pytest.mark.parametrize(
+    "module,argv,option",
+    [
+        ("tools.train", ["--regenerate", ""], "--regenerate"),
+        ("tools.train", ["--regenerate", "0,-1"], "--regenerate"),
+        ("tools.train", ["--layers", "0"], "--layers"),
+        ("tools.train", ["--lr", "nan"], "--lr"),
+        ("tools.train", ["--epochs", "0"], "--epochs"),
+        ("tools.train", ["--time-budget-min", "-1"], "--time-budget"),
+        ("tools.train", ["--seq-len", "4"], "--seq-len"),
+        ("tools.train", ["--init", "/nonexistent"], "--init"),
+        ("tools.train", ["--init", "default", "--layers", "2"], "--layers"),
+        ("tools.train", ["--init", ""], "--init"),
+        ("tools.train", ["--init", "{tmp}"], "--init"),
+        ("tools.train", ["--out", "/dev/null/x"], "--out"),
+        ("tools.train", ["--all-turns"], "--all-turns"),
+        ("tools.train", ["--max-new-tokens", "64"], "--max-new-tokens"),
+        ("tools.train", ["--regen-budget-min", "1"], "--regen-budget-min"),
+        ("tools.eval", ["--dtype", "int8"], "--dtype"),
+        ("tools.eval", ["--assistant", "/nonexistent"], "--assistant"),
+        ("tools.eval", ["--assistant", "{tmp}"], "--assistant"),
+        ("tools.eval", ["--temperatures", "0,-1"], "--temper"),
+        ("tools.eval", ["--steps", "0"], "--steps"),
+        ("tools.eval", ["--datasets", "sharegtp"], "--datasets"),
+        ("tools.eval", ["--num-prompts", "0"], "--num-prompts"),
+    ],
+)
 def test_cli_rejects_bad_values_before_loading(monkeypatch, capsys, tmp_path, module, argv, option):
     """Both CLIs stop in argparse, naming the option, before any model, tokenizer or data is touched."""
     import importlib
 
     from nanospec import loader
+
     monkeypatch.chdir(tmp_path)  # nothing may be left behind (the trainer's --out is made after the checks)
     monkeypatch.setattr(loader, "resolve_model_dir", lambda *a, **k: pytest.fail("loaded a model first"))
     with pytest.raises(SystemExit) as e:
@@ -219,12 +250,33 @@ def test_cli_rejects_bad_values_before_loading(monkeypatch, capsys, tmp_path, mo
     assert e.value.code == 2 and option in capsys.readouterr().err and not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("module,argv", [
-    ("tools.train", []), ("tools.train", ["--regenerate", "0", "--step-decay", "1", "--seed", "0"]),
-    ("tools.train", ["--time-budget-min", "0.5", "--seq-len", "16", "--all-positions", "--out", "{tmp}/a/b",
-                     "--init", "default"]),
-    ("tools.train", ["--regenerate", "0", "--all-turns", "--regen-budget-min", "1", "--max-new-tokens", "8"]),
-    ("tools.eval", []), ("tools.eval", ["--max-tokens", "2", "--tree-tokens", "2", "--steps", "1"])])
+@pytest.mark.parametrize(
+    "module,argv",
+    [
+        ("tools.train", []),
+        ("tools.train", ["--regenerate", "0", "--step-decay", "1", "--seed", "0"]),
+        (
+            "tools.train",
+            [
+                "--time-budget-min",
+                "0.5",
+                "--seq-len",
+                "16",
+                "--all-positions",
+                "--out",
+                "{tmp}/a/b",
+                "--init",
+                "default",
+            ],
+        ),
+        (
+            "tools.train",
+            ["--regenerate", "0", "--all-turns", "--regen-budget-min", "1", "--max-new-tokens", "8"],
+        ),
+        ("tools.eval", []),
+        ("tools.eval", ["--max-tokens", "2", "--tree-tokens", "2", "--steps", "1"]),
+    ],
+)
 def test_cli_accepts_valid_values(monkeypatch, tmp_path, module, argv):
     """Defaults and edge-valid values get past the checks (to the model load, stubbed here)."""
     import importlib
@@ -241,11 +293,11 @@ def test_cli_accepts_valid_values(monkeypatch, tmp_path, module, argv):
 
 
 def test_cli_checks_that_need_the_tokenizer(monkeypatch, capsys, tmp_path, smollm2_dir):
-    """Checks made once the target's tokenizer is loaded, still before any data or model work: a --seq-len that
-    ends inside every chat prompt (nothing left to train), a --model that does not resolve."""
+    """Checks made once the target's tokenizer is loaded, still before any data or model work: a --seq-len
+    that ends inside every chat prompt (nothing left to train), a --model that does not resolve."""
+    from nanospec.loader import load_tokenizer
     from nanospec.tools import datasets, train
     from nanospec.tools import eval as eval_tool
-    from nanospec.loader import load_tokenizer
 
     class Reached(Exception):
         pass
@@ -253,8 +305,10 @@ def test_cli_checks_that_need_the_tokenizer(monkeypatch, capsys, tmp_path, smoll
     monkeypatch.setattr(datasets, "load_sharegpt", lambda *a, **k: (_ for _ in ()).throw(Reached()))
     shortest = len(datasets.chat_prompts(load_tokenizer(smollm2_dir), ["x"], 1)[0])
     out = ["--out", str(tmp_path / "out")]
-    for module, argv, option in [(train, ["--seq-len", str(shortest)] + out, "--seq-len"),
-                                 (eval_tool, ["--model", str(tmp_path / "none")], "--model")]:
+    for module, argv, option in [
+        (train, ["--seq-len", str(shortest)] + out, "--seq-len"),
+        (eval_tool, ["--model", str(tmp_path / "none")], "--model"),
+    ]:
         with pytest.raises(SystemExit) as e:
             module.main(argv)
         assert e.value.code == 2 and option in capsys.readouterr().err and not any(tmp_path.iterdir())

@@ -1,4 +1,5 @@
-"""The centroid ("ordered embeddings") LM head: the gather-GEMV kernel, checkpoints, bad inputs, and the engine."""
+"""The centroid ("ordered embeddings") LM head: gather-GEMV kernel, checkpoints, bad inputs, the engine."""
+
 import json
 
 import pytest
@@ -16,18 +17,22 @@ from nanospec.models.gemma4_assistant import Gemma4Assistant, assistant_config_f
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_interpreter_matches_reference(dtype):
-    """Triton (interpreter) == torch reference == the definition; odd S and H (H over two BLOCK_H chunks), rows
-    with a padded row stride, repeated clusters, an empty batch."""
+    """Triton (interpreter) == torch reference == the definition; odd S and H (H over two BLOCK_H chunks),
+    rows with a padded row stride, repeated clusters, an empty batch."""
     g = torch.Generator().manual_seed(0)
     R, C, S, H, K = 3, 5, 6, 200, 2
     hidden = torch.randn(R, H, generator=g).to(dtype)
     rows = torch.randn(C, S, H + 8, generator=g).to(dtype)[..., :H]  # stride(1) = H + 8
     clusters = torch.tensor([[4, 0], [2, 2], [1, 3]])
-    want = torch.stack([torch.cat([rows[c].float() @ hidden[r].float() for c in clusters[r]]) for r in range(R)])
+    want = torch.stack(
+        [torch.cat([rows[c].float() @ hidden[r].float() for c in clusters[r]]) for r in range(R)]
+    )
     ref = centroid_logits_ref(hidden, rows, clusters)
     assert ref.dtype == torch.float32 and ref.shape == (R, K * S)
     torch.testing.assert_close(ref, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(centroid_logits_triton(hidden, rows, clusters.int()), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        centroid_logits_triton(hidden, rows, clusters.int()), ref, rtol=1e-5, atol=1e-5
+    )
     for fn in (centroid_logits_ref, centroid_logits_triton):
         assert fn(hidden[:0], rows, clusters[:0]).shape == (0, K * S)
 
@@ -68,9 +73,11 @@ def test_checkpoint_reorders_rows_once_and_saves_them_back(tmp_path):
 
 
 def test_bad_centroid_inputs(tmp_path):
-    """ValueError naming the field: from the config alone where it suffices (no weights read), else at load."""
-    for kw, field in ((dict(num_centroids=12), "num_centroids"), (dict(centroid_intermediate_top_k=17),
-                                                                  "centroid_intermediate_top_k")):
+    """ValueError naming the field: from the config alone when it suffices (no weights read), else on load."""
+    for kw, field in (
+        (dict(num_centroids=12), "num_centroids"),
+        (dict(centroid_intermediate_top_k=17), "centroid_intermediate_top_k"),
+    ):
         cfg = gemma_assistant_config(centroids=True)
         for k, v in kw.items():
             setattr(cfg, k, v)
@@ -98,9 +105,10 @@ def test_bad_centroid_inputs(tmp_path):
 @pytest.mark.parametrize("use_target_lm_head", [False, True])
 @torch.no_grad()
 def test_dense_logits_are_the_full_head_in_token_order(tmp_path, use_target_lm_head):
-    """forward(dense=True) (what a trainer scores) is the plain LM head over all tokens, whatever the ordering;
-    set_token_ordering moves the own rows (or re-gathers the target's) without changing it."""
+    """forward(dense=True) (what a trainer scores) is the plain LM head over all tokens, whatever the
+    ordering; set_token_ordering moves the own rows (or re-gathers the target's) without changing it."""
     from test_assistant import GemmaTarget
+
     target = GemmaTarget({})
     cfg = gemma_assistant_config(centroids=True, hidden_size=48)
     if use_target_lm_head:
@@ -109,8 +117,10 @@ def test_dense_logits_are_the_full_head_in_token_order(tmp_path, use_target_lm_h
     randomize(a, 3, 0.3)
     a.bind_target(target, kv=False)
     head = target.lm_head_weight if use_target_lm_head else a.lm_head.weight.clone()
+
     def attn(i, q):  # any attention will do: both heads see the same hidden
         return q
+
     args = (torch.tensor([1, 2]), torch.randn(2, 48), torch.tensor([0, 0]))
     hooks = []
     a.model.norm.register_forward_hook(lambda m, i, out: hooks.append(out))
@@ -128,13 +138,22 @@ def test_dense_logits_are_the_full_head_in_token_order(tmp_path, use_target_lm_h
 def test_engine_greedy_lossless_with_centroid_head(tiny_llama_dir, tmp_path, topk, n):
     """nanospec's own centroid assistant (assistant_config_for) drafts chains and trees; greedy output is the
     target's own."""
-    cfg = assistant_config_for(load_config(tiny_llama_dir), num_layers=1, hidden_size=32, num_heads=4,
-                               use_ordered_embeddings=True, num_centroids=2048, centroid_top_k=4)
+    cfg = assistant_config_for(
+        load_config(tiny_llama_dir),
+        num_layers=1,
+        hidden_size=32,
+        num_heads=4,
+        use_ordered_embeddings=True,
+        num_centroids=2048,
+        centroid_top_k=4,
+    )
     save_hf(tmp_path / "a", cfg, seed=1)
     prompts, sp = [[1, 5, 9, 200, 31], list(range(40, 60))], SamplingParams(max_tokens=16, ignore_eos=True)
     kw = dict(dtype="float32", device="cpu", max_model_len=128, max_num_seqs=4)
     ref = [o["token_ids"] for o in LLM(str(tiny_llama_dir), **kw).generate(prompts, sp, use_tqdm=False)]
-    llm = LLM(str(tiny_llama_dir), assistant=str(tmp_path / "a"), num_steps=3, topk=topk, num_draft_tokens=n, **kw)
+    llm = LLM(
+        str(tiny_llama_dir), assistant=str(tmp_path / "a"), num_steps=3, topk=topk, num_draft_tokens=n, **kw
+    )
     outs = llm.generate(prompts, sp, use_tqdm=False)
     assert [o["token_ids"] for o in outs] == ref
     assert llm.worker.assistant.masked_embedding is not None

@@ -1,8 +1,9 @@
 """CPU checks of the CUDA-graph machinery: buckets, static buffers, padding rows, eager fallback.
 
-On CPU ``BucketGraphs.run`` calls the phase function eagerly on the padded static buffers, which is exactly what
-a graph replays on the GPU; so padding and static-shape logic are tested here, capture itself on the GPU.
+On CPU ``BucketGraphs.run`` calls the phase function eagerly on the padded static buffers, which is exactly
+what a graph replays on the GPU; so padding and static-shape logic are tested here, capture itself on the GPU.
 """
+
 import pytest
 import torch
 
@@ -31,7 +32,9 @@ def test_static_buffers_pad_rows():
 
 
 def _engine(model_dir, **kw):
-    return LLM(str(model_dir), dtype="float32", device="cpu", max_model_len=128, max_num_seqs=8, page_size=4, **kw)
+    return LLM(
+        str(model_dir), dtype="float32", device="cpu", max_model_len=128, max_num_seqs=8, page_size=4, **kw
+    )
 
 
 PROMPTS = [[1, 2, 3, 4, 5], [9] * 11, [40, 41, 42]]
@@ -64,16 +67,24 @@ def test_padding_rows_never_touch_live_blocks(tiny_llama_dir):
     batch = _decode_batch(llm)
     before = r.kv_pools[0].clone()
     ids, pos, md = r.prepare_decode(batch.reqs)
-    inputs = {"ids": ids, "pos": pos, "slots": md.slot_mapping, "block_table": md.block_table, "seq_lens": md.seq_lens}
+    inputs = {
+        "ids": ids,
+        "pos": pos,
+        "slots": md.slot_mapping,
+        "block_table": md.block_table,
+        "seq_lens": md.seq_lens,
+    }
     logits = r.graphs.run("decode", inputs, md.num_splits)
     from nanospec.context import attn_metadata
+
     with attn_metadata(md):
         ref = r.model.compute_logits(r.model(ids, pos))
     assert logits.shape == ref.shape and torch.allclose(logits, ref, atol=1e-5)
     changed = (r.kv_pools[0] != before).flatten(start_dim=4).any(-1)  # [layers, 2, blocks, page_size]
     live = {(s // 4, s % 4) for s in md.slot_mapping.tolist()}
     touched = {(b, o) for b, o in changed.any(0).any(0).nonzero().tolist()}
-    assert touched - live <= {(DUMMY_BLOCK, o) for o in range(4)}  # padding writes land in the dummy block only
+    # padding writes land in the dummy block only
+    assert touched - live <= {(DUMMY_BLOCK, o) for o in range(4)}
     assert live <= touched
 
 
@@ -86,9 +97,14 @@ def test_static_graph_path_matches_eager(tiny_llama_dir, tmp_path, spec, tempera
     kw = {}
     if spec:
         from test_spec_lossless import make_assistant
-        kw = dict(assistant=make_assistant(tmp_path / "a", tiny_llama_dir, hidden_size=32, num_heads=4), **spec)
-    sp = [SamplingParams(max_tokens=10, ignore_eos=True, temperature=temperature, top_k=50, seed=i)
-          for i in range(len(PROMPTS))]
+
+        kw = dict(
+            assistant=make_assistant(tmp_path / "a", tiny_llama_dir, hidden_size=32, num_heads=4), **spec
+        )
+    sp = [
+        SamplingParams(max_tokens=10, ignore_eos=True, temperature=temperature, top_k=50, seed=i)
+        for i in range(len(PROMPTS))
+    ]
     ref = [o["token_ids"] for o in _engine(tiny_llama_dir, **kw).generate(PROMPTS, sp, use_tqdm=False)]
     for sizes in ([4], [2]):  # [2] < 3 requests: the full batch falls back to eager, late batches use graphs
         llm = _engine(tiny_llama_dir, **kw)

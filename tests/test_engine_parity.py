@@ -4,6 +4,7 @@ Logits parity drives the model runner directly (prepare_prefill / prepare_decode
 paged cache, page boundaries, chunked extend over a cached prefix and decode are all checked against HF's own
 incremental (KV-cached) forward. Greedy parity goes through the public ``LLM.generate``.
 """
+
 import inspect
 
 import pytest
@@ -26,8 +27,9 @@ def _close(got, want, what):
 
 
 def _engine(model_dir, **kw):
-    return LLM(str(model_dir), dtype="float32", device="cpu", page_size=PAGE, max_model_len=64, max_num_seqs=8,
-               **kw)
+    return LLM(
+        str(model_dir), dtype="float32", device="cpu", page_size=PAGE, max_model_len=64, max_num_seqs=8, **kw
+    )
 
 
 def _prefill(llm, reqs, num_new):
@@ -119,7 +121,7 @@ def test_logits_parity_llama3_rope_scaling(tiny_llama3_rope_dir):
 
 
 def test_llama3_rope_scaling_is_applied(tiny_llama3_rope_dir, tiny_llama_dir):
-    """The llama3 table differs from the plain one past the original context (else the parity test is vacuous)."""
+    """The llama3 table differs from the plain one past the original context (else parity is vacuous)."""
     scaled = _engine(tiny_llama3_rope_dir).runner.model
     plain = _engine(tiny_llama_dir).runner.model
     assert scaled.rope_scaling["rope_type"] == "llama3" and plain.rope_scaling is None
@@ -127,19 +129,25 @@ def test_llama3_rope_scaling_is_applied(tiny_llama3_rope_dir, tiny_llama_dir):
 
 
 def test_logits_parity_chunked_extend_over_paged_prefix(tiny_qwen3_dir):
-    """Prefill in uneven chunks (a chunk starting mid-page, a request joining in a later step): every chunk attends
-    to the cached prefix and the logits still equal HF's."""
+    """Prefill in uneven chunks (a chunk starting mid-page, a request joining in a later step): every chunk
+    attends to the cached prefix and the logits still equal HF's."""
     _check_logits_parity(tiny_qwen3_dir, chunks=[[3, 6, 0], [2, 7, 13], [0, 4, 20]], seed=2)
 
 
 def test_smollm2_greedy_matches_hf_generate(smollm2_dir):
-    """Real SmolLM2-135M-Instruct weights, fp32: one batched nanospec generate == HF greedy generate per prompt."""
+    """Real SmolLM2-135M-Instruct weights, fp32: one batched nanospec generate == HF greedy generate, per
+    prompt."""
     llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", max_model_len=256, page_size=16)
     tok = llm.tokenizer
-    questions = ["What is the capital of France?", "Write a haiku about the sea.",
-                 "Explain in one sentence why the sky is blue."]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-               for q in questions]
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Explain in one sentence why the sky is blue.",
+    ]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in questions
+    ]
     n = 24
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n), use_tqdm=False)
 
@@ -149,7 +157,7 @@ def test_smollm2_greedy_matches_hf_generate(smollm2_dir):
         ids = tok(prompt, add_special_tokens=False, return_tensors="pt").input_ids
         assert out["prompt_token_ids"] == ids[0].tolist()
         with torch.no_grad():
-            ref = hf.generate(ids, max_new_tokens=n, do_sample=False)[0, ids.shape[1]:].tolist()
+            ref = hf.generate(ids, max_new_tokens=n, do_sample=False)[0, ids.shape[1] :].tolist()
         # HF stops at EOS (keeping it); so does nanospec (finish_reason "stop", the id kept in token_ids)
         assert out["token_ids"] == ref, (tok.decode(out["token_ids"]), tok.decode(ref))
         assert out["finish_reason"] == ("stop" if ref[-1] == tok.eos_token_id else "length")

@@ -7,6 +7,7 @@ with page_size 4 so every request crosses page boundaries and sliding windows sh
 logits reference is a plain full-sequence forward (eager attention); greedy tokens are checked against HF
 ``generate`` (its own KV cache).
 """
+
 import json
 import logging
 
@@ -31,21 +32,50 @@ from nanospec.models.llama import LlamaForCausalLM
 S, F = "sliding_attention", "full_attention"
 PAGE, MAX_POS = 4, 96
 ATOL = 3e-4  # HF's own fp32 logits are 7e-5 off its fp64 ones on the E2B-like model
-ROPE = {S: {"rope_type": "default", "rope_theta": 10000.0},
-        F: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}
-COMMON = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, head_dim=16, global_head_dim=32,
-              max_position_embeddings=128, rope_parameters=ROPE, rms_norm_eps=1e-6, pad_token_id=0,
-              bos_token_id=2, eos_token_id=None, tie_word_embeddings=True)
+ROPE = {
+    S: {"rope_type": "default", "rope_theta": 10000.0},
+    F: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+}
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    num_attention_heads=4,
+    head_dim=16,
+    global_head_dim=32,
+    max_position_embeddings=128,
+    rope_parameters=ROPE,
+    rms_norm_eps=1e-6,
+    pad_token_id=0,
+    bos_token_id=2,
+    eos_token_id=None,
+    tie_word_embeddings=True,
+)
 CONFIGS = {
     # E2B-like: PLE, 4:1 sliding, the last 4 layers KV-shared (both types), double-wide MLPs, two head dims
-    "e2b": dict(num_hidden_layers=10, layer_types=([S] * 4 + [F]) * 2, num_key_value_heads=1,
-                intermediate_size=48, sliding_window=6, hidden_size_per_layer_input=8,
-                vocab_size_per_layer_input=256, num_kv_shared_layers=4, use_double_wide_mlp=True,
-                final_logit_softcapping=5.0),
+    "e2b": dict(
+        num_hidden_layers=10,
+        layer_types=([S] * 4 + [F]) * 2,
+        num_key_value_heads=1,
+        intermediate_size=48,
+        sliding_window=6,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=256,
+        num_kv_shared_layers=4,
+        use_double_wide_mlp=True,
+        final_logit_softcapping=5.0,
+    ),
     # 31B-like: 5:1 sliding, k_eq_v full layers with fewer KV heads (2 sliding / 1 full), no PLE, no sharing
-    "31b": dict(num_hidden_layers=8, layer_types=[S] * 5 + [F] + [S, F], num_key_value_heads=2,
-                num_global_key_value_heads=1, attention_k_eq_v=True, intermediate_size=96, sliding_window=5,
-                hidden_size_per_layer_input=0, final_logit_softcapping=30.0),
+    "31b": dict(
+        num_hidden_layers=8,
+        layer_types=[S] * 5 + [F] + [S, F],
+        num_key_value_heads=2,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        intermediate_size=96,
+        sliding_window=5,
+        hidden_size_per_layer_input=0,
+        final_logit_softcapping=30.0,
+    ),
 }
 
 
@@ -70,8 +100,10 @@ class Pool:
     """A per-layer paged pool (only KV-owning layers get caches) with shuffled block ids per request."""
 
     def __init__(self, model, num_blocks=80, seed=0):
-        self.caches = [None if g is None else (torch.zeros(num_blocks, PAGE, *g),
-                                               torch.zeros(num_blocks, PAGE, *g)) for g in model.kv_geometry]
+        self.caches = [
+            None if g is None else (torch.zeros(num_blocks, PAGE, *g), torch.zeros(num_blocks, PAGE, *g))
+            for g in model.kv_geometry
+        ]
         model.bind_kv_cache(self.caches)
         perm = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed))
         self.free = (perm + 1).tolist()  # block 0 stays the padding block
@@ -99,9 +131,14 @@ def _prefill(model, pool, seqs, spans):
         slots += pool.slots(r, s, e)
         cu.append(cu[-1] + e - s)
         lens.append(e)
-    md = AttnMetadata("prefill", pool.block_table([r for r, _, _ in spans]),
-                      torch.tensor(lens, dtype=torch.int32), torch.tensor(slots),
-                      torch.tensor(cu, dtype=torch.int32), max(e - s for _, s, e in spans))
+    md = AttnMetadata(
+        "prefill",
+        pool.block_table([r for r, _, _ in spans]),
+        torch.tensor(lens, dtype=torch.int32),
+        torch.tensor(slots),
+        torch.tensor(cu, dtype=torch.int32),
+        max(e - s for _, s, e in spans),
+    )
     with torch.no_grad(), attn_metadata(md):
         logits = model.compute_logits(model(torch.tensor(ids), torch.tensor(pos)))
     return logits.split([e - s for _, s, e in spans])
@@ -111,8 +148,13 @@ def _decode(model, pool, seqs, reqs):
     """One decode step: the last token of each request's sequence at position len - 1; returns [B, V]."""
     pos = [len(seqs[r]) - 1 for r in reqs]
     slots = [pool.slots(r, p, p + 1)[0] for r, p in zip(reqs, pos)]
-    md = AttnMetadata("decode", pool.block_table(reqs), torch.tensor([p + 1 for p in pos], dtype=torch.int32),
-                      torch.tensor(slots), num_splits=num_kv_splits(max(pos) + 1))
+    md = AttnMetadata(
+        "decode",
+        pool.block_table(reqs),
+        torch.tensor([p + 1 for p in pos], dtype=torch.int32),
+        torch.tensor(slots),
+        num_splits=num_kv_splits(max(pos) + 1),
+    )
     with torch.no_grad(), attn_metadata(md):
         return model.compute_logits(model(torch.tensor([seqs[r][-1] for r in reqs]), torch.tensor(pos)))
 
@@ -140,7 +182,7 @@ def test_rope_tables_match_hf(pair):
         _close(torch.cat([table[:, :half], table[:, :half]], -1), cos[0], f"{lt} cos")
         _close(torch.cat([table[:, half:], table[:, half:]], -1), sin[0], f"{lt} sin")
     D = COMMON["global_head_dim"]
-    rotated = (model.rope_for(F)[:, D // 2:] != 0).any(0)  # the sin half: non-zero frequencies
+    rotated = (model.rope_for(F)[:, D // 2 :] != 0).any(0)  # the sin half: non-zero frequencies
     r = int(0.25 * D)
     assert rotated.nonzero().flatten().tolist() == list(range(r // 2))  # pairs (i, i + D/2), i < r/2
 
@@ -196,9 +238,9 @@ def test_logits_parity_prefill_extend_decode(pair):
     out = list(out[:2]) + [torch.cat([out[2], _prefill(model, pool, prompts, [(2, 9, 22)])[0]])]
     ref = [_hf_logits(hf, s) for s in seqs]
     for r in range(3):
-        _close(out[r], ref[r][:lens[r]], f"prefill request {r}")
+        _close(out[r], ref[r][: lens[r]], f"prefill request {r}")
     for step in range(steps):
-        cur = [s[:n + step + 1] for s, n in zip(seqs, lens)]
+        cur = [s[: n + step + 1] for s, n in zip(seqs, lens)]
         logits = _decode(model, pool, cur, [0, 1, 2])
         for r in range(3):
             _close(logits[r], ref[r][lens[r] + step], f"decode step {step} request {r}")
@@ -212,7 +254,7 @@ def _greedy(model, prompts, max_new):
     for _ in range(max_new - 1):
         for r, t in enumerate(_decode(model, pool, seqs, list(range(len(seqs)))).argmax(-1).tolist()):
             seqs[r].append(t)
-    return [s[len(p):] for s, p in zip(seqs, prompts)]
+    return [s[len(p) :] for s, p in zip(seqs, prompts)]
 
 
 def test_greedy_matches_hf_generate(pair):
@@ -222,16 +264,23 @@ def test_greedy_matches_hf_generate(pair):
     got = _greedy(model, prompts, 12)
     for p, toks in zip(prompts, got):
         with torch.no_grad():
-            want = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+            want = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p) :].tolist()
         assert toks == want
 
 
 def test_conditional_generation_checkpoint_loads(tmp_path, caplog):
     """A ``Gemma4ForConditionalGeneration`` dir (text weights under model.language_model., a tiny vision
     tower) loads through load_config + target_class; the tower is skipped with one info line; logits match."""
-    vision = Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                num_attention_heads=2, num_key_value_heads=2, head_dim=8, patch_size=4,
-                                position_embedding_size=16)
+    vision = Gemma4VisionConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+        patch_size=4,
+        position_embedding_size=16,
+    )
     cfg = Gemma4Config(text_config=_text_config("e2b").to_dict(), vision_config=vision.to_dict())
     torch.manual_seed(0)
     hf = Gemma4ForConditionalGeneration(cfg).float().eval()
@@ -250,7 +299,8 @@ def test_conditional_generation_checkpoint_loads(tmp_path, caplog):
         load_weights(model, iter_safetensors(tmp_path), skip=("lm_head.",) if model.tied else ())
     tower = [n for n in names if n.startswith(("model.vision_tower.", "model.embed_vision."))]
     assert [r.getMessage() for r in caplog.records] == [
-        f"Gemma4ForCausalLM: skipped {len(tower)} checkpoint tensors it does not use, e.g. {tower[0]!r}"]
+        f"Gemma4ForCausalLM: skipped {len(tower)} checkpoint tensors it does not use, e.g. {tower[0]!r}"
+    ]
     model.eval().requires_grad_(False).init_buffers("cpu")
     seq = torch.randint(3, 256, (15,), generator=torch.Generator().manual_seed(4)).tolist()
     pool = Pool(model)
@@ -265,8 +315,7 @@ def test_shared_layer_kv_weights_in_checkpoint_are_skipped(pair):
     layer, which has none, is an error."""
     hf, model = pair
     last = len(model.layers) - 1
-    extra = [(f"model.layers.{last}.self_attn.{n}.weight", torch.zeros(8, 64))
-             for n in ("k_proj", "v_proj")]
+    extra = [(f"model.layers.{last}.self_attn.{n}.weight", torch.zeros(8, 64)) for n in ("k_proj", "v_proj")]
     tensors = list(hf.state_dict().items()) + extra
     if model.kv_geometry[last] is None:
         load_weights(model, tensors, skip=("lm_head.",))
@@ -283,13 +332,16 @@ def _write_config(tmp_path, model_type="gemma4_text", **kw):
     return tmp_path
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("layer_types", [S] * 5 + ["chunked_attention", S, F], r"layer_types\[5\] = 'chunked_attention'"),
-    ("sliding_window", 0, "sliding_window must be an int >= 1, got 0"),
-    ("enable_moe_block", True, "enable_moe_block.*MoE is not supported yet"),
-    ("num_kv_shared_layers", 8, r"num_kv_shared_layers must be in \[0, num_hidden_layers=8\)"),
-    ("hidden_activation", "silu", "hidden_activation 'silu'"),
-])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("layer_types", [S] * 5 + ["chunked_attention", S, F], r"layer_types\[5\] = 'chunked_attention'"),
+        ("sliding_window", 0, "sliding_window must be an int >= 1, got 0"),
+        ("enable_moe_block", True, "enable_moe_block.*MoE is not supported yet"),
+        ("num_kv_shared_layers", 8, r"num_kv_shared_layers must be in \[0, num_hidden_layers=8\)"),
+        ("hidden_activation", "silu", "hidden_activation 'silu'"),
+    ],
+)
 def test_bad_config_rejected_before_weights(tmp_path, field, value, match):
     """ValueError naming the field from target_class (config only: the dir holds no weights) and the model."""
     cfg = load_config(_write_config(tmp_path, **{field: value}))
@@ -307,9 +359,19 @@ def test_kv_sharing_without_owner_rejected(tmp_path):
 
 
 def test_target_class_routing(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(dict(
-        model_type="llama", hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, intermediate_size=64, vocab_size=128)))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            dict(
+                model_type="llama",
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                intermediate_size=64,
+                vocab_size=128,
+            )
+        )
+    )
     cls, cfg = target_class(load_config(tmp_path))
     assert cls is LlamaForCausalLM and cfg.model_type == "llama"
     with torch.device("meta"):
@@ -320,8 +382,8 @@ def test_target_class_routing(tmp_path):
 
 
 def test_triton_kernels_parity(pair, triton_backend):
-    """The same model through the Triton kernels (the interpreter on CPU): prefill of two requests, one of them
-    longer than the window, then two decode steps."""
+    """The same model through the Triton kernels (the interpreter on CPU): prefill of two requests, one of
+    them longer than the window, then two decode steps."""
     hf, model = pair
     g = torch.Generator().manual_seed(5)
     seqs = [torch.randint(3, 256, (n + 2,), generator=g).tolist() for n in (3, 9)]
@@ -331,6 +393,6 @@ def test_triton_kernels_parity(pair, triton_backend):
     for r, n in enumerate((3, 9)):
         _close(out[r], ref[r][:n], f"triton prefill request {r}")
     for step in range(2):
-        logits = _decode(model, pool, [s[:len(s) - 1 + step] for s in seqs], [0, 1])
+        logits = _decode(model, pool, [s[: len(s) - 1 + step] for s in seqs], [0, 1])
         for r, n in enumerate((3, 9)):
             _close(logits[r], ref[r][n + step], f"triton decode step {step} request {r}")

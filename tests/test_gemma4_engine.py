@@ -1,6 +1,7 @@
 """Gemma 4 targets through the whole engine (``LLM(dir)``): greedy tokens equal HF ``generate`` for the
 E2B-like and 31B-like tiny configs of test_gemma4 (sliding windows shorter than the prompts, page_size 4,
 chunked prefill, a batch of mixed lengths), and KV pools only for the KV-owning layers."""
+
 import pytest
 import torch
 from conftest import randomize
@@ -26,11 +27,15 @@ def test_engine_greedy_matches_hf_generate(gemma_dir):
     path, hf = gemma_dir
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (4, 13, 21)]
-    llm = LLM(str(path), device="cpu", dtype="float32", page_size=4, max_model_len=64, max_num_batched_tokens=16)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    llm = LLM(
+        str(path), device="cpu", dtype="float32", page_size=4, max_model_len=64, max_num_batched_tokens=16
+    )
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False
+    )
     for p, o in zip(prompts, outs):
         with torch.no_grad():
-            want = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p):].tolist()
+            want = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p) :].tolist()
         assert o["token_ids"] == want
     model = llm.runner.model
     owners = sum(g is not None for g in model.kv_geometry)

@@ -1,11 +1,17 @@
 """Frozen-KV MTP on Gemma 4 targets through the engine: spec on == spec off == HF greedy (chain and tree,
 dense and centroid heads), and == HF's own assisted generation (``generate(assistant_model=...)``), for the
 E2B-like (KV sharing, PLE) and 31B-like (k_eq_v) tiny configs of test_gemma4."""
+
 import pytest
 import torch
 from conftest import randomize
 from test_gemma4 import COMMON, CONFIGS, _text_config
-from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig
+from transformers import (
+    Gemma4AssistantConfig,
+    Gemma4AssistantForCausalLM,
+    Gemma4ForCausalLM,
+    Gemma4TextConfig,
+)
 
 from nanospec import LLM, SamplingParams
 
@@ -16,13 +22,27 @@ def assistant_config(name, centroids=False):
     """A 3-layer (sliding, sliding, full) assistant whose q geometry, RoPE and window fit target ``name``."""
     t = {**COMMON, **CONFIGS[name]}
     heads = 4  # a multiple of every target's KV heads
-    text = Gemma4TextConfig(**{**COMMON, "hidden_size": 32, "num_hidden_layers": 3, "layer_types": [S, S, F],
-                               "num_attention_heads": heads, "num_key_value_heads": t["num_key_value_heads"],
-                               "intermediate_size": 64, "sliding_window": t["sliding_window"],
-                               "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
-                               "num_kv_shared_layers": 0,
-                               **{k: t[k] for k in ("num_global_key_value_heads", "attention_k_eq_v") if k in t}})
-    extra = dict(use_ordered_embeddings=True, num_centroids=16, centroid_intermediate_top_k=4) if centroids else {}
+    text = Gemma4TextConfig(
+        **{
+            **COMMON,
+            "hidden_size": 32,
+            "num_hidden_layers": 3,
+            "layer_types": [S, S, F],
+            "num_attention_heads": heads,
+            "num_key_value_heads": t["num_key_value_heads"],
+            "intermediate_size": 64,
+            "sliding_window": t["sliding_window"],
+            "hidden_size_per_layer_input": 0,
+            "vocab_size_per_layer_input": 0,
+            "num_kv_shared_layers": 0,
+            **{k: t[k] for k in ("num_global_key_value_heads", "attention_k_eq_v") if k in t},
+        }
+    )
+    extra = (
+        dict(use_ordered_embeddings=True, num_centroids=16, centroid_intermediate_top_k=4)
+        if centroids
+        else {}
+    )
     return Gemma4AssistantConfig(text_config=text, backbone_hidden_size=t["hidden_size"], **extra)
 
 
@@ -66,7 +86,7 @@ def test_spec_on_equals_off_equals_hf(world, centroids, tree):
     assert [o["token_ids"] for o in on] == [o["token_ids"] for o in off]
     for p, o in zip(prompts(), off):
         with torch.no_grad():
-            want = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+            want = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p) :].tolist()
         assert o["token_ids"] == want
     assert all(len(o["accept_lengths"]) >= 1 for o in on)
     assert llm.runner.allocator.num_free == llm.runner.allocator.num_usable
@@ -77,10 +97,17 @@ def test_equals_hf_assisted_generation(world):
     hf_a, adir = assistants[False]
     hf_a.generation_config.num_assistant_tokens = 3
     hf_a.generation_config.num_assistant_tokens_schedule = "constant"
-    llm = LLM(str(tdir), assistant=str(adir), num_steps=3, device="cpu", dtype="float32", page_size=4,
-              max_model_len=64)
+    llm = LLM(
+        str(tdir),
+        assistant=str(adir),
+        num_steps=3,
+        device="cpu",
+        dtype="float32",
+        page_size=4,
+        max_model_len=64,
+    )
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     for p, o in zip(prompts(), llm.generate(prompts(), sp, use_tqdm=False)):
         with torch.no_grad():
             want = hf.generate(torch.tensor([p]), assistant_model=hf_a, max_new_tokens=10, do_sample=False)
-        assert o["token_ids"] == want[0, len(p):].tolist()
+        assert o["token_ids"] == want[0, len(p) :].tolist()

@@ -1,4 +1,5 @@
-"""RMSNorm, RoPE (+ paged KV store) and gated activations: Triton (interpreter) vs torch reference vs HF oracles."""
+"""RMSNorm, RoPE (+ paged KV store), gated activations: Triton (interpreter) vs torch reference vs HF."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -88,14 +89,28 @@ def _hf_config(scaling):
     from transformers import LlamaConfig
 
     params = {"rope_type": "default", "rope_theta": 500000.0, **(scaling or {})}
-    return LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       max_position_embeddings=512, rope_parameters=params)
+    return LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rope_parameters=params,
+    )
 
 
-SCALINGS = [None, {"rope_type": "linear", "factor": 4.0},
-            {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-             "original_max_position_embeddings": 256},
-            {"rope_type": "proportional", "partial_rotary_factor": 0.25}]
+SCALINGS = [
+    None,
+    {"rope_type": "linear", "factor": 4.0},
+    {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    },
+    {"rope_type": "proportional", "partial_rotary_factor": 0.25},
+]
 
 
 @pytest.mark.parametrize("scaling", SCALINGS)
@@ -118,7 +133,9 @@ def test_rope_errors():
     with pytest.raises(ValueError, match="rope_type"):
         rope.rope_cos_sin(16, 8, 1e4, {"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ValueError, match="rotary_dim"):
-        rope.apply_rope_ref(torch.randn(2, 1, 8), None, torch.zeros(2, dtype=torch.long), rope.rope_cos_sin(16, 4, 1e4))
+        rope.apply_rope_ref(
+            torch.randn(2, 1, 8), None, torch.zeros(2, dtype=torch.long), rope.rope_cos_sin(16, 4, 1e4)
+        )
 
 
 # ------------------------------------------------------------------------------------------------- KV store
@@ -127,9 +144,14 @@ def _caches(dtype, blocks=3, page=4, hk=2, d=12):
     return kc, torch.randn_like(kc)
 
 
-@pytest.mark.parametrize("kv_dtype,cache_dtype,tol", [(torch.float32, torch.float32, 1e-5),
-                                                      (torch.bfloat16, torch.bfloat16, 2e-2),
-                                                      (torch.float32, torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(
+    "kv_dtype,cache_dtype,tol",
+    [
+        (torch.float32, torch.float32, 1e-5),
+        (torch.bfloat16, torch.bfloat16, 2e-2),
+        (torch.float32, torch.bfloat16, 2e-2),
+    ],
+)
 def test_store_kv_triton_vs_ref(kv_dtype, cache_dtype, tol):
     k, v = torch.randn(7, 2, 12).to(kv_dtype), torch.randn(7, 2, 12).to(kv_dtype)
     slots = torch.tensor([3, 4, -1, 7, 8, 11, 0], dtype=torch.int32)  # crosses page boundaries; -1 skipped
@@ -172,8 +194,16 @@ def test_rope_store_kv_empty(triton_backend):
     kc, vc = _caches(torch.float32)
     kc0 = kc.clone()
     e = torch.empty(0, 2, 12)
-    q = rope.rope_store_kv(torch.empty(0, 4, 12), e, e, torch.empty(0, dtype=torch.long),
-                           rope.rope_cos_sin(12, 8, 1e4), kc, vc, torch.empty(0, dtype=torch.long))
+    q = rope.rope_store_kv(
+        torch.empty(0, 4, 12),
+        e,
+        e,
+        torch.empty(0, dtype=torch.long),
+        rope.rope_cos_sin(12, 8, 1e4),
+        kc,
+        vc,
+        torch.empty(0, dtype=torch.long),
+    )
     rope.store_kv(e, e, kc, vc, torch.empty(0, dtype=torch.int32))
     assert q.shape == (0, 4, 12) and torch.equal(kc, kc0)
 
@@ -183,9 +213,10 @@ def test_rope_store_kv_empty(triton_backend):
 def test_act_and_mul_triton_vs_ref_and_oracle(dtype, tol):
     x = (torch.randn(2, 5, 2 * 45) * 3).to(dtype)  # odd intermediate size, 3-D input
     a, b = x.float()[..., :45], x.float()[..., 45:]
-    for tri, ref, oracle in [(activation.silu_and_mul_triton, activation.silu_and_mul_ref, a * torch.sigmoid(a) * b),
-                             (activation.gelu_and_mul_triton, activation.gelu_and_mul_ref,
-                              F.gelu(a, approximate="tanh") * b)]:
+    for tri, ref, oracle in [
+        (activation.silu_and_mul_triton, activation.silu_and_mul_ref, a * torch.sigmoid(a) * b),
+        (activation.gelu_and_mul_triton, activation.gelu_and_mul_ref, F.gelu(a, approximate="tanh") * b),
+    ]:
         got, want = tri(x), ref(x)
         assert got.shape == (2, 5, 45) and got.dtype == dtype
         close(got, want, tol)

@@ -1,4 +1,5 @@
 """Sampling: Triton (interpreter) vs sort-based reference vs HF logits warpers, plus a distribution test."""
+
 import math
 
 import pytest
@@ -6,15 +7,19 @@ import torch
 
 from nanospec.kernels import sampling
 
-# rows: sampling-off, greedy, top-k only, top-p only, both, k >= V (off), k = 1, tight top_p, T = 0 with filters
+# rows: sampling-off, greedy, top-k only, top-p only, both, k >= V (off), k = 1, tight top_p,
+# T = 0 with filters
 TEMP = [1.0, 0.0, 0.7, 1.3, 0.9, 1.0, 2.0, 0.5, 0.0]
 TOPK = [0, 5, 50, 0, 200, 100000, 1, -1, 3]
 TOPP = [1.0, 0.9, 1.0, 0.8, 0.6, 0.95, 1.0, 0.05, 0.5]
 
 
 def params(device=None):  # None: the default device (CUDA under NANOSPEC_TEST_DEVICE=cuda)
-    return (torch.tensor(TEMP, device=device), torch.tensor(TOPK, dtype=torch.int32, device=device),
-            torch.tensor(TOPP, device=device))
+    return (
+        torch.tensor(TEMP, device=device),
+        torch.tensor(TOPK, dtype=torch.int32, device=device),
+        torch.tensor(TOPP, device=device),
+    )
 
 
 @pytest.fixture
@@ -26,7 +31,8 @@ def small_block(monkeypatch):
 @pytest.mark.parametrize("V,dtype", [(3000, torch.float32), (1000, torch.bfloat16)])
 def test_filtered_probs_triton_vs_ref(small_block, V, dtype):
     torch.manual_seed(0)
-    pool = (torch.randn(20 * V) * 3).to(dtype).unique()  # distinct values: keep the logits tie-free in bf16 too
+    # distinct values: keep the logits tie-free in bf16 too
+    pool = (torch.randn(20 * V) * 3).to(dtype).unique()
     logits = torch.stack([pool[torch.randperm(len(pool))[:V]] for _ in TEMP])
     got = sampling.filtered_probs_triton(logits, *params())
     want = sampling.filtered_probs_ref(logits, *params())
@@ -38,7 +44,11 @@ def test_filtered_probs_triton_vs_ref(small_block, V, dtype):
 
 
 def _hf_probs(logits, temp, top_k, top_p):
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     rows = []
     for x, t, k, p in zip(logits.float(), temp.tolist(), top_k.tolist(), top_p.tolist()):
@@ -83,7 +93,10 @@ def test_greedy_ties_lowest_index_and_triton_tie_rule():
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, -1.0]])
     z = torch.zeros(1)
     assert sampling.greedy(logits).tolist() == [1]
-    assert sampling.sample_triton(logits, z, torch.zeros(1, dtype=torch.int32), torch.ones(1), torch.rand(1, 6)) == 1
+    assert (
+        sampling.sample_triton(logits, z, torch.zeros(1, dtype=torch.int32), torch.ones(1), torch.rand(1, 6))
+        == 1
+    )
     # documented: at a tied top-k threshold the Triton path keeps every tied token
     p = sampling.filtered_probs_triton(logits, torch.ones(1), torch.ones(1, dtype=torch.int32), torch.ones(1))
     torch.testing.assert_close(p, torch.tensor([[0, 1 / 3, 1 / 3, 0, 1 / 3, 0]]))
@@ -96,8 +109,13 @@ def test_empty_and_dispatch(triton_backend):
     assert sampling.filtered_probs(e, *args).shape == (0, 10)
     assert sampling.sample_ref(e, *args, e).shape == (0,)
     with pytest.raises(ValueError, match="noise"):
-        sampling.sample(torch.randn(2, 10), torch.ones(2), torch.zeros(2, dtype=torch.int32), torch.ones(2),
-                        torch.rand(2, 9))
+        sampling.sample(
+            torch.randn(2, 10),
+            torch.ones(2),
+            torch.zeros(2, dtype=torch.int32),
+            torch.ones(2),
+            torch.rand(2, 9),
+        )
 
 
 # chi-square critical values at p = 0.001 for 1..7 degrees of freedom (used when scipy is absent)

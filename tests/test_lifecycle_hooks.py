@@ -1,8 +1,9 @@
 """The Frozen-KV MTP worker's lifecycle hooks fire in the documented order (``nanospec/mtp/worker.py``),
 recorded through ``LLM(trace=...)``: prefill, decode (draft + verify), finish, all-finish-in-verify,
 preemption and abort. A release must free the request's KV blocks and its draft input in the same call."""
+
 import pytest
-from test_spec_lifecycle import HB, PROMPTS, asst_dir, greedy, make_llm, target_cfg  # noqa: F401
+from helpers import HB, PROMPTS, greedy, make_llm
 
 from nanospec import LLM
 
@@ -118,7 +119,9 @@ def test_trace_true_prints_each_event_kind(tiny_llama_dir, asst_dir, capsys):
         assert field in verify
 
 
-@pytest.mark.parametrize("kw,err", [({"trace": 3}, TypeError), ({"trace": True, "assistant": None}, ValueError)])
+@pytest.mark.parametrize(
+    "kw,err", [({"trace": 3}, TypeError), ({"trace": True, "assistant": None}, ValueError)]
+)
 def test_trace_bad_values(tiny_llama_dir, asst_dir, kw, err):
     base = {"assistant": str(asst_dir), "device": "cpu"}
     with pytest.raises(err, match="trace"):

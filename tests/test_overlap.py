@@ -4,9 +4,10 @@ must be token-identical to overlap off for plain decode, chain and tree speculat
 multi-token commits, max_tokens 1-3, preemption, all-finish-in-verify and requests arriving mid-run; blocks
 exact at idle. The oracle drafter proposes the target's own continuation from the *device* committed length,
 so it stays right when the host lags a step."""
+
 import pytest
 import torch
-from test_spec_lifecycle import PROMPTS, asst_dir, greedy, make_llm, reference, ref_llm, target_cfg  # noqa: F401
+from helpers import PROMPTS, greedy, make_llm
 
 from nanospec.mtp.draft import chain_tree
 from nanospec.mtp.worker import FrozenKVMTPWorker
@@ -24,9 +25,12 @@ def device_oracle(monkeypatch, reference):
         rows = []
         for r, L in zip(reqs, seq_lens.tolist()):
             ref, n_out = reference(r.prompt_token_ids), L - len(r.prompt_token_ids) + 1
-            d = (ref[n_out:n_out + self.num_steps] + [0] * self.num_steps)[:self.num_steps]
+            d = (ref[n_out : n_out + self.num_steps] + [0] * self.num_steps)[: self.num_steps]
             rows.append(d if L % 3 else d[:2] + [(t + 1) % 49152 for t in d[2:]])
-        return chain_tree(inp.bonus_tokens, torch.tensor(rows, dtype=torch.long).view(len(reqs), self.num_steps))
+        return chain_tree(
+            inp.bonus_tokens, torch.tensor(rows, dtype=torch.long).view(len(reqs), self.num_steps)
+        )
+
     monkeypatch.setattr(FrozenKVMTPWorker, "draft", draft)
 
 
@@ -34,7 +38,7 @@ def run(llm, arrivals):
     """``arrivals[k]`` = list of (prompt, params) added before step k; returns {request id: output dict}."""
     done, k = {}, 0
     while k < len(arrivals) or llm.has_unfinished():
-        for p, sp in (arrivals[k] if k < len(arrivals) else []):
+        for p, sp in arrivals[k] if k < len(arrivals) else []:
             llm.add_request(p, sp)
         done.update({r.request_id: llm.output_dict(r) for r in llm.step()})
         k += 1
@@ -51,8 +55,9 @@ def idle_exact(llm):
 def both(model_dir, assistant, mode, arrivals, preempts=False, **kw):
     outs = []
     for overlap in (False, True):
-        llm = make_llm(model_dir, assistant if mode != "plain" else None, overlap_schedule=overlap,
-                       **MODES[mode], **kw)
+        llm = make_llm(
+            model_dir, assistant if mode != "plain" else None, overlap_schedule=overlap, **MODES[mode], **kw
+        )
         outs.append(run(llm, arrivals))
         idle_exact(llm)
         assert (llm.scheduler.num_preemptions > 0) == preempts
@@ -62,7 +67,12 @@ def both(model_dir, assistant, mode, arrivals, preempts=False, **kw):
 def workload(reference):
     p = [list(x) for x in PROMPTS]
     stop = reference(p[1])[5]  # a stop token that appears inside a multi-token commit
-    first = [(p[0], greedy(1)), (p[1], greedy(20, stop_token_ids=[stop])), (p[2], greedy(2)), (p[3], greedy(3))]
+    first = [
+        (p[0], greedy(1)),
+        (p[1], greedy(20, stop_token_ids=[stop])),
+        (p[2], greedy(2)),
+        (p[3], greedy(3)),
+    ]
     later = [(p[2][:9], greedy(11)), (p[0] + [7], greedy(17))]
     return [first, [], [later[0]], [], [], [later[1]]]  # two requests arrive while others run
 
@@ -86,7 +96,9 @@ def test_overlap_with_preemption(tiny_llama_dir, asst_dir, reference, device_ora
     kw = dict(page_size=4, max_model_len=64, num_kv_blocks=19, enable_prefix_caching=False)
     off, on = both(tiny_llama_dir, asst_dir, mode, arrivals, preempts=True, **kw)
     assert on == off
-    assert [on[i]["token_ids"] for i in range(4)] == [reference(p)[:n] for p, n in zip(prompts, (30, 26, 34, 22))]
+    assert [on[i]["token_ids"] for i in range(4)] == [
+        reference(p)[:n] for p, n in zip(prompts, (30, 26, 34, 22))
+    ]
 
 
 def test_overlap_all_finish_in_one_verify(tiny_llama_dir, asst_dir, reference, device_oracle):
@@ -98,7 +110,9 @@ def test_overlap_all_finish_in_one_verify(tiny_llama_dir, asst_dir, reference, d
         out += llm.step()
     assert sorted(len(r.output_token_ids) for r in out) == [3, 3]
     assert [r.output_token_ids for r in sorted(out, key=lambda r: r.request_id)] == [
-        reference(PROMPTS[0])[:3], reference(PROMPTS[1])[:3]]
+        reference(PROMPTS[0])[:3],
+        reference(PROMPTS[1])[:3],
+    ]
     idle_exact(llm)  # the idle 0-row draft input is left (DESIGN §4 rule 1) ...
     llm.add_request(PROMPTS[2], greedy(5))  # ... and the next prefill merges into it
     out = []

@@ -1,14 +1,15 @@
-"""kernels/ ships only as ``nanospec.kernels`` (DESIGN §1): never as a top-level ``kernels`` package, which would
-shadow (or be shadowed by) HF's PyPI ``kernels`` distribution."""
+"""kernels/ ships only as ``nanospec.kernels`` (DESIGN §1): never as a top-level ``kernels`` package, which
+would shadow (or be shadowed by) HF's PyPI ``kernels`` distribution."""
+
 import importlib.util
 import pathlib
 import shutil
 import subprocess
 import sys
-import tomllib
 import zipfile
 
 import pytest
+import tomllib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -43,16 +44,22 @@ def test_pyproject_maps_kernels_under_nanospec():
 
 
 def test_installed_top_level_kernels_is_not_ours(tmp_path):
-    """From outside the repo, ``import kernels`` never finds nanospec's folder (it is absent, or HF's package)."""
-    code = ("import importlib.util, nanospec.kernels as k; s = importlib.util.find_spec('kernels'); "
-            "print(k.__file__); print(s.origin if s else None)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    """From outside the repo, ``import kernels`` never finds nanospec's folder (absent, or HF's package)."""
+    code = (
+        "import importlib.util, nanospec.kernels as k; s = importlib.util.find_spec('kernels'); "
+        "print(k.__file__); print(s.origin if s else None)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
     ours, top = out.stdout.split()
     assert pathlib.Path(ours).resolve() == REPO / "kernels" / "__init__.py"
     assert top == "None" or not pathlib.Path(top).resolve().is_relative_to(REPO)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("setuptools") is None, reason="needs setuptools to build a wheel")
+@pytest.mark.skipif(
+    importlib.util.find_spec("setuptools") is None, reason="needs setuptools to build a wheel"
+)
 def test_wheel_contents(tmp_path):
     """Build the wheel (offline, from a copy of the sources) and look inside."""
     src = tmp_path / "src"
@@ -64,18 +71,38 @@ def test_wheel_contents(tmp_path):
         (src / "README.md").write_text("nanospec\n")
     for d in ("nanospec", "kernels"):
         shutil.copytree(REPO / d, src / d, ignore=shutil.ignore_patterns("__pycache__", "assets"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "--no-index",
-                    "-q", "-w", str(tmp_path / "dist")], check=True, capture_output=True, cwd=tmp_path)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(src),
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+        ],
+        check=True,
+        capture_output=True,
+        cwd=tmp_path,
+    )
     names = zipfile.ZipFile(next((tmp_path / "dist").glob("nanospec-*.whl"))).namelist()
     tops = {n.split("/")[0] for n in names}
     assert "kernels" not in tops and {"nanospec"} <= tops
     ours = {p.name for p in (REPO / "kernels").glob("*.py")}
     assert {n.split("/")[-1] for n in names if n.startswith("nanospec/kernels/")} >= ours
     assert "nanospec/models/llama.py" in names and "nanospec/mtp/__init__.py" in names
-    assert {f"nanospec/tools/{m}.py" for m in ("__init__", "train", "eval", "bench", "datasets", "cli")} <= set(names)
+    assert {
+        f"nanospec/tools/{m}.py" for m in ("__init__", "train", "eval", "bench", "datasets", "cli")
+    } <= set(names)
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
-    assert "nanospec-train = nanospec.tools.train:main" in zipfile.ZipFile(
-        next((tmp_path / "dist").glob("nanospec-*.whl"))).read(entry_points).decode()
+    assert (
+        "nanospec-train = nanospec.tools.train:main"
+        in zipfile.ZipFile(next((tmp_path / "dist").glob("nanospec-*.whl"))).read(entry_points).decode()
+    )
 
 
 def test_console_scripts_point_at_mains():

@@ -1,9 +1,10 @@
 """Prefix caching (``LLM(enable_prefix_caching=True)``, the default): shared full prompt blocks are computed
 once, outputs stay token-identical to the cache off (greedy, fp32, speculation on), ``num_cached_tokens`` is
 exact, and at idle every block is free or cached-and-free with all ref counts 0."""
+
 import pytest
 import torch
-from test_spec_lifecycle import asst_dir, greedy, make_llm, target_cfg  # noqa: F401
+from helpers import greedy, make_llm
 
 PAGE = 16
 
@@ -25,9 +26,14 @@ def expected_cached(prompt, cached_prefix_len):
 
 
 def engines(model_dir, assistant, **kw):
-    base = {**dict(num_steps=3, page_size=PAGE, max_model_len=512, num_kv_blocks=96, max_num_batched_tokens=64), **kw}
-    return (make_llm(model_dir, assistant, enable_prefix_caching=False, **base),
-            make_llm(model_dir, assistant, **base))
+    base = {
+        **dict(num_steps=3, page_size=PAGE, max_model_len=512, num_kv_blocks=96, max_num_batched_tokens=64),
+        **kw,
+    }
+    return (
+        make_llm(model_dir, assistant, enable_prefix_caching=False, **base),
+        make_llm(model_dir, assistant, **base),
+    )
 
 
 def test_two_requests_share_a_300_token_prefix(tiny_llama_dir, asst_dir):
@@ -44,7 +50,8 @@ def test_two_requests_share_a_300_token_prefix(tiny_llama_dir, asst_dir):
     idle_exact(on)
     again = on.generate(prompts[1:], greedy(12), use_tqdm=False)[0]  # after both finished: still cached
     assert again["token_ids"] == ref[1]["token_ids"]
-    assert again["num_cached_tokens"] == expected_cached(prompts[1], 323) == 320  # its own 20 full prompt blocks
+    # its own 20 full prompt blocks
+    assert again["num_cached_tokens"] == expected_cached(prompts[1], 323) == 320
     idle_exact(on)
 
 
@@ -72,14 +79,17 @@ def test_eviction_under_a_tiny_pool(tiny_llama_dir, asst_dir):
     prompts = [tokens(60, 20 + i) for i in range(4)]
     off, on = engines(tiny_llama_dir, asst_dir, num_kv_blocks=12, max_model_len=96)  # 11 usable blocks
     for p in prompts:  # one at a time: each finished request leaves 3 cached blocks; 4 x 3 > 11 evicts some
-        assert on.generate([p], greedy(10), use_tqdm=False)[0]["token_ids"] == off.generate(
-            [p], greedy(10), use_tqdm=False)[0]["token_ids"]
+        assert (
+            on.generate([p], greedy(10), use_tqdm=False)[0]["token_ids"]
+            == off.generate([p], greedy(10), use_tqdm=False)[0]["token_ids"]
+        )
     a = on.runner.allocator
     assert len(a.cached) < 4 * 3 and len(a.cached) <= a.num_usable
     idle_exact(on)
     # the oldest prompt's blocks were evicted first (LRU): it gets fewer cached tokens than the newest
-    first, last = (on.generate([p], greedy(2), use_tqdm=False)[0]["num_cached_tokens"] for p in (prompts[0],
-                                                                                                 prompts[-1]))
+    first, last = (
+        on.generate([p], greedy(2), use_tqdm=False)[0]["num_cached_tokens"] for p in (prompts[0], prompts[-1])
+    )
     assert last == expected_cached(prompts[-1], 60) == 48 and first < last
     idle_exact(on)
 

@@ -1,5 +1,6 @@
-"""Scheduler, block allocator, request finish rules and sampling reproducibility (CPU, fp32, a micro random Llama
-with a 512-token vocabulary: prompts are token-id lists)."""
+"""Scheduler, block allocator, request finish rules and sampling reproducibility (CPU, fp32, a micro random
+Llama with a 512-token vocabulary: prompts are token-id lists)."""
+
 import pytest
 import torch
 
@@ -21,7 +22,7 @@ def _prompts(n, lens, seed=0, vocab=512):
 
 
 def _drive(llm, prompts, params, max_steps=2000):
-    """add_request + step() until done, with a step bound so that a scheduler deadlock fails instead of hanging."""
+    """add_request + step() until done, with a step bound so that a scheduler deadlock fails, not hangs."""
     params = params if isinstance(params, list) else [params] * len(prompts)
     ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
     done = {}
@@ -31,14 +32,16 @@ def _drive(llm, prompts, params, max_steps=2000):
         if not llm.has_unfinished():
             break
     else:
-        pytest.fail(f"engine made no progress: {len(done)}/{len(ids)} done after {max_steps} steps, "
-                    f"waiting={len(llm.scheduler.waiting)} running={len(llm.scheduler.running)} "
-                    f"free={llm.runner.allocator.num_free}/{llm.runner.allocator.num_usable}")
+        pytest.fail(
+            f"engine made no progress: {len(done)}/{len(ids)} done after {max_steps} steps, "
+            f"waiting={len(llm.scheduler.waiting)} running={len(llm.scheduler.running)} "
+            f"free={llm.runner.allocator.num_free}/{llm.runner.allocator.num_usable}"
+        )
     return [done[i] for i in ids]
 
 
 def _all_free(llm):
-    """Every block is free or cached-and-free, no block is held (ref counts 0), and no block is listed twice."""
+    """Every block is free or cached-and-free, no block is held (ref counts 0), no block is listed twice."""
     a = llm.runner.allocator
     free = sorted([*a.free_blocks, *a.evictable])
     return a.num_free == a.num_usable and free == list(range(1, a.num_blocks)) and not any(a.ref_count)
@@ -60,7 +63,8 @@ def reference(micro_llama_dir):
 # ------------------------------------------------------------------------------------------ engine behaviour
 def test_preemption_by_recompute_keeps_greedy_output(micro_llama_dir, reference):
     prompts, ref = reference
-    # one request needs ceil((48 + 1) / 4) = 13 blocks; 14 usable blocks cannot hold 5 requests of up to 38 tokens
+    # one request needs ceil((48 + 1) / 4) = 13 blocks;
+    # 14 usable blocks cannot hold 5 requests of up to 38 tokens
     llm = _engine(micro_llama_dir, num_kv_blocks=14)
     assert llm.runner.allocator.num_usable == 13
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -93,8 +97,8 @@ def test_chunked_prefill_equals_unchunked(micro_llama_dir, reference):
 
 
 def test_chunked_prefill_under_preemption_makes_progress(micro_llama_dir, reference):
-    """Chunked prompts and a pool so small that decode must preempt while a prompt is half prefilled: the engine
-    never stalls (a half-prefilled request holding blocks must not starve the requests queued in front of it)."""
+    """Chunked prompts and a pool so small that decode must preempt while a prompt is half prefilled: the
+    engine never stalls (a half-prefilled request that holds blocks must not starve requests queued ahead)."""
     prompts, ref = reference
     llm = _engine(micro_llama_dir, num_kv_blocks=14, max_num_batched_tokens=6)
     outs = _drive(llm, prompts, GREEDY)
@@ -103,7 +107,7 @@ def test_chunked_prefill_under_preemption_makes_progress(micro_llama_dir, refere
 
 
 def test_long_prompt_and_long_generation_contend(micro_llama_dir):
-    """A long generation decoding while a long chunked prompt arrives, in a pool that holds only one of them."""
+    """A long generation decodes while a long chunked prompt arrives, in a pool that fits only one of them."""
     llm_ref = _engine(micro_llama_dir)
     prompts = _prompts(2, (8, 36), seed=3)
     params = [SamplingParams(max_tokens=38, ignore_eos=True), SamplingParams(max_tokens=8, ignore_eos=True)]
@@ -149,7 +153,7 @@ def test_step_after_finish_is_empty(micro_llama_dir):
 
 
 def test_generate_keeps_requests_it_does_not_own(micro_llama_dir):
-    """A request queued with add_request() that finishes inside generate() is handed out by the next step()."""
+    """A request queued by add_request() that finishes inside generate() is handed out by the next step()."""
     llm = _engine(micro_llama_dir)
     rid = llm.add_request([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
     out = llm.generate([[4, 5, 6]], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
@@ -167,10 +171,14 @@ def test_seeded_sampling_is_batch_independent(micro_llama_dir):
     prompt = _prompts(1, (11,), seed=7)[0]
     others = _prompts(3, (6, 19, 9), seed=8)
     alone = _engine(micro_llama_dir, seed=0).generate([prompt], SEEDED, use_tqdm=False)[0]["token_ids"]
-    mix = [SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True), GREEDY,
-           SamplingParams(temperature=0.7, top_p=0.5, max_tokens=12, ignore_eos=True, seed=9)]
-    outs = _engine(micro_llama_dir, seed=5).generate([others[0], prompt, others[1], others[2]],
-                                                     [mix[0], SEEDED, mix[1], mix[2]], use_tqdm=False)
+    mix = [
+        SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True),
+        GREEDY,
+        SamplingParams(temperature=0.7, top_p=0.5, max_tokens=12, ignore_eos=True, seed=9),
+    ]
+    outs = _engine(micro_llama_dir, seed=5).generate(
+        [others[0], prompt, others[1], others[2]], [mix[0], SEEDED, mix[1], mix[2]], use_tqdm=False
+    )
     assert outs[1]["token_ids"] == alone
     # ... and under preemption / chunking, where the request is recomputed and sampled in a prefill step
     small = _engine(micro_llama_dir, seed=6, num_kv_blocks=14, max_num_batched_tokens=6)
@@ -314,10 +322,10 @@ def test_finish_precedence_on_one_token(tok):
 
 def test_finish_stop_string_cuts_text_and_tokens(tok):
     ids = _ids(tok, "The answer is 42. Done here and more text follows")
-    stop_at = next(i for i in range(len(ids)) if "Done" in tok.decode(ids[:i + 1]))
+    stop_at = next(i for i in range(len(ids)) if "Done" in tok.decode(ids[: i + 1]))
     r = _request(tok, max_tokens=100, stop=["Done", "never matches"])
     kept = r.append_tokens(ids)
-    assert kept == stop_at + 1 and r.output_token_ids == ids[:stop_at + 1]
+    assert kept == stop_at + 1 and r.output_token_ids == ids[: stop_at + 1]
     assert r.finish_reason == "stop" and r.output_text() == "The answer is 42. "
     assert "Done" not in r.output_text()
 
@@ -325,7 +333,7 @@ def test_finish_stop_string_cuts_text_and_tokens(tok):
 def test_finish_stop_string_spanning_two_commits(tok):
     ids = _ids(tok, "alpha beta gamma delta")
     # stop string "beta gam" starts in the first commit and is completed by the second
-    split = next(i for i in range(len(ids)) if "beta" in tok.decode(ids[:i + 1])) + 1
+    split = next(i for i in range(len(ids)) if "beta" in tok.decode(ids[: i + 1])) + 1
     r = _request(tok, max_tokens=100, stop="beta gam")
     assert r.append_tokens(ids[:split]) == split and not r.is_finished
     kept = r.append_tokens(ids[split:])
@@ -341,10 +349,10 @@ def test_stop_string_end_to_end(micro_llama_dir):
     prompt = _prompts(1, (6,), seed=11)[0]
     free = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     text = free["text"]
-    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert len(stop) == 3 and stop.strip()
     out = llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True, stop=stop), use_tqdm=False)[0]
     assert out["finish_reason"] == "stop"
-    assert out["text"] == text[:text.find(stop)]
-    assert free["token_ids"][:len(out["token_ids"])] == out["token_ids"]
+    assert out["text"] == text[: text.find(stop)]
+    assert free["token_ids"][: len(out["token_ids"])] == out["token_ids"]
     assert len(out["token_ids"]) < 16 and _all_free(llm)

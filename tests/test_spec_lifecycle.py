@@ -1,95 +1,39 @@
 """Frozen-KV MTP lifecycle contract (DESIGN §4, rules 1-6), preemption under speculation, and bad input.
 
-One test (or a small group) per rule; each comment names the production bug it guards (the SGLang issue or pull
-request, by number). fp32 on CPU with a tiny random Llama target (conftest's
+One test (or a small group) per rule; each comment names the production bug it guards (the SGLang issue or
+pull request, by number). fp32 on CPU with a tiny random Llama target (conftest's
 ``tiny_llama_dir``) and a tiny random ``gemma4_assistant`` saved with HF ``save_pretrained``.
 
 Several tests install an *oracle drafter*: ``FrozenKVMTPWorker.draft`` is replaced by one that proposes the
-target's own greedy continuation (computed spec-off) as a chain, optionally corrupted from a chosen depth on, so
-one verify commits many tokens (rule 5) and rows of one batch accept different counts (rule 6). The oracle also
-checks, on every draft, that each row's seed is the request's own last token and that L is its own committed length.
+target's own greedy continuation (computed spec-off) as a chain, optionally corrupted from a chosen depth on,
+so one verify commits many tokens (rule 5) and rows of one batch accept different counts (rule 6). The oracle
+also checks, on every draft, that each row's seed is the request's own last token and that L is its own
+committed length.
 """
+
 import copy
 import hashlib
 
 import pytest
 import torch
-from conftest import randomize
-from transformers import AutoConfig, Gemma4AssistantForCausalLM
+from conftest import save_assistant
+from helpers import HB, P_DISTINCT, PROMPTS, greedy, make_llm
 
 import nanospec.models.gemma4_assistant as g4
 import nanospec.mtp.draft as draft_mod
-from nanospec import LLM, SamplingParams
 from nanospec.config import EngineConfig
 from nanospec.context import AttnMetadata, attn_metadata
 from nanospec.kernels.attention import decode_attention, draft_attention
 from nanospec.kv_cache import block_table_tensor
 from nanospec.model_runner import ModelRunner, build_target
-from nanospec.sampler import Sampler
-from nanospec.models.gemma4_assistant import assistant_config_for
-from nanospec.scheduler import Batch
 from nanospec.mtp.draft import DraftTree, chain_tree, run_draft
 from nanospec.mtp.state import DraftInput
 from nanospec.mtp.verify import accept_greedy, accept_sampling, compact_accepted_kv, emitted_tokens
 from nanospec.mtp.worker import FrozenKVMTPWorker
+from nanospec.sampler import Sampler
+from nanospec.scheduler import Batch
 
-HB, V, S = 64, 49152, 5  # target hidden, vocab; draft steps of the oracle tests
-REF_LEN = 48
-P_DISTINCT = [100, 200, 300, 400, 500, 600, 700]  # its greedy continuation has no repeated token early on
-PROMPTS = [[11, 22, 33], P_DISTINCT, list(range(1000, 1017)), list(range(5000, 5030))]  # 3, 7, 17, 30 tokens
-
-
-
-
-
-
-def _save_assistant(path, target_cfg, seed=7, **kw):
-    cfg = assistant_config_for(target_cfg, **{"num_layers": 2, "hidden_size": 32, "num_heads": 4, **kw})
-    torch.manual_seed(seed)
-    model = Gemma4AssistantForCausalLM(cfg).eval()
-    randomize(model, seed, 0.3)
-    model.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def target_cfg(tiny_llama_dir):
-    return AutoConfig.from_pretrained(tiny_llama_dir)
-
-
-@pytest.fixture(scope="module")
-def asst_dir(tmp_path_factory, target_cfg):
-    """A random 2-layer gemma4_assistant for the tiny Llama (H 32, 4 heads of head_dim 16, own LM head)."""
-    return _save_assistant(tmp_path_factory.mktemp("assistant"), target_cfg)
-
-
-def make_llm(model_dir, assistant=None, **kw):
-    base = dict(device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=128, page_size=16)
-    if assistant is not None:
-        base["assistant"] = str(assistant)
-    return LLM(str(model_dir), **{**base, **kw})
-
-
-def greedy(max_tokens=REF_LEN, **kw):
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
-@pytest.fixture(scope="module")
-def ref_llm(tiny_llama_dir):
-    return make_llm(tiny_llama_dir)
-
-
-@pytest.fixture(scope="module")
-def reference(ref_llm):
-    """prompt -> the target's spec-off greedy continuation (REF_LEN tokens, batch of one), cached."""
-    cache = {}
-
-    def ref(prompt):
-        key = tuple(prompt)
-        if key not in cache:
-            cache[key] = ref_llm.generate([list(prompt)], greedy(), use_tqdm=False)[0]["token_ids"]
-        return cache[key]
-    return ref
+V, S = 49152, 5  # vocab; draft steps of the oracle tests
 
 
 @pytest.fixture
@@ -98,22 +42,26 @@ def oracle(monkeypatch, reference):
 
     ``wrong_at(prompt, n_out) -> j`` makes drafts j.. wrong (so that step accepts j drafts + the bonus).
     """
+
     def install(wrong_at=None):
         def draft(self, reqs, block_table, seq_lens, num_splits=None):
             seed = self.draft_inputs.filter([r.request_id for r in reqs])
             assert seed.req_ids == [r.request_id for r in reqs]
-            assert seed.bonus_tokens.tolist() == [r.all_token_ids[-1] for r in reqs]  # own, fresh seed per row
+            # own, fresh seed per row
+            assert seed.bonus_tokens.tolist() == [r.all_token_ids[-1] for r in reqs]
             assert seq_lens.tolist() == [r.num_tokens - 1 for r in reqs]  # own L: all but the bonus in KV
             rows = []
             for r in reqs:
                 n, ref = len(r.output_token_ids), reference(r.prompt_token_ids)
                 assert r.output_token_ids == ref[:n]
-                d = (ref[n:n + self.num_steps] + [0] * self.num_steps)[:self.num_steps]
+                d = (ref[n : n + self.num_steps] + [0] * self.num_steps)[: self.num_steps]
                 j = self.num_steps if wrong_at is None else wrong_at(r.prompt_token_ids, n)
                 rows.append([t if i < j else (t + 1) % V for i, t in enumerate(d)])
             drafts = torch.tensor(rows, dtype=torch.long).view(len(reqs), self.num_steps)
             return chain_tree(seed.bonus_tokens, drafts)
+
         monkeypatch.setattr(FrozenKVMTPWorker, "draft", draft)
+
     return install
 
 
@@ -124,20 +72,22 @@ def first_occurrence(ref, k):
 
 def straddle(tok, ids, i):
     """A short string that starts inside token i's text and is first complete when token i+1 is appended."""
-    head, full = tok.decode(ids[:i + 1]), tok.decode(ids[:i + 2])
+    head, full = tok.decode(ids[: i + 1]), tok.decode(ids[: i + 2])
     b = len(head)
     assert full.startswith(head) and len(full) > b
-    s = full[b - 2:b + 2]
+    s = full[b - 2 : b + 2]
     assert s not in head and len(s) >= 3
     return s
 
 
 # =============================================================================================== rule 1
-# Bug: sglang #27007 (fixed by PR #26859). When every request finished in the same verify, the v1 worker skipped
-# the seed step and left the *verify* input in spec_info; merging the next prefill crashed (AttributeError,
-# VerifyInput has no merge_batch). Rule: the batch is left with an idle (0-row) DraftInput.
+# Bug: sglang #27007 (fixed by PR #26859). When every request finished in the same verify, the v1 worker
+# skipped the seed step and left the *verify* input in spec_info; merging the next prefill crashed
+# (AttributeError, VerifyInput has no merge_batch). Rule: the batch is left with an idle (0-row) DraftInput.
 @pytest.mark.parametrize("drafter", ["real", "oracle"])
-def test_rule1_all_finish_in_one_verify_leaves_idle_input(tiny_llama_dir, asst_dir, reference, oracle, drafter):
+def test_rule1_all_finish_in_one_verify_leaves_idle_input(
+    tiny_llama_dir, asst_dir, reference, oracle, drafter
+):
     if drafter == "oracle":
         oracle()  # one verify commits 4 tokens; both requests trim inside it
     n_len = 2 if drafter == "real" else 3
@@ -176,9 +126,12 @@ def test_rule1_draft_input_filter_merge_mix():
     Hb = 8
 
     def seeds(ids):  # row of request r: bonus 10*r, hidden filled with r
-        return DraftInput(list(ids), torch.tensor([10 * r for r in ids], dtype=torch.long),
-                          torch.tensor([[float(r)] * Hb for r in ids]).reshape(len(ids), Hb),
-                          torch.tensor([100 + r for r in ids], dtype=torch.int32))
+        return DraftInput(
+            list(ids),
+            torch.tensor([10 * r for r in ids], dtype=torch.long),
+            torch.tensor([[float(r)] * Hb for r in ids]).reshape(len(ids), Hb),
+            torch.tensor([100 + r for r in ids], dtype=torch.int32),
+        )
 
     def check(x, ids):
         assert x.req_ids == list(ids)
@@ -201,7 +154,9 @@ def test_rule1_draft_input_filter_merge_mix():
     check(batch.filter([]).merge(seeds([7])), [7])
     check(idle.filter([1]), [])
     # preempt -> re-prefill: request 2's new seed replaces its old row, no duplicate
-    fresh = DraftInput([2], torch.tensor([99]), torch.full((1, Hb), -2.0), torch.tensor([7], dtype=torch.int32))
+    fresh = DraftInput(
+        [2], torch.tensor([99]), torch.full((1, Hb), -2.0), torch.tensor([7], dtype=torch.int32)
+    )
     m = batch.merge(fresh)
     assert m.req_ids == [1, 3, 5, 6, 2] and m.bonus_tokens.shape == (5,) and m.hidden.shape == (5, Hb)
     assert m.bonus_tokens.tolist() == [10, 30, 50, 60, 99] and m.hidden[-1].eq(-2.0).all()
@@ -210,14 +165,21 @@ def test_rule1_draft_input_filter_merge_mix():
 
 
 # =============================================================================================== rule 2
-# Bug: sglang #29021 -> #29616. FrozenKVMTPDraftWorker.__init__ read the target's memory pool, so the target pool
-# had to be allocated before the draft worker existed (a scheduler special case, KV sizing outside
+# Bug: sglang #29021 -> #29616. FrozenKVMTPDraftWorker.__init__ read the target's memory pool, so the target
+# pool had to be allocated before the draft worker existed (a scheduler special case, KV sizing outside
 # load -> profile -> allocate). Rule: construct (no pool) -> allocate the target pool -> bind views into it;
 # the drafter allocates no KV of its own.
 def test_rule2_construct_then_allocate_then_bind(tiny_llama_dir, asst_dir, target_cfg, monkeypatch):
     cpu, f32 = torch.device("cpu"), torch.float32
-    cfg = EngineConfig(device="cpu", dtype="float32", assistant=str(asst_dir), num_steps=2, max_model_len=64,
-                       num_kv_blocks=12, page_size=8)
+    cfg = EngineConfig(
+        device="cpu",
+        dtype="float32",
+        assistant=str(asst_dir),
+        num_steps=2,
+        max_model_len=64,
+        num_kv_blocks=12,
+        page_size=8,
+    )
     target = build_target(target_cfg, cpu, f32, 128, tiny_llama_dir)
     assert all(layer.self_attn.k_cache is None for layer in target.layers)  # no pool anywhere
     worker = FrozenKVMTPWorker(cfg, target, asst_dir, Sampler(cpu, 0))  # construction needs no pool
@@ -229,13 +191,19 @@ def test_rule2_construct_then_allocate_then_bind(tiny_llama_dir, asst_dir, targe
         worker.bind([])
 
     events = []
-    orig_init, orig_alloc, orig_bind = FrozenKVMTPWorker.__init__, ModelRunner.allocate_kv_cache, FrozenKVMTPWorker.bind
+    orig_init, orig_alloc, orig_bind = (
+        FrozenKVMTPWorker.__init__,
+        ModelRunner.allocate_kv_cache,
+        FrozenKVMTPWorker.bind,
+    )
 
     def rec(name, fn):
         def wrapped(self, *a, **k):
             events.append(name)
             return fn(self, *a, **k)
+
         return wrapped
+
     monkeypatch.setattr(FrozenKVMTPWorker, "__init__", rec("construct", orig_init))
     monkeypatch.setattr(ModelRunner, "allocate_kv_cache", rec("allocate", orig_alloc))
     monkeypatch.setattr(FrozenKVMTPWorker, "bind", rec("bind", orig_bind))
@@ -256,8 +224,8 @@ def test_rule2_construct_then_allocate_then_bind(tiny_llama_dir, asst_dir, targe
         assert k.data_ptr() == pool[n_layers - 1, 0].data_ptr() == tgt.layers[-1].self_attn.k_cache.data_ptr()
         assert v.data_ptr() == pool[n_layers - 1, 1].data_ptr() == tgt.layers[-1].self_attn.v_cache.data_ptr()
         assert k.shape == pool.shape[2:] and v.shape == pool.shape[2:]
-    # no KV of its own: no module of the drafter holds a cache, and every non-parameter tensor it references is
-    # the target's (pool views, RoPE table, embedding / LM head)
+    # no KV of its own: no module of the drafter holds a cache, and every non-parameter tensor it references
+    # is the target's (pool views, RoPE table, embedding / LM head)
     target_ptrs = {t.untyped_storage().data_ptr() for t in [*tgt.parameters(), tgt.cos_sin, pool]}
     params = {id(p) for p in a.parameters()}
     seen = []
@@ -269,6 +237,7 @@ def test_rule2_construct_then_allocate_then_bind(tiny_llama_dir, asst_dir, targe
         elif isinstance(x, (list, tuple)) and depth < 4:
             for y in x:
                 walk(y, depth + 1)
+
     for m in a.modules():
         assert getattr(m, "k_cache", None) is None and getattr(m, "v_cache", None) is None
         assert not list(m.buffers(recurse=False))
@@ -300,6 +269,7 @@ def record_draft_metadata(monkeypatch):
     def ctx(md):
         seen["run_draft"].append(md)
         return orig_ctx(md)
+
     monkeypatch.setattr(g4, "get_attn_metadata", get)
     monkeypatch.setattr(draft_mod, "attn_metadata", ctx)
     return seen
@@ -307,8 +277,15 @@ def record_draft_metadata(monkeypatch):
 
 @pytest.mark.parametrize("topk,n_draft", [(1, None), (3, 6)])
 def test_rule3_draft_writes_no_kv(tiny_llama_dir, asst_dir, record_draft_metadata, topk, n_draft):
-    llm = make_llm(tiny_llama_dir, asst_dir, num_steps=3, topk=topk, num_draft_tokens=n_draft, page_size=4,
-                   num_kv_blocks=40)
+    llm = make_llm(
+        tiny_llama_dir,
+        asst_dir,
+        num_steps=3,
+        topk=topk,
+        num_draft_tokens=n_draft,
+        page_size=4,
+        num_kv_blocks=40,
+    )
     for p in PROMPTS[:3]:
         llm.add_request(p, greedy(10))
     llm.step()  # prefill (leaves a prefill slot_mapping behind as the last forward's metadata)
@@ -344,7 +321,9 @@ def test_rule3_write_slots_make_the_assistant_raise(tiny_llama_dir, asst_dir):
     with attn_metadata(AttnMetadata("draft", bt, L, slot_mapping=torch.arange(len(r.prompt_token_ids)))):
         with pytest.raises(RuntimeError, match="slot_mapping"):
             a(*args)
-    with attn_metadata(AttnMetadata.prefill(bt, L, torch.arange(7), torch.tensor([0, 7], dtype=torch.int32), 7)):
+    with attn_metadata(
+        AttnMetadata.prefill(bt, L, torch.arange(7), torch.tensor([0, 7], dtype=torch.int32), 7)
+    ):
         with pytest.raises(RuntimeError, match="draft"):
             a(*args)
     with attn_metadata(AttnMetadata.draft(bt, L)):
@@ -366,6 +345,7 @@ def test_rule3_long_prompt_num_steps_1(tiny_llama_dir, asst_dir, record_draft_me
         out = orig(self, reqs, bt, L, num_splits)
         digests.append(before == _pool_digest(llm.runner.kv_pools[0]))
         return out
+
     monkeypatch.setattr(FrozenKVMTPWorker, "draft", checked)
     out = llm.generate([prompt], greedy(8), use_tqdm=False)[0]
     assert out["token_ids"] == ref
@@ -375,9 +355,10 @@ def test_rule3_long_prompt_num_steps_1(tiny_llama_dir, asst_dir, record_draft_me
 
 
 # =============================================================================================== rule 4
-# Bug: sglang #33892. A DP rank with no requests still stepped in a non-IDLE mode and the frozen-KV metadata init
-# took seq_lens.max() of an empty tensor ("max(): Expected reduction dim to be specified for input.numel() == 0").
-# Rule: a step with zero rows returns cleanly; no max()/cumsum over empty tensors anywhere on the path.
+# Bug: sglang #33892. A DP rank with no requests still stepped in a non-IDLE mode and the frozen-KV metadata
+# init took seq_lens.max() of an empty tensor ("max(): Expected reduction dim to be specified for
+# input.numel() == 0"). Rule: a step with zero rows returns cleanly; no max()/cumsum over empty tensors
+# anywhere on the path.
 def test_rule4_zero_row_step_engine(tiny_llama_dir, asst_dir):
     llm = make_llm(tiny_llama_dir, asst_dir, num_steps=3)
     assert llm.step() == [] and not llm.has_unfinished()
@@ -394,12 +375,18 @@ def test_rule4_zero_row_step_engine(tiny_llama_dir, asst_dir):
 
 @pytest.mark.parametrize("topk,n_draft", [(1, 4), (3, 6)])
 def test_rule4_zero_row_draft_and_accept(tiny_llama_dir, asst_dir, topk, n_draft):
-    llm = make_llm(tiny_llama_dir, asst_dir, num_steps=3, topk=topk, num_draft_tokens=n_draft if topk > 1 else None)
+    llm = make_llm(
+        tiny_llama_dir, asst_dir, num_steps=3, topk=topk, num_draft_tokens=n_draft if topk > 1 else None
+    )
     worker, kv = llm.worker, llm.runner.kv_pools[0]
     idle = DraftInput.idle(HB, "cpu", torch.float32)
     bt0, L0 = torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
     tree = run_draft(worker.assistant, idle, bt0, L0, 3, topk, n_draft)
-    assert tree.tokens.shape == (0, n_draft) and tree.parents.shape == (0, n_draft) and tree.depth.shape == (0, n_draft)
+    assert (
+        tree.tokens.shape == (0, n_draft)
+        and tree.parents.shape == (0, n_draft)
+        and tree.depth.shape == (0, n_draft)
+    )
     assert tree.is_chain == (topk == 1)
     if topk > 1:
         assert tree.tree_mask.shape == (0, n_draft, n_draft)
@@ -408,10 +395,14 @@ def test_rule4_zero_row_draft_and_accept(tiny_llama_dir, asst_dir, topk, n_draft
     assert path.shape[0] == 0 and acc.shape == (0,) and bonus.shape == (0,)
     assert emitted_tokens(tree, path, acc, bonus).shape[0] == 0
     Vs = 11
-    path, acc, bonus = accept_sampling(tree, torch.zeros(0, n_draft, Vs), torch.rand(0, 3, topk), torch.rand(0, Vs))
+    path, acc, bonus = accept_sampling(
+        tree, torch.zeros(0, n_draft, Vs), torch.rand(0, 3, topk), torch.rand(0, Vs)
+    )
     assert path.shape[0] == 0 and acc.shape == (0,) and bonus.shape == (0,)
     before = _pool_digest(kv)
-    compact_accepted_kv([kv], bt0, L0, torch.zeros(0, 4, dtype=torch.long), torch.zeros(0, dtype=torch.long), 16)
+    compact_accepted_kv(
+        [kv], bt0, L0, torch.zeros(0, 4, dtype=torch.long), torch.zeros(0, dtype=torch.long), 16
+    )
     assert _pool_digest(kv) == before
 
 
@@ -424,16 +415,18 @@ def test_rule4_empty_attention_metadata_no_max(tiny_llama_dir, asst_dir):
     assert draft_attention(q, k, v, bt0, L0, torch.zeros(0, dtype=torch.int32)).shape == (0, 4, 16)
     assert decode_attention(q, k, v, bt0, L0, 0.25).shape == (0, 4, 16)
     with attn_metadata(AttnMetadata.draft(bt0, L0)):  # a draft forward with 0 rows
-        logits, h = llm.worker.assistant(torch.zeros(0, dtype=torch.long), torch.zeros(0, HB),
-                                              torch.zeros(0, dtype=torch.long))
+        logits, h = llm.worker.assistant(
+            torch.zeros(0, dtype=torch.long), torch.zeros(0, HB), torch.zeros(0, dtype=torch.long)
+        )
     assert logits.shape == (0, V) and h.shape == (0, HB)
 
 
 # =============================================================================================== rule 5
-# Bugs: sglang #23802 + #25980 (follow-ups #27637, #28802, #30291/#31569/#33758). With multi-token commits the stop
-# check looked at a fixed tail window / only the end of the run, emitted tokens past the stop, checked EOS before
-# the stop string, and let the max_new_tokens check mask an in-run stop. Rule: every token of a commit is checked in
-# order, stop string > stop token > length, cut at the first stop, `>=` length test, bonus never dropped.
+# Bugs: sglang #23802 + #25980 (follow-ups #27637, #28802, #30291/#31569/#33758). With multi-token commits the
+# stop check looked at a fixed tail window / only the end of the run, emitted tokens past the stop, checked
+# EOS before the stop string, and let the max_new_tokens check mask an in-run stop. Rule: every token of a
+# commit is checked in order, stop string > stop token > length, cut at the first stop, `>=` length test,
+# bonus never dropped.
 @pytest.mark.parametrize("drafter", ["real", "oracle"])
 def test_rule5_max_tokens_exact(tiny_llama_dir, asst_dir, reference, oracle, drafter):
     if drafter == "oracle":
@@ -458,8 +451,10 @@ def test_rule5_stop_token_inside_commit(tiny_llama_dir, asst_dir, reference, ora
     llm = make_llm(tiny_llama_dir, asst_dir, num_steps=S)
     ref = reference(P_DISTINCT)
     for k in (1, 3, 6, 8):  # first, middle, last token of commit 1 (tokens 1..6); inside commit 2
-        out = llm.generate([P_DISTINCT], greedy(40, stop_token_ids=[first_occurrence(ref, k)]), use_tqdm=False)[0]
-        assert out["token_ids"] == ref[:k + 1] and out["finish_reason"] == "stop"
+        out = llm.generate(
+            [P_DISTINCT], greedy(40, stop_token_ids=[first_occurrence(ref, k)]), use_tqdm=False
+        )[0]
+        assert out["token_ids"] == ref[: k + 1] and out["finish_reason"] == "stop"
         assert out["accept_lengths"] == [S + 1] * (1 if k <= S + 1 else 2)
         assert 1 + sum(out["accept_lengths"]) >= k + 1
 
@@ -473,8 +468,8 @@ def test_rule5_stop_strings(tiny_llama_dir, asst_dir, reference, oracle):
         return llm.generate([P_DISTINCT], greedy(**{"max_tokens": 40, **kw}), use_tqdm=False)[0]
 
     def text_cut(i, s):  # decoded ref[:i+1], cut before the first occurrence of s
-        t = tok.decode(ref[:i + 1])
-        return t[:t.index(s)]
+        t = tok.decode(ref[: i + 1])
+        return t[: t.index(s)]
 
     # inside one commit, far from its end: completes at token 2 of the 6-token commit 1..6
     s = straddle(tok, ref, 1)
@@ -494,31 +489,33 @@ def test_rule5_precedence(tiny_llama_dir, asst_dir, reference, oracle):
     tok, ref = llm.tokenizer, reference(P_DISTINCT)
     k = 3  # token 3 completes a stop string, is a stop token and reaches max_tokens, all inside commit 1
     s, t3 = straddle(tok, ref, k - 1), first_occurrence(ref, k)
-    full = tok.decode(ref[:k + 1])
-    cut = full[:full.index(s)]
+    full = tok.decode(ref[: k + 1])
+    cut = full[: full.index(s)]
 
     def run(**kw):
         return llm.generate([P_DISTINCT], greedy(**{"max_tokens": 40, **kw}), use_tqdm=False)[0]
 
     out = run(stop=[s], stop_token_ids=[t3], max_tokens=k + 1)  # stop string wins: text cut before it
-    assert (out["token_ids"], out["finish_reason"], out["text"]) == (ref[:k + 1], "stop", cut)
+    assert (out["token_ids"], out["finish_reason"], out["text"]) == (ref[: k + 1], "stop", cut)
     out = run(stop_token_ids=[t3], max_tokens=k + 1)  # stop token beats length
-    assert (out["token_ids"], out["finish_reason"], out["text"]) == (ref[:k + 1], "stop", full)
+    assert (out["token_ids"], out["finish_reason"], out["text"]) == (ref[: k + 1], "stop", full)
     out = run(max_tokens=k + 1)
-    assert (out["token_ids"], out["finish_reason"], out["text"]) == (ref[:k + 1], "length", full)
+    assert (out["token_ids"], out["finish_reason"], out["text"]) == (ref[: k + 1], "length", full)
     # the first stop in the commit wins whatever its kind
-    out = run(stop=[straddle(tok, ref, 3)], stop_token_ids=[first_occurrence(ref, 2)])  # token 2 < string at 4
+    # token 2 < string at 4
+    out = run(stop=[straddle(tok, ref, 3)], stop_token_ids=[first_occurrence(ref, 2)])
     assert (out["token_ids"], out["finish_reason"], out["text"]) == (ref[:3], "stop", tok.decode(ref[:3]))
     s1 = straddle(tok, ref, 1)  # completes at token 2, before the stop token at 4
     out = run(stop=[s1], stop_token_ids=[first_occurrence(ref, 4)], max_tokens=5)
     t = tok.decode(ref[:3])
-    assert (out["token_ids"], out["finish_reason"], out["text"]) == (ref[:3], "stop", t[:t.index(s1)])
+    assert (out["token_ids"], out["finish_reason"], out["text"]) == (ref[:3], "stop", t[: t.index(s1)])
     assert out["accept_lengths"] == [S + 1]
 
 
 # =============================================================================================== rule 6
-# Bug class: per-request state shared across a batch (one L / accept length for all rows). Rule: rows accepting
-# different counts keep their own L; greedy output of each request is identical batched (mixed lengths) or alone.
+# Bug class: per-request state shared across a batch (one L / accept length for all rows). Rule: rows
+# accepting different counts keep their own L; greedy output of each request is identical batched (mixed
+# lengths) or alone.
 def _wrong_at(prompt, n):  # deterministic per (request, progress): rows of a batch accept different counts
     return ((len(prompt) * 131 + n * 31) * 2654435761 >> 11) % (S + 1)
 
@@ -530,17 +527,20 @@ def test_rule6_rows_independent(tiny_llama_dir, asst_dir, reference, oracle):
     batched = llm.generate(PROMPTS, params, use_tqdm=False)
     alone = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(PROMPTS, params)]
     for p, sp, b, a in zip(PROMPTS, params, batched, alone):
-        assert b["token_ids"] == a["token_ids"] == reference(p)[:sp.max_tokens]
+        assert b["token_ids"] == a["token_ids"] == reference(p)[: sp.max_tokens]
         assert b["accept_lengths"] == a["accept_lengths"]
     firsts = [b["accept_lengths"][0] for b in batched]
     assert len(set(firsts)) == len(firsts)  # rows accepted different counts in the same verify
     assert all(len(set(b["accept_lengths"])) > 1 for b in batched), [b["accept_lengths"] for b in batched]
-    assert len(llm.worker.draft_inputs) == 0 and llm.runner.allocator.num_free == llm.runner.allocator.num_usable
+    assert (
+        len(llm.worker.draft_inputs) == 0 and llm.runner.allocator.num_free == llm.runner.allocator.num_usable
+    )
 
 
 def test_rule6_rows_independent_tree(tiny_llama_dir, asst_dir, reference, monkeypatch):
-    """topk 2 (S 2, N 5): rows of one verify take different tree paths (0->2->4, 0->2->3, or nothing accepted),
-    each moving different K/V rows (tree index -> depth) at its own L: compact_accepted_kv must act per row."""
+    """topk 2 (S 2, N 5): rows of one verify take different tree paths (0->2->4, 0->2->3, or nothing
+    accepted), each moving different K/V rows (tree index -> depth) at its own L: compact_accepted_kv must
+    act per row."""
     m = torch.zeros(5, 5, dtype=torch.bool)
     for i, anc in enumerate([[0], [0, 1], [0, 2], [0, 2, 3], [0, 2, 4]]):
         m[i, anc] = True
@@ -551,28 +551,37 @@ def test_rule6_rows_independent_tree(tiny_llama_dir, asst_dir, reference, monkey
         rows = []
         for r in reqs:
             n = len(r.output_token_ids)
-            d1, d2 = (reference(r.prompt_token_ids) + [0, 0])[n:n + 2]
+            d1, d2 = (reference(r.prompt_token_ids) + [0, 0])[n : n + 2]
             w1, w2 = (d1 + 1) % V, (d2 + 1) % V
-            rows.append([[w1, d1, w2, d2], [w1, d1, d2, w2], [w1, w1, d2, d2]][_wrong_at(r.prompt_token_ids, n) % 3])
+            rows.append(
+                [[w1, d1, w2, d2], [w1, d1, d2, w2], [w1, w1, d2, d2]][_wrong_at(r.prompt_token_ids, n) % 3]
+            )
         B = len(reqs)
         tokens = torch.cat([seed.bonus_tokens[:, None], torch.tensor(rows, dtype=torch.long).view(B, 4)], 1)
-        return DraftTree(tokens, torch.tensor([-1, 0, 0, 2, 2]).expand(B, 5).clone(),
-                         torch.tensor([0, 1, 1, 2, 2]).expand(B, 5).clone(), m.expand(B, 5, 5).clone())
+        return DraftTree(
+            tokens,
+            torch.tensor([-1, 0, 0, 2, 2]).expand(B, 5).clone(),
+            torch.tensor([0, 1, 1, 2, 2]).expand(B, 5).clone(),
+            m.expand(B, 5, 5).clone(),
+        )
+
     monkeypatch.setattr(FrozenKVMTPWorker, "draft", draft)
     llm = make_llm(tiny_llama_dir, asst_dir, num_steps=2, topk=2, num_draft_tokens=5, page_size=4)
     params = [greedy(n) for n in (20, 25, 14, 30)]
     batched = llm.generate(PROMPTS, params, use_tqdm=False)
     alone = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(PROMPTS, params)]
     for p, sp, b, a in zip(PROMPTS, params, batched, alone):
-        assert b["token_ids"] == a["token_ids"] == reference(p)[:sp.max_tokens]
+        assert b["token_ids"] == a["token_ids"] == reference(p)[: sp.max_tokens]
         assert b["accept_lengths"] == a["accept_lengths"] and set(b["accept_lengths"]) <= {1, 3}
-    assert sum(3 in b["accept_lengths"] for b in batched) >= 3 and any(1 in b["accept_lengths"] for b in batched)
+    assert sum(3 in b["accept_lengths"] for b in batched) >= 3 and any(
+        1 in b["accept_lengths"] for b in batched
+    )
 
 
 # =============================================================================================== preemption
-# Preemption by recompute keeps working under speculation: lookahead N rows are reserved per decode, a preempted
-# request's blocks (rejected tail included) are freed, its re-prefill seed replaces the stale one (the oracle
-# asserts every seed is fresh), and the output equals spec-off greedy.
+# Preemption by recompute keeps working under speculation: lookahead N rows are reserved per decode, a
+# preempted request's blocks (rejected tail included) are freed, its re-prefill seed replaces the stale one
+# (the oracle asserts every seed is fresh), and the output equals spec-off greedy.
 def test_preemption_with_speculation(tiny_llama_dir, asst_dir, reference, oracle):
     oracle(_wrong_at)
     llm = make_llm(tiny_llama_dir, asst_dir, num_steps=3, page_size=4, max_model_len=64, num_kv_blocks=19)
@@ -582,9 +591,9 @@ def test_preemption_with_speculation(tiny_llama_dir, asst_dir, reference, oracle
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.scheduler.num_preemptions > 0
     for ref, sp, o in zip(refs, params, outs):
-        assert o["token_ids"] == ref[:sp.max_tokens] and o["finish_reason"] == "length"
-        # a resumed request re-prefills all but its last token and emits nothing, so every token after the first
-        # still comes from a verify step
+        assert o["token_ids"] == ref[: sp.max_tokens] and o["finish_reason"] == "length"
+        # a resumed request re-prefills all but its last token and emits nothing, so every token after the
+        # first still comes from a verify step
         assert 1 + sum(o["accept_lengths"]) >= len(o["token_ids"])
     alloc = llm.runner.allocator
     assert alloc.num_free == alloc.num_usable
@@ -595,24 +604,31 @@ def test_preemption_with_speculation(tiny_llama_dir, asst_dir, reference, oracle
 # =============================================================================================== bad input
 @pytest.fixture
 def no_work(monkeypatch):
-    """Fail the test if the engine allocates its KV pool (config errors must also come before building models)."""
+    """Fail the test if the engine allocates its KV pool (config errors must come before building models)."""
+
     def boom(*a, **k):
         raise AssertionError("work started before validation")
+
     monkeypatch.setattr(ModelRunner, "allocate_kv_cache", boom)
     return monkeypatch
 
 
-@pytest.mark.parametrize("kw,field", [
-    (dict(num_steps=0), "num_steps"),
-    (dict(topk=0), "topk"),
-    (dict(num_steps=2, num_draft_tokens=1), "num_draft_tokens"),
-    (dict(num_steps=2, topk=2, num_draft_tokens=6), "num_draft_tokens"),  # > 1 + S*k = 5
-    (dict(num_steps=2, topk=2), "num_draft_tokens"),  # topk > 1 needs N
-    (dict(num_steps=3, topk=1, num_draft_tokens=3), "num_draft_tokens"),  # topk 1 needs N = S + 1
-])
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        (dict(num_steps=0), "num_steps"),
+        (dict(topk=0), "topk"),
+        (dict(num_steps=2, num_draft_tokens=1), "num_draft_tokens"),
+        (dict(num_steps=2, topk=2, num_draft_tokens=6), "num_draft_tokens"),  # > 1 + S*k = 5
+        (dict(num_steps=2, topk=2), "num_draft_tokens"),  # topk > 1 needs N
+        (dict(num_steps=3, topk=1, num_draft_tokens=3), "num_draft_tokens"),  # topk 1 needs N = S + 1
+    ],
+)
 def test_bad_spec_options(tiny_llama_dir, asst_dir, no_work, kw, field):
     no_work.setattr("nanospec.model_runner.build_target", lambda *a, **k: pytest.fail("built a model"))
-    with pytest.raises(ValueError, match=rf"^(with topk=1, )?{field} must"):  # the message starts with the field
+    with pytest.raises(
+        ValueError, match=rf"^(with topk=1, )?{field} must"
+    ):  # the message starts with the field
         make_llm(tiny_llama_dir, asst_dir, **kw)
 
 
@@ -622,11 +638,11 @@ def test_bad_assistant_dirs(tiny_llama_dir, target_cfg, tmp_path, no_work):
     cfg = copy.deepcopy(target_cfg)
     cfg.vocab_size = 1000
     with pytest.raises(ValueError, match="vocab_size"):
-        make_llm(tiny_llama_dir, _save_assistant(tmp_path / "vocab", cfg))
+        make_llm(tiny_llama_dir, save_assistant(tmp_path / "vocab", cfg))
     cfg = copy.deepcopy(target_cfg)
     cfg.head_dim = 8
     with pytest.raises(ValueError, match="head_dim"):
-        make_llm(tiny_llama_dir, _save_assistant(tmp_path / "geom", cfg))
+        make_llm(tiny_llama_dir, save_assistant(tmp_path / "geom", cfg))
     with pytest.raises(ValueError, match="default"):
         make_llm(tiny_llama_dir, "default")
     with pytest.raises(ValueError, match="assistant"):

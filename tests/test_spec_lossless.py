@@ -1,5 +1,6 @@
 """Losslessness of Frozen-KV MTP speculation (DESIGN §3): greedy spec-on output is token-identical to spec-off
 in fp32 for any assistant, and speculative sampling reproduces the target's distribution."""
+
 import math
 
 import pytest
@@ -40,16 +41,26 @@ def tiny_assistant(tmp_path_factory, tiny_llama_dir):
 def reference(tiny_llama_dir):
     """Spec-off greedy outputs of the tiny target (ignore_eos, so lengths are fixed)."""
     llm = engine(tiny_llama_dir)
-    return [o["token_ids"] for o in llm.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True),
-                                                  use_tqdm=False)]
+    return [
+        o["token_ids"]
+        for o in llm.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)
+    ]
 
 
-@pytest.mark.parametrize("num_steps,topk,n,page_size", [(1, 1, 2, 16), (2, 1, 3, 4), (5, 1, 6, 4),
-                                                          (2, 3, 5, 16), (5, 3, 12, 4)])
-def test_greedy_lossless_random_assistant(tiny_llama_dir, tiny_assistant, reference, num_steps, topk, n,
-                                          page_size):
-    llm = engine(tiny_llama_dir, assistant=tiny_assistant, num_steps=num_steps, topk=topk, num_draft_tokens=n,
-                 page_size=page_size)
+@pytest.mark.parametrize(
+    "num_steps,topk,n,page_size", [(1, 1, 2, 16), (2, 1, 3, 4), (5, 1, 6, 4), (2, 3, 5, 16), (5, 3, 12, 4)]
+)
+def test_greedy_lossless_random_assistant(
+    tiny_llama_dir, tiny_assistant, reference, num_steps, topk, n, page_size
+):
+    llm = engine(
+        tiny_llama_dir,
+        assistant=tiny_assistant,
+        num_steps=num_steps,
+        topk=topk,
+        num_draft_tokens=n,
+        page_size=page_size,
+    )
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)
     assert [o["token_ids"] for o in outs] == reference
     for o in outs:
@@ -71,9 +82,10 @@ def oracle_draft(reference, prompts, topk, wrong_every, rng_seed=0):
         truth = []
         for r in reqs:
             ref, n = by_prompt[tuple(r.prompt_token_ids)], len(r.output_token_ids)
-            t = (ref[n:n + S] + [0] * S)[:S]
-            truth.append([x if torch.randint(wrong_every, (1,), generator=g).item() else (x + 1) % 500
-                          for x in t])
+            t = (ref[n : n + S] + [0] * S)[:S]
+            truth.append(
+                [x if torch.randint(wrong_every, (1,), generator=g).item() else (x + 1) % 500 for x in t]
+            )
         truth = torch.tensor(truth, dtype=torch.long)
         bonus = torch.tensor([r.all_token_ids[-1] for r in reqs])
         if k == 1:
@@ -97,6 +109,7 @@ def oracle_draft(reference, prompts, topk, wrong_every, rng_seed=0):
             if i:
                 mask[:, i] |= mask[torch.arange(B), parents[:, i]]
         return DraftTree(tokens, parents, depth, mask)
+
     return draft
 
 
@@ -105,8 +118,14 @@ def test_greedy_lossless_oracle_drafter(monkeypatch, tiny_llama_dir, tiny_assist
     """Multi-token acceptance (and, for trees, sibling walks + accepted-path KV compaction) stays lossless."""
     S = 4
     monkeypatch.setattr(worker_mod.FrozenKVMTPWorker, "draft", oracle_draft(reference, PROMPTS, topk, 5))
-    llm = engine(tiny_llama_dir, assistant=tiny_assistant, num_steps=S, topk=topk,
-                 num_draft_tokens=1 + S * topk, page_size=4)
+    llm = engine(
+        tiny_llama_dir,
+        assistant=tiny_assistant,
+        num_steps=S,
+        topk=topk,
+        num_draft_tokens=1 + S * topk,
+        page_size=4,
+    )
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)
     assert [o["token_ids"] for o in outs] == reference
     acc = [a for o in outs for a in o["accept_lengths"]]
@@ -115,17 +134,30 @@ def test_greedy_lossless_oracle_drafter(monkeypatch, tiny_llama_dir, tiny_assist
 
 
 def test_greedy_lossless_smollm2(smollm2_dir, tmp_path):
-    """Real weights: SmolLM2-135M with a random assistant, chains and trees, chat prompts, batched, page size 4."""
+    """Real weights: SmolLM2-135M, random assistant, chains and trees, chat prompts, batched, page size 4."""
     asst = make_assistant(tmp_path / "a", smollm2_dir, std=0.05, hidden_size=64, num_heads=3)
     tok = LLM(str(smollm2_dir), dtype="float32", device="cpu", max_model_len=256, max_num_seqs=4).tokenizer
-    questions = ("What is the capital of France?", "Name three colors.", "Count to five.",
-                 "Write a haiku about rain.", "What is 12 times 7?", "Give me a synonym for happy.")
-    prompts = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
-               for c in questions]
+    questions = (
+        "What is the capital of France?",
+        "Name three colors.",
+        "Count to five.",
+        "Write a haiku about rain.",
+        "What is 12 times 7?",
+        "Give me a synonym for happy.",
+    )
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
+        for c in questions
+    ]
     sp = SamplingParams(max_tokens=24)
     ref = [o["token_ids"] for o in engine(smollm2_dir).generate(prompts, sp, use_tqdm=False)]
-    for kw in ({"num_steps": 1}, {"num_steps": 2}, {"num_steps": 5}, {"num_steps": 2, "topk": 3, "num_draft_tokens": 5},
-               {"num_steps": 5, "topk": 3, "num_draft_tokens": 12}):
+    for kw in (
+        {"num_steps": 1},
+        {"num_steps": 2},
+        {"num_steps": 5},
+        {"num_steps": 2, "topk": 3, "num_draft_tokens": 5},
+        {"num_steps": 5, "topk": 3, "num_draft_tokens": 12},
+    ):
         outs = engine(smollm2_dir, assistant=asst, page_size=4, **kw).generate(prompts, sp, use_tqdm=False)
         assert [o["token_ids"] for o in outs] == ref, kw
 
@@ -154,8 +186,15 @@ def _chi2_sf(x: float, k: int) -> float:
 def test_sampling_lossless_chi_square(tmp_path_factory, smollm2_tokenizer, temperature, top_p):
     """On a vocab-8 target, the joint distribution of the 2nd and 3rd tokens (drawn by verify steps) matches
     spec-off sampling (p > 0.01, fixed seeds)."""
-    d = make_tiny_model(tmp_path_factory.mktemp("v8"), smollm2_tokenizer, seed=7, vocab_size=8, hidden_size=32,
-                        num_attention_heads=2, num_key_value_heads=1)
+    d = make_tiny_model(
+        tmp_path_factory.mktemp("v8"),
+        smollm2_tokenizer,
+        seed=7,
+        vocab_size=8,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     asst = make_assistant(tmp_path_factory.mktemp("a8"), d, seed=8, std=0.5, hidden_size=32)
     n, sp = 4000, SamplingParams(temperature=temperature, top_p=top_p, max_tokens=3, ignore_eos=True)
     runs = []
@@ -177,8 +216,10 @@ def test_draft_verify_through_interpreter(triton_backend, micro_llama_dir, tmp_p
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
     kw = dict(dtype="float32", device="cpu", max_model_len=32, max_num_seqs=2, page_size=4)
     got = LLM(str(micro_llama_dir), assistant=asst, num_steps=2, topk=2, num_draft_tokens=4, **kw).generate(
-        prompts, sp, use_tqdm=False)
+        prompts, sp, use_tqdm=False
+    )
     from nanospec.kernels import set_backend
+
     set_backend("torch")
     ref = LLM(str(micro_llama_dir), **kw).generate(prompts, sp, use_tqdm=False)
     assert [o["token_ids"] for o in got] == [o["token_ids"] for o in ref]
