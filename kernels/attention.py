@@ -1,19 +1,20 @@
 """Paged attention: extend/prefill (causal or tree mask), split-KV decode, and frozen-KV draft attention.
 
-KV cache layout per layer: ``k_cache, v_cache: [num_blocks, page_size, Hkv, D]`` (same shape and strides, last dim
-contiguous, any float dtype). Token j of request b lives at block ``block_table[b, j // page_size]``, offset
-``j % page_size``. Both paths use exactly rows [0, seq_len) of each request (with a sliding window, only the visible
-ones): whatever lies in the rest of the last block or in block-table entries past the request's blocks (the dummy
-block 0, recycled blocks, NaN/inf) never reaches the output; the Triton paths mask their loads, the references zero
-such rows before any product. GQA: query head h reads kv head
+KV cache layout per layer: ``k_cache, v_cache: [num_blocks, page_size, Hkv, D]`` (same shape and strides, last
+dim contiguous, any float dtype). Token j of request b lives at block ``block_table[b, j // page_size]``,
+offset ``j % page_size``. Both paths use exactly rows [0, seq_len) of each request (with a sliding window,
+only the visible ones): whatever lies in the rest of the last block or in block-table entries past the
+request's blocks (the dummy block 0, recycled blocks, NaN/inf) never reaches the output; the Triton paths mask
+their loads, the references zero such rows before any product. GQA: query head h reads kv head
 ``h // (Hq // Hkv)``. Softmax and accumulation run in fp32; outputs have q's dtype.
 
-Sliding window (``sliding_window=W``, HF Gemma 4 ``sliding_window_overlay`` on the causal mask): a query at absolute
-position p sees the key at position j iff j <= p and p - j < W. None means full attention.
+Sliding window (``sliding_window=W``, HF Gemma 4 ``sliding_window_overlay`` on the causal mask): a query at
+absolute position p sees the key at position j iff j <= p and p - j < W. None means full attention.
 
-Each op has a torch reference (``*_ref``, the CPU engine path and the test oracle) and a Triton path (``*_triton``);
-the public function picks one with ``use_triton(q)``. The Triton paths take only host ints for launch sizes, so
-they never sync (except ``decode_attention(num_splits=None)``, which reads the max length once).
+Each op has a torch reference (``*_ref``, the CPU engine path and the test oracle) and a Triton path
+(``*_triton``); the public function picks one with ``use_triton(q)``. The Triton paths take only host ints for
+launch sizes, so they never sync (except ``decode_attention(num_splits=None)``, which reads the max length
+once).
 """
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,8 @@ def _check(q, k_cache, v_cache, block_table) -> int:
         raise ValueError(f"expected q [T,Hq,D], cache [NB,P,Hkv,D], block_table [B,W]; got {tuple(q.shape)}, "
                          f"{tuple(k_cache.shape)}, {tuple(block_table.shape)}")
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or k_cache.stride(3) != 1:
-        raise ValueError("k_cache and v_cache must have the same shape and strides, with a contiguous last dim")
+        raise ValueError("k_cache and v_cache must have the same shape and strides, with a contiguous "
+                         "last dim")
     if k_cache.shape[3] != q.shape[2]:
         raise ValueError(f"head_dim mismatch: q {q.shape[2]} vs cache {k_cache.shape[3]}")
     if q.shape[1] % k_cache.shape[2]:
@@ -55,16 +57,17 @@ def _window(sliding_window, tree_size=0) -> int:
 def _paged_ref(q, k_cache, v_cache, bt, lens, n, W, scale, tree_mask=None):
     """Reference core: R rows of n queries each over their request's paged KV; fp32 result [R, n, Hq, D].
 
-    q [R, n, Hq, D]; bt [R, width] block-table rows covering each row's length; lens [R] int64 KV lengths, the n
-    queries being the last n positions (or tree nodes at prefix + depth, tree_mask [R, n, n]). Gathers whole
+    q [R, n, Hq, D]; bt [R, width] block-table rows covering each row's length; lens [R] int64 KV lengths, the
+    n queries being the last n positions (or tree nodes at prefix + depth, tree_mask [R, n, n]). Gathers whole
     blocks (with a window only the ones that can hold visible keys) and zeroes every gathered row outside
-    [lo, L), lo = max(0, L - n - W + 1), so stale values elsewhere in the pool (NaN/inf) never enter, not even
-    as 0 * NaN.
+    [lo, L), lo = max(0, L - n - W + 1), so stale values elsewhere in the pool (NaN/inf) never enter, not
+    even as 0 * NaN.
     """
     R, _, Hq, D = q.shape
     NB, P, Hkv = k_cache.shape[:3]
     G, width, dev = Hq // Hkv, bt.shape[1], q.device
-    bt = bt.long().clamp(0, NB - 1)  # entries past a request's blocks may hold anything: their rows are zeroed
+    # entries past a request's blocks may hold anything: their rows are zeroed
+    bt = bt.long().clamp(0, NB - 1)
     if W < _NO_WINDOW:
         lo = (lens - (n + W - 1)).clamp(min=0)
         first = lo // P
@@ -76,7 +79,8 @@ def _paged_ref(q, k_cache, v_cache, bt, lens, n, W, scale, tree_mask=None):
         keys = torch.arange(width * P, device=dev)[None]
         dead = keys >= lens[:, None]
     S = keys.shape[1]
-    dead_rows = dead.expand(R, S).flatten().nonzero().squeeze(1)  # index_fill_ is far cheaper than masked_fill_
+    # index_fill_ is far cheaper than masked_fill_
+    dead_rows = dead.expand(R, S).flatten().nonzero().squeeze(1)
     k = k_cache.index_select(0, bt.flatten()).view(R * S, -1).float().index_fill_(0, dead_rows, 0.0)
     v = v_cache.index_select(0, bt.flatten()).view(R * S, -1).float().index_fill_(0, dead_rows, 0.0)
     k, v = k.view(R, S, Hkv, D), v.view(R, S, Hkv, D)
@@ -92,20 +96,22 @@ def _paged_ref(q, k_cache, v_cache, bt, lens, n, W, scale, tree_mask=None):
             pos = prefix[:, None] + (tree_mask.sum(-1) - 1).clamp(min=0)
     if W < _NO_WINDOW:
         seen = seen & (pos[..., None] - kk < W)  # [R, n, S]
-    bias = torch.where(seen, 0.0, float("-inf"))[:, None, :, None].expand(R, 1, n, G, S).reshape(R, 1, n * G, S)
+    bias = (torch.where(seen, 0.0, float("-inf"))[:, None, :, None].expand(R, 1, n, G, S)
+            .reshape(R, 1, n * G, S))
     qh = q.float().reshape(R, n, Hkv, G, D).transpose(1, 2).reshape(R, Hkv, n * G, D)
     o = F.scaled_dot_product_attention(qh, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias, scale=scale)
     o = o.view(R, Hkv, n, G, D).transpose(1, 2).reshape(R, n, Hq, D)
-    return torch.where(seen.any(-1)[..., None, None], o, 0.0)  # no visible key: 0 (torch < 2.5 SDPA gives NaN)
+    # no visible key: 0 (torch < 2.5 SDPA gives NaN)
+    return torch.where(seen.any(-1)[..., None, None], o, 0.0)
 
 
-# ---- extend / prefill / tree verify --------------------------------------------------------------------------------
+# ---- extend / prefill / tree verify ------------------------------------------------------------------------
 
 def extend_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, max_seqlen_q,
                          tree_mask=None, *, sliding_window=None):
-    """Torch reference of :func:`extend_attention` (same signature and result). When every request has the same
-    number of new tokens (T == B * max_seqlen_q, or a tree) it runs one batched pass; otherwise it loops over
-    requests on the host. Reads only rows [max(0, prefix - W + 1), seq_len) of each request."""
+    """Torch reference of :func:`extend_attention` (same signature and result). When every request has the
+    same number of new tokens (T == B * max_seqlen_q, or a tree) it runs one batched pass; otherwise it loops
+    over requests on the host. Reads only rows [max(0, prefix - W + 1), seq_len) of each request."""
     _check(q, k_cache, v_cache, block_table)
     T, Hq, D = q.shape
     o = torch.zeros_like(q)
@@ -121,7 +127,8 @@ def extend_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_len
     if n:  # every request has n new tokens: one pass over all of them
         if bool((lens[:B] < n).any()):
             raise ValueError(f"every seq_len must be >= its {n} new tokens, got seq_lens {lens.tolist()}")
-        o = _paged_ref(q.reshape(B, n, Hq, D), k_cache, v_cache, block_table[:B], lens[:B], n, W, scale, tree_mask)
+        o = _paged_ref(q.reshape(B, n, Hq, D), k_cache, v_cache, block_table[:B], lens[:B], n, W, scale,
+                       tree_mask)
         return o.view(T, Hq, D).to(q.dtype)
     cu, lens_h = cu_seqlens_q.tolist(), seq_lens.tolist()
     for b in range(B):
@@ -137,7 +144,8 @@ def extend_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_len
 
 
 @triton.jit
-def _load_kv_tile(K, V, BT_ROW, offs_n, n_ok, offs_d, d_ok, kvh, stride_kb, stride_kp, stride_kh, PAGE: tl.constexpr):
+def _load_kv_tile(K, V, BT_ROW, offs_n, n_ok, offs_d, d_ok, kvh, stride_kb, stride_kp, stride_kh,
+                  PAGE: tl.constexpr):
     """K^T [D, N] and V [N, D] of key positions ``offs_n`` of one request, through its block-table row."""
     blk = tl.load(BT_ROW + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
     kv_off = blk * stride_kb + (offs_n % PAGE) * stride_kp + kvh * stride_kh
@@ -162,11 +170,11 @@ def _prec(q):
 
 
 @triton.jit
-def _extend_kernel(Q, K, V, O, BT, CU, SL, TM, qk_scale,
+def _extend_kernel(Q, K, V, Out, BT, CU, SL, TM, qk_scale,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kp, stride_kh, stride_bt,
-                   N_TREE, D, WINDOW, G: tl.constexpr, QPB: tl.constexpr, PAGE: tl.constexpr, TREE: tl.constexpr,
-                   PREC: tl.constexpr, UPCAST: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
+                   N_TREE, D, WINDOW, G: tl.constexpr, QPB: tl.constexpr, PAGE: tl.constexpr,
+                   TREE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
     # One program: request b, kv head kvh, QPB queries x G query heads packed into BLOCK_M rows (GQA packing,
     # so each K/V tile is loaded once for the whole group).
     b, kvh, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -222,13 +230,13 @@ def _extend_kernel(Q, K, V, O, BT, CU, SL, TM, qk_scale,
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(O + (q0 + qi)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(Out + (q0 + qi)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 def _tiles(q):
-    """(BLOCK_D, BLOCK_N, num_warps); D is padded to a power of two >= 16 for tl.dot. Exact fp32 dots (no tensor
-    cores) stage more shared memory per key, so they take narrower key tiles."""
+    """(BLOCK_D, BLOCK_N, num_warps); D is padded to a power of two >= 16 for tl.dot. Exact fp32 dots (no
+    tensor cores) stage more shared memory per key, so they take narrower key tiles."""
     bd = max(16, triton.next_power_of_2(q.shape[2]))
     return bd, (64 if bd <= 128 and q.dtype != torch.float32 else 32), (4 if bd <= 128 else 8)
 
@@ -250,7 +258,8 @@ def extend_attention_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_
     if tree_mask is not None:
         n_tree = tree_mask.shape[-1]
         if tree_mask.shape != (B, n_tree, n_tree) or T != B * n_tree:
-            raise ValueError(f"tree_mask {tuple(tree_mask.shape)} needs shape [B, N, N] with T = B*N ({T} rows)")
+            raise ValueError(f"tree_mask {tuple(tree_mask.shape)} needs shape [B, N, N] with T = B*N "
+                             f"({T} rows)")
         tree_mask = tree_mask.contiguous().view(torch.uint8)
     window = _window(sliding_window, 0 if tree_mask is None else n_tree)
     BLOCK_D, BLOCK_N, warps = _tiles(q)
@@ -262,14 +271,15 @@ def extend_attention_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_
         q, k_cache, v_cache, o, block_table, cu_seqlens_q, seq_lens, q if tree_mask is None else tree_mask,
         scale * _LOG2E, q.stride(0), q.stride(1), o.stride(0), o.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), n_tree, D, window,
-        G=G, QPB=qpb, PAGE=k_cache.shape[1], TREE=tree_mask is not None, **_prec(q),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_T=triton.next_power_of_2(n_tree), num_warps=warps)
+        G=G, QPB=qpb, PAGE=k_cache.shape[1], TREE=tree_mask is not None, **_prec(q), BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_T=triton.next_power_of_2(n_tree), num_warps=warps)
     return o
 
 
 def extend_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, max_seqlen_q,
                      tree_mask=None, *, sliding_window=None):
-    """Attention of B packed requests' new tokens over their paged KV (prefill, chunked prefill, extend, verify).
+    """Attention of B packed requests' new tokens over their paged KV (prefill, chunked prefill, extend,
+    verify).
 
     Args:
         q: [T, Hq, D] queries of B requests packed; request b owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``
@@ -277,17 +287,18 @@ def extend_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, s
         k_cache, v_cache: [num_blocks, page_size, Hkv, D], same dtype family as q; Hq % Hkv == 0.
         block_table: [B, W] int32 physical block ids per request.
         cu_seqlens_q: [B+1] int32 prefix sums of n_b.
-        seq_lens: [B] int32 total KV length of each request, INCLUDING its n_b new tokens, whose K/V must already
-            be stored in the cache. prefix_b = seq_lens[b] - n_b.
+        seq_lens: [B] int32 total KV length of each request, INCLUDING its n_b new tokens, whose K/V must
+            already be stored in the cache. prefix_b = seq_lens[b] - n_b.
         scale: softmax scale (float).
         max_seqlen_q: host int >= max n_b; sizes the launch grid (queries beyond it are not computed).
         tree_mask: None for causal masking, where query i of request b (position prefix_b + i) sees keys
-            [0, prefix_b + i]. Or a [B, N, N] bool tree mask (every n_b == N, so T == B*N): query i sees all prefix
-            keys plus new key j iff tree_mask[b, i, j] (its ancestors and itself).
-        sliding_window: None (full attention) or W >= 1 (HF Gemma 4 sliding layers): a query at position p also
-            needs p - j < W for key j. Causal: query i sits at prefix_b + i. Tree: node i sits at prefix_b +
-            depth_i, depth_i = (number of True in tree_mask[b, i]) - 1 (at least 0), so a prefix key j is visible
-            iff prefix_b + depth_i - j < W; tree keys keep the tree mask (ancestors are within W since N <= W).
+            [0, prefix_b + i]. Or a [B, N, N] bool tree mask (every n_b == N, so T == B*N): query i sees all
+            prefix keys plus new key j iff tree_mask[b, i, j] (its ancestors and itself).
+        sliding_window: None (full attention) or W >= 1 (HF Gemma 4 sliding layers): a query at position p
+            also needs p - j < W for key j. Causal: query i sits at prefix_b + i. Tree: node i sits at
+            prefix_b + depth_i, depth_i = (number of True in tree_mask[b, i]) - 1 (at least 0), so a prefix
+            key j is visible iff prefix_b + depth_i - j < W; tree keys keep the tree mask (ancestors are
+            within W since N <= W).
 
     Returns:
         o: [T, Hq, D] with q's dtype (fp32 accumulation). A query with no visible key gets zeros.
@@ -304,14 +315,14 @@ def extend_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, s
               sliding_window=sliding_window)
 
 
-# ---- decode (split-KV flash-decoding) and frozen-KV draft attention ------------------------------------------------
+# ---- decode (split-KV flash-decoding) and frozen-KV draft attention ----------------------------------------
 
 def decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req=None, num_splits=None,
                          *, sliding_window=None):
     """Torch reference of :func:`decode_attention` (same signature and result; ``num_splits`` is ignored).
 
-    One batched pass (no per-row host loop): each row gathers its whole block-table row (with a window, only the
-    blocks that can hold rows [L - W, L)) and zeroes and masks every row outside [max(0, L - W), L).
+    One batched pass (no per-row host loop): each row gathers its whole block-table row (with a window, only
+    the blocks that can hold rows [L - W, L)) and zeroes and masks every row outside [max(0, L - W), L).
     """
     _check(q, k_cache, v_cache, block_table)
     W = _window(sliding_window)
@@ -337,7 +348,8 @@ def _decode_split_kernel(Q, K, V, BT, SL, MAP, MID_O, MID_L, qk_scale,
     else:
         req = r
     seq_len = tl.load(SL + req)
-    lo = tl.maximum(seq_len - WINDOW, 0)  # sliding window: the splits cover only the visible keys [lo, seq_len)
+    # sliding window: the splits cover only the visible keys [lo, seq_len)
+    lo = tl.maximum(seq_len - WINDOW, 0)
     chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N  # per-row split, whole tiles
     start = lo + sp * chunk
     end = tl.minimum(start + chunk, seq_len)
@@ -354,8 +366,8 @@ def _decode_split_kernel(Q, K, V, BT, SL, MAP, MID_O, MID_L, qk_scale,
     for s0 in range(start, end, BLOCK_N):
         offs_n = s0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
-        k, v = _load_kv_tile(K, V, BT + req * stride_bt, offs_n, n_ok, offs_d, d_ok, kvh, stride_kb, stride_kp,
-                             stride_kh, PAGE)
+        k, v = _load_kv_tile(K, V, BT + req * stride_bt, offs_n, n_ok, offs_d, d_ok, kvh, stride_kb,
+                             stride_kp, stride_kh, PAGE)
         s = _dot(q, k, PREC, UPCAST) * qk_scale
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # every tile has >= 1 valid key, so m_new is finite
@@ -374,7 +386,7 @@ def _decode_split_kernel(Q, K, V, BT, SL, MAP, MID_O, MID_L, qk_scale,
 
 
 @triton.jit
-def _decode_merge_kernel(MID_O, MID_L, O, stride_or, stride_oh, Hq, D, num_splits,
+def _decode_merge_kernel(MID_O, MID_L, Out, stride_or, stride_oh, Hq, D, num_splits,
                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     r, h = tl.program_id(0), tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -389,7 +401,7 @@ def _decode_merge_kernel(MID_O, MID_L, O, stride_or, stride_oh, Hq, D, num_split
                  other=0.0)
     den = tl.sum(w, 0)
     out = tl.sum(w[:, None] * mo, 0) / tl.where(den > 0, den, 1.0)
-    tl.store(O + r * stride_or + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
+    tl.store(Out + r * stride_or + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
 def num_kv_splits(max_len: int) -> int:
@@ -402,8 +414,8 @@ def _default_splits(seq_lens) -> int:
     return num_kv_splits(int(seq_lens.max()) if seq_lens.numel() else 0)
 
 
-def decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req=None, num_splits=None,
-                            *, sliding_window=None):
+def decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req=None,
+                            num_splits=None, *, sliding_window=None):
     """Triton path of :func:`decode_attention` (same signature and result): split-KV stage 1 + LSE merge."""
     G = _check(q, k_cache, v_cache, block_table)
     window = _window(sliding_window)
@@ -433,14 +445,15 @@ def decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, r
 
 def decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req=None, num_splits=None, *,
                      sliding_window=None):
-    """One query token per row attending a request's paged KV (flash-decoding with split KV on the Triton path).
+    """One query token per row attending a request's paged KV (flash-decoding with split KV on the Triton
+    path).
 
     Args:
         q: [R, Hq, D] one query per row.
         k_cache, v_cache: [num_blocks, page_size, Hkv, D]; Hq % Hkv == 0.
         block_table: [B, W] int32.
-        seq_lens: [B] int32; row r attends keys [0, seq_lens[req]) of its request (the caller stores the current
-            token's K/V first if it should be seen).
+        seq_lens: [B] int32; row r attends keys [0, seq_lens[req]) of its request (the caller stores the
+            current token's K/V first if it should be seen).
         scale: softmax scale (float).
         row_to_req: [R] int32 request of each row (several rows may share one request); None means identity
             (R == B).
@@ -450,8 +463,8 @@ def decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_r
             [max(0, seq_len - W), seq_len) (HF Gemma 4 sliding layers); the splits divide only those keys.
 
     Returns:
-        o: [R, Hq, D] with q's dtype; rows whose request has seq_len 0 are zeros. R == 0 returns an empty tensor
-        without launching anything.
+        o: [R, Hq, D] with q's dtype; rows whose request has seq_len 0 are zeros. R == 0 returns an empty
+        tensor without launching anything.
 
     Raises:
         ValueError: on inconsistent shapes, num_splits < 1 or sliding_window < 1.
@@ -467,17 +480,18 @@ def draft_attention(q, k_cache, v_cache, block_table, seq_lens, row_to_req, scal
     """Frozen-KV MTP draft attention: Q-only draft queries over the target's committed KV, read-only.
 
     R = B*k single-token query rows (k = topk); row r attends rows [0, L) of request ``row_to_req[r]`` in the
-    mapped target layer's cache, L = ``seq_lens[req]`` (the committed length; nothing is appended during a draft).
-    This is :func:`decode_attention` with a row->request map; it never writes k_cache/v_cache by construction
-    (no store into the cache exists on either path). ``scale`` defaults to 1.0 (Gemma assistant: q is RMS-normed).
+    mapped target layer's cache, L = ``seq_lens[req]`` (the committed length; nothing is appended during a
+    draft). This is :func:`decode_attention` with a row->request map; it never writes k_cache/v_cache by
+    construction (no store into the cache exists on either path). ``scale`` defaults to 1.0 (Gemma assistant:
+    q is RMS-normed).
 
-    ``sliding_window=W`` (an assistant sliding layer, W = its text config's ``sliding_window``): the row sees the
-    last W + 1 committed rows, [max(0, L - W - 1), L). This follows HF
-    ``Gemma4AssistantForCausalLM.create_attention_masks``: ``create_bidirectional_sliding_window_mask`` keeps kv
-    index k of the single query (index 0) iff |0 - k| <= W, then flips the kv axis, so the last W + 1 shared KV
-    rows stay visible (one more than a target sliding layer's W). HF's rows are the target's post-verify KV cut
-    to ``len(input_ids)``, which after a rejected draft also holds stale candidate rows; here exactly the
-    committed rows are read. Computed as decode attention with window W + 1.
+    ``sliding_window=W`` (an assistant sliding layer, W = its text config's ``sliding_window``): the row sees
+    the last W + 1 committed rows, [max(0, L - W - 1), L). This follows HF
+    ``Gemma4AssistantForCausalLM.create_attention_masks``: ``create_bidirectional_sliding_window_mask`` keeps
+    kv index k of the single query (index 0) iff |0 - k| <= W, then flips the kv axis, so the last W + 1
+    shared KV rows stay visible (one more than a target sliding layer's W). HF's rows are the target's
+    post-verify KV cut to ``len(input_ids)``, which after a rejected draft also holds stale candidate rows;
+    here exactly the committed rows are read. Computed as decode attention with window W + 1.
 
     Shapes, dtypes, results and errors are those of :func:`decode_attention`: q [R, Hq, D] -> o [R, Hq, D].
     """

@@ -1,9 +1,10 @@
 """Centroid ("ordered embeddings") LM head: logits of the tokens of the selected clusters only, a gather-GEMV.
 
 The LM-head rows are stored once in cluster order, ``rows [C, S, H]`` (cluster c owns the S = V / C contiguous
-rows ``rows[c]``), so each selected cluster is one contiguous [S, H] slice. For query row r and its j-th selected
-cluster ``c = clusters[r, j]``: ``out[r, j * S + s] = hidden[r] . rows[c, s]``, accumulated in fp32. Matches the
-candidate logits of HF ``Gemma4AssistantMaskedEmbedder.forward`` (before its scatter into the vocabulary).
+rows ``rows[c]``), so each selected cluster is one contiguous [S, H] slice. For query row r and its j-th
+selected cluster ``c = clusters[r, j]``: ``out[r, j * S + s] = hidden[r] . rows[c, s]``, accumulated in fp32.
+Matches the candidate logits of HF ``Gemma4AssistantMaskedEmbedder.forward`` (before its scatter into the
+vocabulary).
 """
 import torch
 import triton
@@ -32,7 +33,7 @@ def centroid_logits_ref(hidden, rows, clusters):
 
 
 @triton.jit
-def _centroid_kernel(X, W, CL, O, H, S, stride_xr, stride_wc, stride_ws, stride_cr, stride_or,
+def _centroid_kernel(X, W, CL, Out, H, S, stride_xr, stride_wc, stride_ws, stride_cr, stride_or,
                      BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
     # One program: query row r, its j-th selected cluster, BLOCK_S of that cluster's S rows.
     r, j, sb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -47,7 +48,7 @@ def _centroid_kernel(X, W, CL, O, H, S, stride_xr, stride_wc, stride_ws, stride_
         w = tl.load(W + c * stride_wc + offs_s[:, None] * stride_ws + offs_h[None, :],
                     mask=s_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(w * x[None, :], 1)
-    tl.store(O + r * stride_or + j * S + offs_s, acc, mask=s_ok)
+    tl.store(Out + r * stride_or + j * S + offs_s, acc, mask=s_ok)
 
 
 def centroid_logits_triton(hidden, rows, clusters):
@@ -64,7 +65,8 @@ def centroid_logits_triton(hidden, rows, clusters):
     BLOCK_S = min(64, triton.next_power_of_2(S))
     _centroid_kernel[(R, K, triton.cdiv(S, BLOCK_S))](
         hidden, rows, clusters, out, H, S, hidden.stride(0), rows.stride(0), rows.stride(1),
-        clusters.stride(0), out.stride(0), BLOCK_S=BLOCK_S, BLOCK_H=min(128, triton.next_power_of_2(H)), num_warps=4)
+        clusters.stride(0), out.stride(0), BLOCK_S=BLOCK_S, BLOCK_H=min(128, triton.next_power_of_2(H)),
+        num_warps=4)
     return out
 
 
@@ -77,8 +79,8 @@ def centroid_logits(hidden, rows, clusters):
         clusters: [R, K] integer, selected cluster ids in [0, C) (not range-checked: that would sync).
 
     Returns:
-        [R, K * S] fp32: entry ``j * S + s`` is the logit of row ``s`` of cluster ``clusters[r, j]``. R == 0 or
-        K == 0 returns an empty tensor without launching anything.
+        [R, K * S] fp32: entry ``j * S + s`` is the logit of row ``s`` of cluster ``clusters[r, j]``. R == 0
+        or K == 0 returns an empty tensor without launching anything.
 
     Raises:
         ValueError on inconsistent ranks or sizes; TypeError for floating-point ``clusters``.

@@ -1,9 +1,9 @@
 """Checkpoint I/O of the Frozen-KV MTP drafter (HF ``gemma4_assistant`` dirs: config.json + *.safetensors).
 
 Names follow HF ``Gemma4AssistantForCausalLM``; the drafter's packed ``gate_up_proj`` is split back into
-``gate_proj`` / ``up_proj``. With ``use_ordered_embeddings`` the drafter keeps its LM-head rows in cluster order
-(row j holds token ``token_ordering[j]``, see ``Gemma4Assistant.set_token_ordering``); checkpoints hold them in
-token order, as HF does, so loading reorders them once and saving puts them back.
+``gate_proj`` / ``up_proj``. With ``use_ordered_embeddings`` the drafter keeps its LM-head rows in cluster
+order (row j holds token ``token_ordering[j]``, see ``Gemma4Assistant.set_token_ordering``); checkpoints hold
+them in token order, as HF does, so loading reorders them once and saving puts them back.
 """
 import json
 import os
@@ -50,10 +50,11 @@ def _copy(name, dst, t):
 
 
 def load_checkpoint(model, tensors) -> None:
-    """Strict load of HF-named ``(name, tensor)`` pairs into ``model`` (freshly constructed): packs gate/up, takes
-    ``lm_head`` from ``lm_head.weight`` or (tied) ``model.embed_tokens.weight``, then applies the checkpoint's
-    ``token_ordering`` (which reorders the LM-head rows). Raises ValueError naming the tensor when one matches no
-    parameter, has the wrong shape or is missing, or when ``token_ordering`` is not a permutation."""
+    """Strict load of HF-named ``(name, tensor)`` pairs into ``model`` (freshly constructed): packs gate/up,
+    takes ``lm_head`` from ``lm_head.weight`` or (tied) ``model.embed_tokens.weight``, then applies the
+    checkpoint's ``token_ordering`` (which reorders the LM-head rows). Raises ValueError naming the tensor
+    when one matches no parameter, has the wrong shape or is missing, or when ``token_ordering`` is not a
+    permutation."""
     slots = _slots(model)
     tied = bool(getattr(model.config, "tie_word_embeddings", True))
     got, embed, order = set(), None, None
@@ -97,7 +98,8 @@ def read_config(path):
         raise ValueError(f"assistant: {str(path)!r} is not a directory with a config.json")
     model_type = json.loads((d / "config.json").read_text()).get("model_type")
     if model_type != "gemma4_assistant":
-        raise ValueError(f"assistant: {str(path)!r} has model_type {model_type!r}, expected 'gemma4_assistant'")
+        raise ValueError(f"assistant: {str(path)!r} has model_type {model_type!r}, "
+                         "expected 'gemma4_assistant'")
     if not any(d.glob("*.safetensors")):
         raise ValueError(f"assistant: {str(path)!r} has no *.safetensors weights")
     return AutoConfig.from_pretrained(str(d))
@@ -105,8 +107,8 @@ def read_config(path):
 
 def load_assistant(cls, path, device="cpu", dtype=torch.float32):
     """``cls.from_pretrained``: ``read_config``, construct ``cls(config)`` on the meta device, materialise on
-    ``device``, load the dir's tensors, cast floating tensors to ``dtype``. Raises ValueError naming the problem
-    (those of ``read_config``, unsupported config, missing / mis-shaped / unexpected tensor)."""
+    ``device``, load the dir's tensors, cast floating tensors to ``dtype``. Raises ValueError naming the
+    problem (those of ``read_config``, unsupported config, missing / mis-shaped / unexpected tensor)."""
     from ..loader import iter_safetensors
     config = read_config(path)
     with torch.device("meta"):
@@ -117,10 +119,10 @@ def load_assistant(cls, path, device="cpu", dtype=torch.float32):
 
 
 def save_pretrained(model, out_dir, info: dict | None = None, max_mb: float = 16.0) -> pathlib.Path:
-    """Write config.json + model.safetensors (``hf_tensors``) + training_info.json (``info``) into ``out_dir``,
-    each file replaced atomically (a kill between two files can pair new weights with the old config; the
-    trainer keeps one architecture per dir). Floating tensors in fp32 if they fit ``max_mb`` MiB, else bf16.
-    Returns the dir."""
+    """Write config.json + model.safetensors (``hf_tensors``) + training_info.json (``info``) into
+    ``out_dir``, each file replaced atomically (a kill between two files can pair new weights with the old
+    config; the trainer keeps one architecture per dir). Floating tensors in fp32 if they fit ``max_mb`` MiB,
+    else bf16. Returns the dir."""
     from safetensors.torch import save_file
 
     d = pathlib.Path(out_dir)

@@ -242,7 +242,7 @@ class Gemma4ForCausalLM(nn.Module):
         ValueError on a missing, unexpected or mis-shaped entry."""
         if len(caches) != len(self.layers):
             raise ValueError(f"bind_kv_cache: got {len(caches)} entries for {len(self.layers)} layers")
-        for i, (layer, geo) in enumerate(zip(self.layers, self.kv_geometry)):
+        for i, (_, geo) in enumerate(zip(self.layers, self.kv_geometry)):
             if (caches[i] is None) != (geo is None):
                 raise ValueError(f"bind_kv_cache: layer {i} needs {'no cache' if geo is None else 'a cache'} "
                                  "(kv_geometry)")

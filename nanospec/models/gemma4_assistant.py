@@ -1,29 +1,31 @@
-"""The Frozen-KV MTP drafter: HF ``Gemma4AssistantForCausalLM`` (a Gemma4 text stack whose every layer is KV-shared).
+"""The Frozen-KV MTP drafter: HF ``Gemma4AssistantForCausalLM`` (a Gemma4 text stack whose every layer is
+KV-shared).
 
 It owns no KV cache. Per query row (one per request, or B·k rows for a top-k tree):
 
-    x  = pre_projection(cat(target.embed(tok), h_prev))  # the target's own (Gemma: scaled) embedding          # 2·Hb -> H
+    x  = pre_projection(cat(target.embed(tok), h_prev))  # 2·Hb -> H; the target's (Gemma-scaled) embedding
     per layer:  x = x + post_attn_norm(o_proj(Attn(rope(q_norm(q_proj(input_norm(x)))))))
                 x = (x + post_ff_norm(down(act(gate(h)) * up(h)))) * layer_scalar,  h = pre_ff_norm(x)
     hn = norm(x);  logits = lm_head(hn) (fp32);  h_next = post_projection(hn)          # H -> Hb
 
-``Attn`` is Q-only attention with scale 1.0 (HF ``Gemma4TextAttention.scaling``) over the stored, already normed
-and roped K/V of the mapped target layer (the last KV-owning target layer of the same layer type, with that
-layer's RoPE and, for sliding layers, its window); nothing is written.
-HF semantics worth knowing: the text model does not rescale ``inputs_embeds``; every norm is ``x * w`` with the
-weight applied in fp32 (no ``1 + w``); full-attention layers use ``global_head_dim`` (HF ``per_layer_config``),
-and their RoPE may be "proportional" (partial rotary with zero frequencies), which must match the target's RoPE;
-HF's assistant forward applies no ``final_logit_softcapping`` and Gemma4 attention has no logit softcap.
+``Attn`` is Q-only attention with scale 1.0 (HF ``Gemma4TextAttention.scaling``) over the stored, already
+normed and roped K/V of the mapped target layer (the last KV-owning target layer of the same layer type, with
+that layer's RoPE and, for sliding layers, its window); nothing is written.
+HF semantics worth knowing: the text model does not rescale ``inputs_embeds``; every norm is ``x * w`` with
+the weight applied in fp32 (no ``1 + w``); full-attention layers use ``global_head_dim`` (HF
+``per_layer_config``), and their RoPE may be "proportional" (partial rotary with zero frequencies), which must
+match the target's RoPE; HF's assistant forward applies no ``final_logit_softcapping`` and Gemma4 attention
+has no logit softcap.
 
 Centroid head (``use_ordered_embeddings``, E2B/E4B assistants; HF ``Gemma4AssistantMaskedEmbedder``): the
-vocabulary is split into C clusters of S = V / C tokens (``token_ordering`` [V], viewed [C, S]); a row scores the
-C centroids (``masked_embedding.centroids(hn)``), keeps the top ``centroid_intermediate_top_k`` clusters and
-computes logits only for their tokens (``kernels.centroid``, over LM-head rows stored in cluster order). HF
-fills every other token with ``min(candidates) - 1``; ``propose`` gives that tensor's top-k log-probabilities in
-closed form, without building it. Training one: take the KL on full-vocabulary logits
-(``forward(..., dense=True)``) and train the centroids with a cross-entropy of ``masked_embedding.centroids(hn)``
-against the cluster of the teacher's token (its index in ``token_ordering`` divided by S); the candidate
-selection itself (top-k) passes no gradient.
+vocabulary is split into C clusters of S = V / C tokens (``token_ordering`` [V], viewed [C, S]); a row scores
+the C centroids (``masked_embedding.centroids(hn)``), keeps the top ``centroid_intermediate_top_k`` clusters
+and computes logits only for their tokens (``kernels.centroid``, over LM-head rows stored in cluster order).
+HF fills every other token with ``min(candidates) - 1``; ``propose`` gives that tensor's top-k
+log-probabilities in closed form, without building it. Training one: take the KL on full-vocabulary logits
+(``forward(..., dense=True)``) and train the centroids with a cross-entropy of
+``masked_embedding.centroids(hn)`` against the cluster of the teacher's token (its index in ``token_ordering``
+divided by S); the candidate selection itself (top-k) passes no gradient.
 """
 import torch
 import torch.nn.functional as F
@@ -99,8 +101,9 @@ class DecoderLayer(nn.Module):
 
 
 class MaskedEmbedding(nn.Module):
-    """HF ``Gemma4AssistantMaskedEmbedder``'s tensors: ``centroids`` (H -> C scores) and ``token_ordering`` [V]
-    (the token ids of cluster c are ``token_ordering.view(C, S)[c]``; identity until a checkpoint sets it)."""
+    """HF ``Gemma4AssistantMaskedEmbedder``'s tensors: ``centroids`` (H -> C scores) and ``token_ordering``
+    [V] (the token ids of cluster c are ``token_ordering.view(C, S)[c]``; identity until a checkpoint sets
+    it)."""
 
     def __init__(self, config):
         super().__init__()
@@ -168,10 +171,11 @@ def check_assistant_config(assistant_config, target_text_config) -> list[int]:
     ``target_text_config``: a Llama/Qwen3 config (every layer full attention and KV-owning) or a Gemma 4 text
     config (``layer_types``, ``sliding_window``, ``per_layer_config`` head_dim / num_key_value_heads,
     ``num_kv_shared_layers``, ``rope_parameters`` per layer type); a multimodal config is reduced to its text
-    config. Each assistant layer reads the last KV-owning target layer of its type (Gemma 4 with KV sharing: the
-    last non-shared one, as HF ``kv_sharing_modes`` "store"). Checked: vocab_size, backbone_hidden_size, the
-    layer map, that layer's head_dim (global_head_dim for full layers) and KV heads, query heads divisible by
-    them, RoPE per layer type equal to the target's, the sliding window, the centroid head and the activation.
+    config. Each assistant layer reads the last KV-owning target layer of its type (Gemma 4 with KV sharing:
+    the last non-shared one, as HF ``kv_sharing_modes`` "store"). Checked: vocab_size, backbone_hidden_size,
+    the layer map, that layer's head_dim (global_head_dim for full layers) and KV heads, query heads divisible
+    by them, RoPE per layer type equal to the target's, the sliding window, the centroid head and the
+    activation.
 
     Returns the layer map (target layer index per assistant layer). Raises ValueError naming the field.
     """
@@ -201,8 +205,8 @@ def check_assistant_config(assistant_config, target_text_config) -> list[int]:
             _bad("num_global_key_value_heads" if full and ac.attention_k_eq_v else "num_key_value_heads",
                  f"{kv} of layer {i} != {t_kv} KV heads of target layer {j}")
         if ac.num_attention_heads % t_kv:
-            _bad("num_attention_heads", f"{ac.num_attention_heads} is not a multiple of the {t_kv} KV heads of "
-                 f"target layer {j}")
+            _bad("num_attention_heads", f"{ac.num_attention_heads} is not a multiple of the {t_kv} KV heads "
+                 f"of target layer {j}")
         mine, theirs = _rope_params(ac, lt), _rope_params(t, lt)
         if mine.get("rope_theta") != theirs.get("rope_theta"):
             _bad(f"rope_parameters[{lt!r}].rope_theta", f"{mine.get('rope_theta')} != target rope_theta "
@@ -221,8 +225,8 @@ def check_assistant_config(assistant_config, target_text_config) -> list[int]:
 
 class Gemma4Assistant(nn.Module):
     """The drafter. Lifecycle (DESIGN §4 rule 2): construct (``from_pretrained``) -> ``check_target`` (no pool
-    needed) -> the engine allocates the target pool -> ``bind_target`` -> ``propose`` (or ``forward``) per draft
-    step."""
+    needed) -> the engine allocates the target pool -> ``bind_target`` -> ``propose`` (or ``forward``) per
+    draft step."""
 
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
@@ -249,7 +253,8 @@ class Gemma4Assistant(nn.Module):
     # ---- checkpoints (nanospec.models.assistant_io) --------------------------------------------------
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32) -> "Gemma4Assistant":
-        """Load an HF ``gemma4_assistant`` dir (``assistant_io.load_assistant``; ValueError naming the problem)."""
+        """Load an HF ``gemma4_assistant`` dir (``assistant_io.load_assistant``; ValueError naming the
+        problem)."""
         return assistant_io.load_assistant(cls, path, device, dtype)
 
     def hf_tensors(self) -> dict[str, torch.Tensor]:
@@ -262,10 +267,10 @@ class Gemma4Assistant(nn.Module):
 
     @torch.no_grad()
     def set_token_ordering(self, order: torch.Tensor) -> None:
-        """Set the centroid head's clusters: ``order [V]`` int, a permutation of range(V); cluster c holds tokens
-        ``order[c*S:(c+1)*S]``. The own LM head's rows move along (row j holds token ``order[j]``, so a cluster is
-        one contiguous slice); a bound target LM head is gathered again. ValueError if ``order`` is not a
-        permutation of range(V) or the assistant has no centroid head."""
+        """Set the centroid head's clusters: ``order [V]`` int, a permutation of range(V); cluster c holds
+        tokens ``order[c*S:(c+1)*S]``. The own LM head's rows move along (row j holds token ``order[j]``, so a
+        cluster is one contiguous slice); a bound target LM head is gathered again. ValueError if ``order`` is
+        not a permutation of range(V) or the assistant has no centroid head."""
         me = self.masked_embedding
         if me is None:
             _bad("use_ordered_embeddings", "is false: there is no token_ordering to set")
@@ -292,21 +297,21 @@ class Gemma4Assistant(nn.Module):
         out = []
         for i, lt in enumerate(self.text_config.layer_types):
             if lt not in types:
-                _bad(f"layer_types[{i}]", f"= {lt!r} has no KV-owning target layer of that type (target layer "
-                     f"types: {sorted(set(types))})")
+                _bad(f"layer_types[{i}]", f"= {lt!r} has no KV-owning target layer of that type (target "
+                     f"layer types: {sorted(set(types))})")
             out.append(len(types) - 1 - types[::-1].index(lt))
         return out
 
     def check_target(self, target_config, *_unused) -> list[int]:
-        """``check_assistant_config(self.config, target_config)``: returns the layer map, ValueError naming the
-        field. Further positional arguments (the old signature's kv_layer_types, num_kv_heads, head_dim,
+        """``check_assistant_config(self.config, target_config)``: returns the layer map, ValueError naming
+        the field. Further positional arguments (the old signature's kv_layer_types, num_kv_heads, head_dim,
         rope_theta, rope_scaling) are ignored: the HF config holds all of them."""
         return check_assistant_config(self.config, target_config)
 
     def bind_target(self, target, kv: bool = True) -> None:
         """Attach the target's embedding, per-layer RoPE tables (``target.rope_for(layer_type)`` for a Gemma 4
-        target, else ``target.cos_sin``) and (if configured) LM head; with ``kv`` also, per assistant layer, the
-        (k_cache, v_cache, sliding_window) of its mapped target layer.
+        target, else ``target.cos_sin``) and (if configured) LM head; with ``kv`` also, per assistant layer,
+        the (k_cache, v_cache, sliding_window) of its mapped target layer.
 
         Call with ``kv=True`` only after the target pool is allocated and bound (DESIGN §4 rule 2); raises
         RuntimeError otherwise. ``kv=False`` serves the trainer, which passes its own ``attn_fn``.
@@ -315,7 +320,8 @@ class Gemma4Assistant(nn.Module):
         rope_for = getattr(target, "rope_for", None)
         ropes = [rope_for(lt) if rope_for else target.cos_sin for lt in self.text_config.layer_types]
         if any(r is None for r in ropes):
-            raise RuntimeError("assistant: the target's RoPE table is not initialised (call init_buffers first)")
+            raise RuntimeError("assistant: the target's RoPE table is not initialised (call init_buffers "
+                               "first)")
         self._embed = target.embed
         self._rope = ropes
         # detached: a Parameter assigned here would register as the assistant's own (trained, saved) weight
@@ -327,8 +333,8 @@ class Gemma4Assistant(nn.Module):
         for i in layer_map:
             attn = target.layers[i].self_attn
             if attn.k_cache is None or attn.v_cache is None:
-                raise RuntimeError(f"assistant: target layer {i} has no KV cache bound yet: allocate the pool "
-                                   "before bind_target (construct -> allocate -> bind)")
+                raise RuntimeError(f"assistant: target layer {i} has no KV cache bound yet: allocate the "
+                                   "pool before bind_target (construct -> allocate -> bind)")
             kvs.append((attn.k_cache, attn.v_cache))
             windows.append(getattr(attn, "sliding_window", None))
         self._kv, self._windows = kvs, windows
@@ -337,8 +343,8 @@ class Gemma4Assistant(nn.Module):
     def _paged_attention(self):
         md = get_attn_metadata()
         if md.mode != "draft" or md.slot_mapping is not None:
-            raise RuntimeError(f"assistant: draft forwards need mode 'draft' metadata with no slot_mapping (the "
-                               f"draft never writes KV); got mode {md.mode!r}, slot_mapping "
+            raise RuntimeError(f"assistant: draft forwards need mode 'draft' metadata with no slot_mapping "
+                               f"(the draft never writes KV); got mode {md.mode!r}, slot_mapping "
                                f"{'set' if md.slot_mapping is not None else 'None'}")
         if self._kv is None:
             raise RuntimeError("assistant: bind_target(target) after the KV pool is allocated")
@@ -358,7 +364,8 @@ class Gemma4Assistant(nn.Module):
             return (torch.empty(0, self.hidden_size, dtype=dtype, device=tokens.device),
                     torch.empty(0, self.backbone_hidden_size, dtype=dtype, device=tokens.device))
         attn_fn = attn_fn or self._paged_attention()
-        e = self._embed(tokens)  # the target's input embedding (Gemma targets scale it by sqrt(Hb) themselves)
+        # the target's input embedding (Gemma targets scale it by sqrt(Hb) themselves)
+        e = self._embed(tokens)
         x = self.pre_projection(torch.cat([e.to(dtype), h_prev.to(dtype)], dim=-1))
         for i, layer in enumerate(self.model.layers):
             x = layer(x, positions, self._rope[i], lambda q, i=i: attn_fn(i, q))
@@ -376,12 +383,13 @@ class Gemma4Assistant(nn.Module):
 
     def forward(self, tokens, h_prev, positions, attn_fn=None, dense: bool = False):
         """One draft step for R query rows: ``tokens [R]``, ``h_prev [R, Hb]``, ``positions [R]`` ->
-        ``(logits [R, V] fp32, h_next [R, Hb])``. ``attn_fn(layer_idx, q [R, Hq, D]) -> o [R, Hq, D]`` replaces
-        the paged draft attention (default: current ``AttnMetadata`` in mode "draft").
+        ``(logits [R, V] fp32, h_next [R, Hb])``. ``attn_fn(layer_idx, q [R, Hq, D]) -> o [R, Hq, D]``
+        replaces the paged draft attention (default: current ``AttnMetadata`` in mode "draft").
 
-        Centroid head: logits are HF's masked tensor (candidates scattered to their token ids, every other token
-        ``min(candidates of the row) - 1``; HF takes that min over the whole batch, the same for one row), or the
-        full LM head with ``dense`` (for training). Drafting uses ``propose``, which never builds [R, V]."""
+        Centroid head: logits are HF's masked tensor (candidates scattered to their token ids, every other
+        token ``min(candidates of the row) - 1``; HF takes that min over the whole batch, the same for one
+        row), or the full LM head with ``dense`` (for training). Drafting uses ``propose``, which never builds
+        [R, V]."""
         hn, h_next = self._body(tokens, h_prev, positions, attn_fn)
         me = self.masked_embedding
         if me is None or dense:
@@ -396,12 +404,13 @@ class Gemma4Assistant(nn.Module):
 
     def propose(self, tokens, h_prev, positions, k: int):
         """One draft step returning the top ``k`` tokens per row: ``tokens [R]``, ``h_prev [R, Hb]``,
-        ``positions [R]`` -> ``(top_logprobs [R, k] fp32, top_tokens [R, k] int64, h_next [R, Hb])``, best first.
+        ``positions [R]`` -> ``(top_logprobs [R, k] fp32, top_tokens [R, k] int64, h_next [R, Hb])``, best
+        first.
 
-        Dense head: ``log_softmax(logits).topk(k)``. Centroid head: the top k candidates (k = 1: their argmax),
-        log-probabilities equal to HF's ``log_softmax`` of its masked [V] tensor, whose logsumexp is that of the
-        candidates plus ``(V - M) * exp(min - 1)`` for the M candidates; nothing of size V is built and nothing
-        syncs with the host. Raises ValueError unless 1 <= k <= V (M for the centroid head).
+        Dense head: ``log_softmax(logits).topk(k)``. Centroid head: the top k candidates (k = 1: their
+        argmax), log-probabilities equal to HF's ``log_softmax`` of its masked [V] tensor, whose logsumexp is
+        that of the candidates plus ``(V - M) * exp(min - 1)`` for the M candidates; nothing of size V is
+        built and nothing syncs with the host. Raises ValueError unless 1 <= k <= V (M for the centroid head).
         """
         me = self.masked_embedding
         limit = self.vocab_size if me is None else self.config.centroid_intermediate_top_k * (
@@ -431,8 +440,9 @@ def assistant_config_for(target_config, num_layers: int = 1, hidden_size: int | 
     ``use_target_lm_head`` (needs hidden_size == target hidden) makes the checkpoint carry no LM head.
     ``use_ordered_embeddings`` adds a centroid head: ``num_centroids`` equal-size clusters of the LM-head rows
     (the target's with ``use_target_lm_head``), ``centroid_top_k`` of them scored per draft row; the clusters
-    start as contiguous token-id ranges (``Gemma4Assistant.set_token_ordering`` sets others). Raises ValueError naming
-    the field for a centroid count that does not divide the vocabulary or a top-k outside [1, num_centroids].
+    start as contiguous token-id ranges (``Gemma4Assistant.set_token_ordering`` sets others). Raises
+    ValueError naming the field for a centroid count that does not divide the vocabulary or a top-k outside
+    [1, num_centroids].
     """
     from transformers import Gemma4AssistantConfig, Gemma4TextConfig
 
@@ -445,8 +455,9 @@ def assistant_config_for(target_config, num_layers: int = 1, hidden_size: int | 
         vocab_size=tc.vocab_size, hidden_size=hidden, intermediate_size=intermediate_size or 2 * hidden,
         num_hidden_layers=num_layers, num_attention_heads=num_heads or tc.num_attention_heads,
         num_key_value_heads=tc.num_key_value_heads, head_dim=hd, global_head_dim=hd,
-        layer_types=["full_attention"] * num_layers, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
-        rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6), max_position_embeddings=tc.max_position_embeddings,
+        layer_types=["full_attention"] * num_layers, hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0, rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+        max_position_embeddings=tc.max_position_embeddings,
         rope_parameters={"full_attention": rope, "sliding_attention": rope})
     cfg = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=tc.hidden_size,
                                 tie_word_embeddings=not use_target_lm_head,

@@ -1,8 +1,8 @@
-"""The per-request input of the next decode step, kept on the device as real-shaped batch tensors (DESIGN §4
-rule 1). Under speculation it is the drafter's "draft input" (bonus token + seed hidden + committed length), and
-only ``FrozenKVMTPWorker`` creates, filters, merges or releases those; plain decode keeps the same rows with an
-empty hidden in the model runner. Keeping them on the device is what lets the host plan step n+1 before it has
-read step n's tokens (overlap scheduling)."""
+"""The per-request input of the next decode step, kept on the device as real-shaped batch tensors (DESIGN
+§4 rule 1). Under speculation it is the drafter's "draft input" (bonus token + seed hidden + committed
+length), and only ``FrozenKVMTPWorker`` creates, filters, merges or releases those; plain decode keeps the
+same rows with an empty hidden in the model runner. Keeping them on the device is what lets the host plan
+step n+1 before it has read step n's tokens (overlap scheduling)."""
 from dataclasses import dataclass, fields
 
 import torch
@@ -14,8 +14,9 @@ class DraftInput:
 
     req_ids: request ids, row order; bonus_tokens [B] int64: last token sampled by the target (not in KV yet);
     hidden [B, Hb]: target post-final-norm hidden of the last accepted token ([B, 0] for plain decode);
-    seq_lens [B] int32: committed KV length L of each row (None where the caller tracks it). Always real-shaped,
-    so ``filter``/``merge`` work on any mix of prefill inputs, decode inputs and idle (0-row) inputs.
+    seq_lens [B] int32: committed KV length L of each row (None where the caller tracks it). Always
+    real-shaped, so ``filter``/``merge`` work on any mix of prefill inputs, decode inputs and idle (0-row)
+    inputs.
     """
 
     req_ids: list[int]

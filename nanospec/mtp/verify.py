@@ -1,4 +1,5 @@
-"""Verify acceptance over a draft tree: the greedy walk and lossless speculative sampling (DESIGN §3, "Verify").
+"""Verify acceptance over a draft tree: the greedy walk and lossless speculative sampling (DESIGN §3,
+"Verify").
 
 Both walks are tensor code over the whole batch: the Python loops run over tree depth and siblings, never
 over requests. ``path[b, d]`` is the tree index of the node accepted at depth d (-1 past the accepted length).
@@ -22,10 +23,12 @@ def _max_depth(tree: DraftTree, max_depth: int | None) -> int:
 
 
 def accept_greedy(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int | None = None):
-    """Greedy walk: from the root, accept the child whose token equals the target's argmax at the current node.
+    """Greedy walk: from the root, accept the child whose token equals the target's argmax at the current
+    node.
 
     target_tokens [B, N] int64: the target's argmax at every node. Returns (path [B, D+1], accept_len [B],
-    bonus [B]) where accept_len = 1 + accepted drafts and bonus = the target's argmax at the last accepted node.
+    bonus [B]) where accept_len = 1 + accepted drafts and bonus = the target's argmax at the last accepted
+    node.
     ``max_depth`` (e.g. num_steps) bounds the walk; None reads it from the tree (one host sync).
     """
     B, N = tree.tokens.shape
@@ -58,7 +61,8 @@ def accept_sampling(tree: DraftTree, probs: torch.Tensor, u_accept: torch.Tensor
     """
     B, N, V = probs.shape
     max_depth = _max_depth(tree, max_depth)
-    dev, rows = probs.device, torch.arange(B, device=probs.device)
+    dev = probs.device
+    rows = torch.arange(B, device=dev)
     cur = torch.zeros(B, dtype=torch.long, device=dev)
     active = torch.ones(B, dtype=torch.bool, device=dev)
     r = probs[:, 0].clone()
@@ -89,7 +93,8 @@ def accept_sampling(tree: DraftTree, probs: torch.Tensor, u_accept: torch.Tensor
 
 
 def emitted_tokens(tree: DraftTree, path: torch.Tensor, accept_len: torch.Tensor, bonus: torch.Tensor):
-    """[B, D+1] tokens each request emits (accepted drafts, then the bonus), -1 padded; one host copy later."""
+    """[B, D+1] tokens each request emits (accepted drafts, then the bonus), -1 padded; one host copy
+    later."""
     out = torch.where(path[:, 1:] >= 0, tree.tokens.gather(1, path[:, 1:].clamp(min=0)), -1)
     out = torch.cat([out, torch.full_like(bonus[:, None], -1)], 1)
     return out.scatter(1, (accept_len - 1)[:, None], bonus[:, None])
@@ -98,9 +103,9 @@ def emitted_tokens(tree: DraftTree, path: torch.Tensor, accept_len: torch.Tensor
 def compact_accepted_kv(kv_pools, block_table, seq_lens, path, accept_len, page_size: int) -> None:
     """topk > 1: move the accepted path's K/V rows (written at L + tree index) to rows L + depth.
 
-    kv_pools: the target's pools, each [layers, 2, blocks, page_size, Hkv, D]; seq_lens [B] = committed L before
-    this verify. Rows that need no move copy onto themselves, so the op is shape-static (no host sync). Rejected
-    rows beyond the new length are garbage that the next verify overwrites.
+    kv_pools: the target's pools, each [layers, 2, blocks, page_size, Hkv, D]; seq_lens [B] = committed L
+    before this verify. Rows that need no move copy onto themselves, so the op is shape-static (no host
+    sync). Rejected rows beyond the new length are garbage that the next verify overwrites.
     """
     B, D1 = path.shape
     if B == 0 or D1 < 2:

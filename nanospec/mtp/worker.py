@@ -11,9 +11,10 @@ scheduler's release path calls 6; nothing else creates, updates, filters or rele
 4. ``on_prefill_done(reqs, first_tokens, hidden)``: a request's prefill ends; its draft input is born from the
    token it emits first (the bonus token) and the target's hidden at its last prompt row.          [rule 1]
 5. ``step(reqs) -> StepOutput``: one speculative decode step for every running request: draft from exactly
-   KV rows [0, L), writing nothing [rule 3]; verify the tree, writing rows [L, L + N); accept per row [rule 6];
-   the next draft input is each row's bonus token and the hidden of its last accepted node [rule 1]. An empty
-   batch does nothing [rule 4]. The scheduler then commits ``tokens`` and ``accept_lens`` [rule 5].
+   KV rows [0, L), writing nothing [rule 3]; verify the tree, writing rows [L, L + N); accept per row
+   [rule 6]; the next draft input is each row's bonus token and the hidden of its last accepted node
+   [rule 1]. An empty batch does nothing [rule 4]. The scheduler then commits ``tokens`` and
+   ``accept_lens`` [rule 5].
 6. ``on_release(reqs, reason)``: a request leaves the running set (finished, aborted, preempted); its draft
    input goes in the same call that frees its KV blocks. When none is left, the idle input remains.   [rule 1]
 
@@ -61,47 +62,59 @@ class FrozenKVMTPWorker:
     """Speculation for one target (the hooks and their order: see the module docstring)."""
 
     def __init__(self, config, target, assistant_path: Path, sampler, trace=None):
-        self.target, self.sampler, self.trace = target, sampler, trace
-        self.num_steps, self.topk, self.num_draft_tokens = config.num_steps, config.topk, config.num_draft_tokens
-        self.position_offset, self.page_size = config.draft_position_offset, config.page_size
-        device, dtype = sampler.device, next(target.parameters()).dtype
+        self.target = target
+        self.sampler = sampler
+        self.trace = trace
+        self.num_steps = config.num_steps
+        self.topk = config.topk
+        self.num_draft_tokens = config.num_draft_tokens
+        self.position_offset = config.draft_position_offset
+        self.page_size = config.page_size
+        device = sampler.device
+        dtype = next(target.parameters()).dtype
         self.assistant = Gemma4Assistant.from_pretrained(assistant_path, device, dtype)
         self.assistant.check_target(target.config)
         self.draft_inputs = DraftInput.idle(target.config.hidden_size, device, dtype)
-        self.kv_pools, self.graphs = None, None
+        self.kv_pools = None
+        self.graphs = None
 
-    # ---- 2, 3: bind after allocation ---------------------------------------------------------------------------
+    # ---- 2, 3: bind after allocation -----------------------------------------------------------------------
     def bind(self, kv_pools: list[torch.Tensor]) -> None:
-        """Attach the assistant to the target's allocated pools (RuntimeError if the target has none bound)."""
+        """Attach the assistant to the target's allocated pools (RuntimeError if the target has none
+        bound)."""
         self.assistant.bind_target(self.target)
         self.kv_pools = kv_pools
 
     def set_graphs(self, graphs) -> None:
         self.graphs = graphs
 
-    # ---- 4: prefill done -------------------------------------------------------------------------------------------
+    # ---- 4: prefill done -----------------------------------------------------------------------------------
     def on_prefill_done(self, reqs, first_tokens: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Birth of the draft inputs of ``reqs`` (first_tokens [B] int64, hidden [B, Hb]); a re-prefilled request
-        (after preemption) gets a fresh row."""
+        """Birth of the draft inputs of ``reqs`` (first_tokens [B] int64, hidden [B, Hb]); a re-prefilled
+        request (after preemption) gets a fresh row."""
         L = torch.tensor([r.prefill_len for r in reqs], dtype=torch.int32).to(hidden.device)
-        self.draft_inputs = self.draft_inputs.merge(DraftInput([r.request_id for r in reqs], first_tokens, hidden, L))
+        self.draft_inputs = self.draft_inputs.merge(
+            DraftInput([r.request_id for r in reqs], first_tokens, hidden, L))
         if self.trace is not None:
             for r, t in zip(reqs, first_tokens.tolist()):
                 self.trace("prefill_done", {"req": r.request_id, "bonus": t, "L": r.prefill_len})
 
-    # ---- 5: one speculative step ---------------------------------------------------------------------------------
+    # ---- 5: one speculative step ---------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, reqs) -> StepOutput:
-        """Draft, verify over the tree, accept, and keep the next draft inputs (see the module docstring). The
-        inputs, committed lengths included, are gathered on the device: no host sync until the output is read."""
+        """Draft, verify over the tree, accept, and keep the next draft inputs (see the module docstring).
+        The inputs, committed lengths included, are gathered on the device: no host sync until the output
+        is read."""
         if not reqs:  # DESIGN §4 rule 4
             return StepOutput(torch.zeros(0, 2, dtype=torch.long), speculative=True)
         inp = self._inputs_for(reqs)
-        L, bt = inp.seq_lens, block_table_tensor(reqs, inp.hidden.device)
+        L = inp.seq_lens
+        bt = block_table_tensor(reqs, inp.hidden.device)
         bound = max(r.num_computed + r.num_inflight * self.num_draft_tokens for r in reqs)
         inputs = {"bonus": inp.bonus_tokens, "hidden": inp.hidden, "block_table": bt, "L": L}
         phase = "mtp"
-        if not all(r.params.greedy for r in reqs):  # a sampled batch: its own graphs, noise drawn on the host side
+        # a sampled batch: its own graphs, noise drawn on the host side
+        if not all(r.params.greedy for r in reqs):
             temperature, top_k, top_p = self.sampler.tensors(reqs)
             noise = self.sampler.noise(reqs, self.noise_width)
             inputs.update(temperature=temperature, top_k=top_k, top_p=top_p, noise=noise)
@@ -127,8 +140,8 @@ class FrozenKVMTPWorker:
 
     def draft(self, reqs, block_table, seq_lens, num_splits=None):
         """The draft tree of ``reqs`` from their draft inputs (reads KV rows [0, L), writes nothing)."""
-        return run_draft(self.assistant, self._inputs_for(reqs), block_table, seq_lens, self.num_steps, self.topk,
-                         self.num_draft_tokens, self.position_offset, num_splits)
+        return run_draft(self.assistant, self._inputs_for(reqs), block_table, seq_lens, self.num_steps,
+                         self.topk, self.num_draft_tokens, self.position_offset, num_splits)
 
     def verify(self, tree, block_table, L, sampling=None):
         """Target forward over the tree (K/V written to rows [L, L+N)), accept, compact, next seed hidden.
@@ -140,7 +153,8 @@ class FrozenKVMTPWorker:
         B, N = tree.tokens.shape
         dev = tree.tokens.device
         rows = torch.arange(B, device=dev)[:, None]
-        slots = slot_mapping(block_table, rows, L.long()[:, None] + torch.arange(N, device=dev), self.page_size)
+        slots = slot_mapping(block_table, rows, L.long()[:, None] + torch.arange(N, device=dev),
+                             self.page_size)
         md = AttnMetadata.verify(block_table, L, slots.flatten(), N, tree.tree_mask)
         with attn_metadata(md):
             hidden = self.target(tree.tokens.flatten(), (L.long()[:, None] + tree.depth).flatten())
@@ -148,10 +162,11 @@ class FrozenKVMTPWorker:
         if sampling is None:
             path, acc, bonus = accept_greedy(tree, logits.argmax(-1), self.num_steps)
         else:
-            V, (t, k, p, u) = logits.shape[-1], sampling
+            V = logits.shape[-1]
+            t, k, p, u = sampling
             probs = filtered_probs(logits.view(B * N, V), *(x.repeat_interleave(N) for x in (t, k, p)))
-            path, acc, bonus = accept_sampling(tree, probs.view(B, N, V), u[:, V:].view(B, self.num_steps, -1),
-                                               u[:, :V], self.num_steps)
+            path, acc, bonus = accept_sampling(tree, probs.view(B, N, V),
+                                               u[:, V:].view(B, self.num_steps, -1), u[:, :V], self.num_steps)
         if not tree.is_chain:
             compact_accepted_kv(self.kv_pools, block_table, L, path, acc, self.page_size)
         last = path.gather(1, (acc - 1)[:, None]).squeeze(1)
@@ -159,8 +174,8 @@ class FrozenKVMTPWorker:
         return emitted_tokens(tree, path, acc, bonus), acc, bonus, seed_hidden
 
     def draft_verify(self, bonus, hidden, block_table, L, num_splits=None, reqs=None, sampling=None):
-        """One whole speculative step from draft-input tensors (bonus [B], hidden [B, Hb]): the ``mtp`` phase a
-        CUDA graph captures. Eager calls pass ``reqs`` so that ``draft`` sees the requests. ``sampling`` =
+        """One whole speculative step from draft-input tensors (bonus [B], hidden [B, Hb]): the ``mtp`` phase
+        a CUDA graph captures. Eager calls pass ``reqs`` so that ``draft`` sees the requests. ``sampling`` =
         (temperature, top_k, top_p [B], noise [B, noise_width]) or None (greedy).
         Returns (tree tokens [B, N], emitted, accept_len, bonus, next seed hidden)."""
         if reqs is None:
@@ -170,20 +185,22 @@ class FrozenKVMTPWorker:
             tree = self.draft(reqs, block_table, L, num_splits)
         return (tree.tokens, *self.verify(tree, block_table, L, sampling))
 
-    def draft_verify_sampled(self, bonus, hidden, block_table, L, temperature, top_k, top_p, noise, num_splits=None,
-                             reqs=None):
-        """The ``mtp_sampled`` phase: ``draft_verify`` of a batch with sampled rows, its sampling tensors static
-        graph inputs like the rest."""
-        return self.draft_verify(bonus, hidden, block_table, L, num_splits, reqs, (temperature, top_k, top_p, noise))
+    def draft_verify_sampled(self, bonus, hidden, block_table, L, temperature, top_k, top_p, noise,
+                             num_splits=None, reqs=None):
+        """The ``mtp_sampled`` phase: ``draft_verify`` of a batch with sampled rows, its sampling tensors
+        static graph inputs like the rest."""
+        return self.draft_verify(bonus, hidden, block_table, L, num_splits, reqs,
+                                 (temperature, top_k, top_p, noise))
 
     def _trace_step(self, reqs, lens, tree_tokens, result) -> None:
         for r, L, toks, emitted in zip(reqs, lens, tree_tokens, result.tokens):
             n = len(emitted)
             self.trace("draft", {"req": r.request_id, "L": L, "tokens": toks[1:]})
-            self.trace("verify", {"req": r.request_id, "kv_rows": (L, L + len(toks)), "accepted": emitted[:-1],
-                                  "bonus": emitted[-1], "accept_length": n, "committed_L": L + n})
+            self.trace("verify", {"req": r.request_id, "kv_rows": (L, L + len(toks)),
+                                  "accepted": emitted[:-1], "bonus": emitted[-1], "accept_length": n,
+                                  "committed_L": L + n})
 
-    # ---- 6: release --------------------------------------------------------------------------------------------------
+    # ---- 6: release ----------------------------------------------------------------------------------------
     def on_release(self, reqs, reason: str) -> None:
         """Drop the draft inputs of ``reqs`` (reason: "finished" | "aborted" | "preempted")."""
         gone = {r.request_id for r in reqs}
