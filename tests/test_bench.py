@@ -272,6 +272,22 @@ def test_compare_spec_batch_1_phases(capsys, monkeypatch, two_layers):
     for i, outputs in enumerate(rounds):  # spec is lossless: the same tokens with and without the assistant
         assert [o["token_ids"] for o in outputs] == [o["token_ids"] for o in rounds[0]]
         assert len(outputs) == 2 + 2 and all(("accept_lengths" in o) == (i % 2 == 0) for o in outputs)
+    # the phase pass (the last 2 outputs of a round): one draft and one verify per speculative step, one plain
+    # decode per token after the first
+    steps = sum(len(o["accept_lengths"]) for o in rounds[0][2:])
+    assert (on["draft_calls"], on["verify_calls"], on["step_calls"], on["decode_calls"]) == (
+        steps,
+        steps,
+        steps,
+        0,
+    )
+    decodes = sum(len(o["token_ids"]) - 1 for o in rounds[1][2:])
+    assert (off["draft_calls"], off["verify_calls"], off["step_calls"], off["decode_calls"]) == (
+        0,
+        0,
+        0,
+        decodes,
+    )
     assert all(on[k] > 0 for k in ("draft_ms", "verify_ms", "step_ms")) and on["decode_ms"] is None
     assert off["decode_ms"] > 0 and off["draft_ms"] is off["verify_ms"] is off["step_ms"] is None
     figs = dict(
@@ -359,8 +375,9 @@ def test_stall_workload_compare_overlap(capsys, monkeypatch, two_layers):
 
 
 def test_gemma4_shapes_are_the_real_ones():
-    """The Gemma 4 shapes against gemma4_notes §3.1 / §1.3 / §1.4: configs, the assistant's layer map onto the
-    target's KV owners, KV-owning layers and parameter counts (meta device: no memory)."""
+    """The Gemma 4 shapes against the published E2B / E4B / 31B sizes (HF convert_gemma4_weights.py): configs,
+    the assistant's layer map onto the target's KV owners (last non-shared layer of each type), KV-owning
+    layers and the assistants' parameter counts (meta device: no memory)."""
     import torch
 
     from nanospec.models import target_class

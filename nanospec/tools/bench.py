@@ -21,11 +21,11 @@ ratios measured in one run.
 builds a fresh engine per round and runs the workload with OPTION on, off, on, off (assistant: the configured
 one vs none), printing each round's Total line, then `OPTION on/off throughput = X.XXx` from the best
 (highest-throughput) round of each side; the JSON `compare` key holds both best rounds and every round's
-throughput. With `assistant` a separate untimed pass over the first 4 requests (one at a time) also times each
-phase call, the GPU synced around it, in ms: draft (one draft call: num_steps assistant forwards), verify, step
-(a whole speculative step) and decode (a plain decode step); under CUDA graphs draft and verify run inside the
-step's graph and are not split (--enforce-eager splits them). The line after the ratio shows them with the
-mean acceptance length.
+throughput. With `assistant` a separate untimed pass over the first 4 requests (one at a time) also times
+each phase call, the GPU synced around it: draft_ms (one draft call: num_steps assistant forwards),
+verify_ms, step_ms (a whole speculative step) and decode_ms (a plain decode step), with their call counts
+(*_calls); under CUDA graphs draft and verify run inside the step's graph and are not split (--enforce-eager
+splits them). The line after the ratio shows them with the mean acceptance length.
 
 Workloads: nanovllm (random ids, nano-vllm's bench.py), sharegpt (held-out ShareGPT questions), shared-prefix
 (--prefix-len tokens of one system prompt, this text repeated, in front of every ShareGPT question; for
@@ -40,6 +40,7 @@ import json
 import random
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -53,9 +54,9 @@ QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16
 QWEN3_0_6B.update(head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True)
 QWEN3_0_6B.update(rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645, max_position_embeddings=40960)
 QWEN3_0_6B.update(rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-# Gemma 4 targets (gemma4_notes §3.1): these Gemma4TextConfig fields, then every how-many-th layer is full
-# attention; their assistants (§1.3: 4 layers S,S,S,F reading the target's KV heads, head dims, window): hidden,
-# Q heads, MLP, centroids (0: a dense LM head; top-k 32).
+# Gemma 4 E2B / E4B / 31B (the sizes of HF's convert_gemma4_weights.py): these Gemma4TextConfig fields, then
+# every how-many-th layer is full attention; their assistants (4 layers S,S,S,F reading the target's KV heads,
+# head dims and window): hidden, Q heads, MLP, centroids (0: a dense LM head; top-k 32).
 G4_FIELDS = "num_key_value_heads num_global_key_value_heads attention_k_eq_v sliding_window hidden_size "
 G4_FIELDS += "num_hidden_layers num_attention_heads intermediate_size use_double_wide_mlp "
 G4_FIELDS += "hidden_size_per_layer_input num_kv_shared_layers max_position_embeddings"
@@ -202,16 +203,15 @@ def timed(obj, name: str, device, log: list) -> None:
 
 
 def stall(llm, prompts, params) -> tuple[list[dict], float]:
-    """Drive ``llm.add_request`` / ``step``: every request but the last at once, the last once each of them has
-    a token. Returns (outputs in request order, the largest wall time in s between two steps that gave one of
-    the first requests tokens)."""
+    """Drive ``llm.add_request`` / ``step``: every request but the last at once, the last once each of them
+    has a token. Returns (outputs in request order, the largest wall time in s between two steps that gave one
+    of the first requests tokens)."""
     decoders, done, pending, gap = [], [], [(prompts[-1], params[-1])], 0.0
     for p, sp in zip(prompts[:-1], params[:-1]):
         llm.add_request(p, sp)
         decoders.append(llm.scheduler.waiting[-1])
-    seen = [(0, None)] * len(
-        decoders
-    )  # per decoder: tokens so far, when the step that gave the last ones ended
+    # per decoder: its tokens so far, and when the step that gave the last ones ended
+    seen = [(0, None)] * len(decoders)
     while llm.has_unfinished():
         done += llm.step()
         now = time.perf_counter()
@@ -224,9 +224,9 @@ def stall(llm, prompts, params) -> tuple[list[dict], float]:
 
 
 def measure(args, model_dir, assistant, prompts, params, label="", phases=False, **option) -> dict:
-    """Build an engine (``args``' options, ``assistant`` dir or None, more LLM ``option``s), warm it up, run the
-    workload timed, print the Total line after ``label``; with ``phases`` time each phase (module docstring).
-    Returns the figures; the engine is freed."""
+    """Build an engine (``args``' options, ``assistant`` dir or None, more LLM ``option``s), warm it up, run
+    the workload timed, print the Total line after ``label``; with ``phases`` time each phase (module
+    docstring). Returns the figures; the engine is freed."""
     engine = {k: getattr(args, k) for k in ENGINE + (SPEC if assistant else [])} | option
     llm = LLM(str(model_dir), **engine, assistant=assistant, load_format="dummy" if args.shape else "auto")
     warmup = dict(temperature=args.temperature, ignore_eos=True, max_tokens=min(64, args.max_output_len))
@@ -257,9 +257,10 @@ def measure(args, model_dir, assistant, prompts, params, label="", phases=False,
         for i in range(min(4, len(prompts))):
             llm.generate(prompts[i : i + 1], params[i : i + 1], use_tqdm=False)
         res.update({f"{k}_ms": sum(v) / len(v) if v else None for k, v in logs.items()})
+        res.update({f"{k}_calls": len(v) for k, v in logs.items()})
     del llm, outputs
     gc.collect()
-    torch.cuda.empty_cache()  # a no-op without CUDA: this engine's KV pool goes before the next engine (or HF)
+    torch.cuda.empty_cache()  # no-op without CUDA: this engine's KV pool goes before the next engine (or HF)
     print(f"{label}Total: {total}tok, Time: {elapsed:.2f}s, Throughput: {total / elapsed:.2f}tok/s")
     if gap is not None:
         print(f"{label}Max inter-token gap of the decoders: {gap:.3f}s")
@@ -322,10 +323,10 @@ def kernel_bench(dtype=torch.bfloat16, contexts=(8192, 16384, 32768)) -> list[di
         r2r, cu = torch.arange(B, **i32).repeat_interleave(k), torch.arange(0, (B + 1) * N, N, **i32)
         mask = torch.tril(torch.ones(N, N, dtype=torch.bool, device=dev)).expand(B, N, N).contiguous()
         splits = max(1, min(32, ctx // 256))
-        runs = dict(decode=lambda: decode_attention(q, kc, vc, bt, lens, D**-0.5, num_splits=splits))
-        runs.update(draft=lambda: draft_attention(qd, kc, vc, bt, lens, r2r, 1.0, splits))
-        runs.update(tree_verify=lambda: extend_attention(qt, kc, vc, bt, cu, lens, D**-0.5, N, mask))
-        for name, fn in runs.items():
+        runs = [("decode", partial(decode_attention, q, kc, vc, bt, lens, D**-0.5, num_splits=splits))]
+        runs.append(("draft", partial(draft_attention, qd, kc, vc, bt, lens, r2r, 1.0, splits)))
+        runs.append(("tree_verify", partial(extend_attention, qt, kc, vc, bt, cu, lens, D**-0.5, N, mask)))
+        for name, fn in runs:
             ms = do_bench(fn)
             bw = kv_bytes / (ms * 1e-3)
             rows.append(dict(kernel=name, context=ctx, batch=B, ms=ms, bandwidth_tb_s=bw / 1e12))
