@@ -1,24 +1,43 @@
-"""Benchmark nanospec: the nano-vllm workload, ShareGPT prompts, batch-1 latency, speculation and HF
-transformers.
+"""Benchmark nanospec: the nano-vllm workload, ShareGPT prompts (also behind one shared system prompt),
+batch-1 latency, a long prompt stalling decoders, engine options on vs off, speculation and HF transformers.
 
     python bench.py                                      # nano-vllm workload (256 seqs), default SmolLM2 +
                                                          # its shipped assistant (--assistant none: without)
     python bench.py --shape qwen3-0.6b --compare-hf --hf-num-seqs 16  # random weights; HF in the same run
-    python bench.py --workload sharegpt --batch-1                     # latency with the shipped assistant
+    python bench.py --workload sharegpt --batch-1 --compare-spec      # batch 1: spec vs plain, phase costs
+    python bench.py --workload shared-prefix --compare enable_prefix_caching
+    python bench.py --workload stall --compare overlap_schedule       # decoders' max inter-token gap
+    python bench.py --shape gemma4-e2b --assistant random --batch-1   # Gemma 4 shapes (for a GPU)
     python bench.py --shape smollm2-135m --num-seqs 4 --max-input-len 64 --max-output-len 16 --device cpu
 
 Prints the nano-vllm line `Total: Ntok, Time: ts, Throughput: xtok/s` (N = generated tokens), the HF line with
 the ratio under --compare-hf, then one JSON line with every figure (batch-1: ms/token = wall time / generated
-tokens, prefill included). `--assistant random` writes a random-weight gemma4_assistant for the target
-(telemetry, speed). Absolute times count only on a GPU; on CPU compare ratios measured in one run."""
+tokens, prefill included; cached_tokens: prompt tokens whose KV came from the prefix cache). `--assistant
+random` writes a random-weight gemma4_assistant for the target (telemetry, speed; for a Gemma 4 shape the real
+assistant shape, with the centroid head for E2B/E4B). Absolute times count only on a GPU; on CPU compare
+ratios measured in one run.
 
-from __future__ import annotations
+--compare OPTION (enable_prefix_caching, overlap_schedule, assistant; --compare-spec = --compare assistant)
+builds a fresh engine per round and runs the workload with OPTION on, off, on, off (assistant: the configured
+one vs none), printing each round's Total line, then `OPTION on/off throughput = X.XXx` from the best
+(highest-throughput) round of each side; the JSON `compare` key holds both best rounds and every round's
+throughput. With `assistant` a separate untimed pass over the first 4 requests (one at a time) also times
+each phase call, the GPU synced around it: draft_ms (one draft call: num_steps assistant forwards),
+verify_ms, step_ms (a whole speculative step) and decode_ms (a plain decode step), with their call counts
+(*_calls); under CUDA graphs draft and verify run inside the step's graph and are not split (--enforce-eager
+splits them). The line after the ratio shows them with the mean acceptance length.
+
+Workloads: nanovllm (random ids, nano-vllm's bench.py), sharegpt (held-out ShareGPT questions), shared-prefix
+(--prefix-len tokens of one system prompt, this text repeated, in front of every ShareGPT question; for
+--shape runs random ids in front of the nano-vllm prompts), stall (7 requests of 16 random tokens decode
+--max-output-len tokens; once each has its first token, one --stall-len-token prompt arrives, prefilled in
+--max-num-batched-tokens chunks; prints and reports max_gap_s, the decoders' largest wall time between two
+steps that gave one of them tokens, and the total time)."""
 
 import argparse
 import gc
 import json
 import random
-import shutil
 import tempfile
 import time
 from functools import partial
@@ -30,11 +49,25 @@ from .. import LLM, SamplingParams, loader
 from ..mtp.worker import DEFAULT_ASSISTANT
 from .cli import HelpFormatter, number
 
+S, F = "sliding_attention", "full_attention"
 QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8)
 QWEN3_0_6B.update(head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True)
-QWEN3_0_6B.update(rms_norm_eps=1e-6)
-QWEN3_0_6B.update(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, max_position_embeddings=40960)
-QWEN3_0_6B.update(bos_token_id=151643, eos_token_id=151645)
+QWEN3_0_6B.update(rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645, max_position_embeddings=40960)
+QWEN3_0_6B.update(rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+# Gemma 4 E2B / E4B / 31B (the sizes of HF's convert_gemma4_weights.py): these Gemma4TextConfig fields, then
+# every how-many-th layer is full attention; their assistants (4 layers S,S,S,F reading the target's KV heads,
+# head dims and window): hidden, Q heads, MLP, centroids (0: a dense LM head; top-k 32).
+G4_FIELDS = "num_key_value_heads num_global_key_value_heads attention_k_eq_v sliding_window hidden_size "
+G4_FIELDS += "num_hidden_layers num_attention_heads intermediate_size use_double_wide_mlp "
+G4_FIELDS += "hidden_size_per_layer_input num_kv_shared_layers max_position_embeddings"
+GEMMA4 = {
+    "gemma4-e2b": (1, 1, False, 512, 1536, 35, 8, 6144, True, 256, 20, 131072, 5, 256, 4, 2048, 2048),
+    "gemma4-e4b": (2, 2, False, 512, 2560, 42, 8, 10240, False, 256, 18, 131072, 6, 256, 4, 2048, 2048),
+    "gemma4-31b": (16, 4, True, 1024, 5376, 60, 32, 21504, False, 0, 0, 262144, 6, 1024, 32, 8192, 0),
+}
+G4_COMMON = dict(head_dim=256, global_head_dim=512, vocab_size=262144, vocab_size_per_layer_input=262144)
+ENGINE = "dtype device max_model_len max_num_seqs max_num_batched_tokens enforce_eager seed".split()
+SPEC = ["num_steps", "topk", "num_draft_tokens"]
 
 
 def nanovllm_workload(num_seqs=256, max_input_len=1024, max_output_len=1024, seed=0):
@@ -59,19 +92,35 @@ def sharegpt_workload(tokenizer, num_seqs=None, max_input_len=1024, max_output_l
     chat, plain = dict(tokenize=False, add_generation_prompt=True), dict(add_special_tokens=False)
     order = list(range(len(convs)))
     random.Random(seed).shuffle(order)
-    for i in order:
-        if len(prompts) == num_seqs:
-            break
-        if len(convs[i]) < 2 or convs[i][1]["role"] != "assistant":
+    for conv in (convs[i] for i in order if len(prompts) != num_seqs):
+        if len(conv) < 2 or conv[1]["role"] != "assistant":
             continue
-        text, answer = convs[i][0]["content"], convs[i][1]["content"]
+        text = conv[0]["content"]
         if tokenizer.chat_template:
             text = tokenizer.apply_chat_template([dict(role="user", content=text)], **chat)
-        ids, ref_len = tokenizer.encode(text, **plain), len(tokenizer.encode(answer, **plain))
+        ids, ref_len = tokenizer.encode(text, **plain), len(tokenizer.encode(conv[1]["content"], **plain))
         if min_len <= len(ids) <= max_input_len and ref_len >= min_len:
             prompts.append(ids)
             max_tokens.append(min(ref_len, max_output_len))
     return prompts, max_tokens
+
+
+def workload(args, tokenizer) -> tuple[list[list[int]], list[SamplingParams]]:
+    """The prompts (token-id lists) and SamplingParams (seed ``args.seed`` + i) of ``args.workload``."""
+    rand, sizes = random.Random(args.seed).randint, (args.num_seqs, args.max_input_len, args.max_output_len)
+    if args.workload == "stall":  # 7 decoders, then the long prompt
+        prompts = [[rand(0, 10000) for _ in range(n)] for n in [16] * 7 + [args.stall_len]]
+        max_tokens = [args.max_output_len] * 8
+    elif args.workload == "nanovllm" or args.shape and args.workload == "shared-prefix":
+        prompts, max_tokens = nanovllm_workload(*sizes, args.seed)
+    else:
+        prompts, max_tokens = sharegpt_workload(tokenizer, *sizes, args.seed)
+    if args.workload == "shared-prefix":
+        text = tokenizer.encode(__doc__ * (1 + args.prefix_len // 64), add_special_tokens=False)
+        prefix = [rand(0, 10000) for _ in range(args.prefix_len)] if args.shape else text[: args.prefix_len]
+        prompts = [prefix + p for p in prompts]
+    sp = dict(temperature=args.temperature, ignore_eos=args.ignore_eos)
+    return prompts, [SamplingParams(max_tokens=m, seed=args.seed + i, **sp) for i, m in enumerate(max_tokens)]
 
 
 def acceptance_stats(accept_lengths, num_steps):
@@ -84,26 +133,48 @@ def acceptance_stats(accept_lengths, num_steps):
     return (sum(flat) / n if n else None), rates, n
 
 
+def gemma4_configs(shape):
+    """(Gemma4TextConfig, Gemma4AssistantConfig) of a ``GEMMA4`` shape at its real sizes; the assistant has
+    its own tied LM head and no final softcap, the target final_logit_softcapping 30."""
+    from transformers import Gemma4AssistantConfig, Gemma4TextConfig
+
+    *values, period, hidden, heads, mlp, centroids = GEMMA4[shape]
+    t = G4_COMMON | dict(zip(G4_FIELDS.split(), values), final_logit_softcapping=30.0)
+    t["layer_types"] = [S if (i + 1) % period else F for i in range(t["num_hidden_layers"])]
+    a = G4_COMMON | dict(zip(G4_FIELDS.split()[:4], values), hidden_size=hidden, num_attention_heads=heads)
+    a |= dict(
+        intermediate_size=mlp, num_hidden_layers=4, layer_types=[S, S, S, F], vocab_size_per_layer_input=0
+    )
+    a = Gemma4TextConfig(**a, hidden_size_per_layer_input=0)
+    ordered = dict(use_ordered_embeddings=centroids > 0, num_centroids=centroids or 2048, text_config=a)
+    return Gemma4TextConfig(**t), Gemma4AssistantConfig(backbone_hidden_size=t["hidden_size"], **ordered)
+
+
 def write_shape_dir(shape, out: Path) -> Path:
     """A random-weight model dir in ``out``: the shape's config.json ("smollm2-135m": the default model's,
-    "qwen3-0.6b": Qwen3-0.6B's) plus the default SmolLM2 tokenizer files."""
+    "qwen3-0.6b": Qwen3-0.6B's, a ``GEMMA4`` key: ``gemma4_configs``) plus the default SmolLM2 tokenizer files
+    (a vocab larger than the tokenizer's is fine for random token ids)."""
+    from transformers import Qwen3Config
+
     for f in loader.resolve_model_dir(None).iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name != "generation_config.json":
-            shutil.copy(f, out / f.name)
-    if shape == "qwen3-0.6b":
-        from transformers import Qwen3Config
-
-        Qwen3Config(**QWEN3_0_6B).save_pretrained(out)  # vocab > tokenizer's: fine for random token ids
+            (out / f.name).write_bytes(f.read_bytes())
+    if shape != "smollm2-135m":
+        (gemma4_configs(shape)[0] if shape in GEMMA4 else Qwen3Config(**QWEN3_0_6B)).save_pretrained(out)
     return out
 
 
-def write_random_assistant(model_dir, out, seed=0) -> Path:
-    """A 2-layer gemma4_assistant with random weights (``train.init_assistant``) that fits the target in
-    ``model_dir`` (its hidden size and q geometry, sharing its LM head), saved in ``out``."""
+def write_random_assistant(model_dir, out, seed=0, shape=None) -> Path:
+    """A gemma4_assistant with random weights (``train.init_assistant``) saved in ``out``: for a ``GEMMA4``
+    ``shape`` the real assistant (``gemma4_configs``), else 2 layers fitting the target in ``model_dir``
+    (its hidden size and q geometry, sharing its LM head)."""
     from ..models.gemma4_assistant import Gemma4Assistant, assistant_config_for
     from .train import init_assistant
 
-    config = assistant_config_for(loader.load_config(model_dir), 2, use_target_lm_head=True)
+    if shape in GEMMA4:
+        config = gemma4_configs(shape)[1]
+    else:
+        config = assistant_config_for(loader.load_config(model_dir), 2, use_target_lm_head=True)
     assistant = Gemma4Assistant(config)
     init_assistant(assistant, seed)
     return assistant.save_pretrained(out)
@@ -115,6 +186,87 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def timed(obj, name: str, device, log: list) -> None:
+    """Wrap method ``name`` of the instance ``obj`` (set on the instance; the class is untouched): each call
+    appends its wall time in ms, the GPU synced before and after, to ``log``."""
+    fn = getattr(obj, name)
+
+    def call(*args, **kwargs):
+        sync(device)
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        sync(device)
+        log.append(1000 * (time.perf_counter() - t0))
+        return out
+
+    setattr(obj, name, call)
+
+
+def stall(llm, prompts, params) -> tuple[list[dict], float]:
+    """Drive ``llm.add_request`` / ``step``: every request but the last at once, the last once each of them
+    has a token. Returns (outputs in request order, the largest wall time in s between two steps that gave one
+    of the first requests tokens)."""
+    decoders, done, pending, gap = [], [], [(prompts[-1], params[-1])], 0.0
+    for p, sp in zip(prompts[:-1], params[:-1]):
+        llm.add_request(p, sp)
+        decoders.append(llm.scheduler.waiting[-1])
+    # per decoder: its tokens so far, and when the step that gave the last ones ended
+    seen = [(0, None)] * len(decoders)
+    while llm.has_unfinished():
+        done += llm.step()
+        now = time.perf_counter()
+        for i, r in enumerate(decoders):
+            if len(r.output_token_ids) > seen[i][0]:
+                gap, seen[i] = max(gap, now - (seen[i][1] or now)), (len(r.output_token_ids), now)
+        if pending and all(r.output_token_ids for r in decoders):
+            llm.add_request(*pending.pop())
+    return [llm.output_dict(r) for r in sorted(done, key=lambda r: r.request_id)], gap
+
+
+def measure(args, model_dir, assistant, prompts, params, label="", phases=False, **option) -> dict:
+    """Build an engine (``args``' options, ``assistant`` dir or None, more LLM ``option``s), warm it up, run
+    the workload timed, print the Total line after ``label``; with ``phases`` time each phase (module
+    docstring). Returns the figures; the engine is freed."""
+    engine = {k: getattr(args, k) for k in ENGINE + (SPEC if assistant else [])} | option
+    llm = LLM(str(model_dir), **engine, assistant=assistant, load_format="dummy" if args.shape else "auto")
+    warmup = dict(temperature=args.temperature, ignore_eos=True, max_tokens=min(64, args.max_output_len))
+    llm.generate(["Benchmark: "], SamplingParams(**warmup), use_tqdm=False)
+    device, cfg, gap = llm.runner.device, llm.config, None
+    sync(device)
+    t0 = time.perf_counter()
+    if args.workload == "stall":
+        outputs, gap = stall(llm, prompts, params)
+    elif args.batch_1:
+        outputs = [o for p, sp in zip(prompts, params) for o in llm.generate([p], [sp], use_tqdm=False)]
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    sync(device)
+    elapsed, total = time.perf_counter() - t0, sum(len(o["token_ids"]) for o in outputs)
+    acc = acceptance_stats([o.get("accept_lengths", []) for o in outputs], cfg.num_steps or 0)
+    res = dict(device=str(device), dtype=str(cfg.torch_dtype()).replace("torch.", ""), total_tokens=total)
+    res.update(time_s=elapsed, throughput_tok_s=total / elapsed, **{k: getattr(cfg, k) for k in SPEC})
+    res.update(ms_per_token=1000 * elapsed / total if args.batch_1 else None, max_gap_s=gap, **option)
+    res.update(mean_accept_length=acc[0], per_position_acceptance=acc[1], num_verify_steps=acc[2])
+    res.update(assistant=assistant and args.assistant, eos_token_ids=sorted(llm.eos_token_ids))
+    res.update(cached_tokens=sum(o["num_cached_tokens"] for o in outputs))
+    if phases:
+        logs = {name: [] for name in ("draft", "verify", "step", "decode")}
+        for name, log in logs.items():
+            if (obj := llm.runner if name == "decode" else llm.worker) is not None:
+                timed(obj, name, device, log)
+        for i in range(min(4, len(prompts))):
+            llm.generate(prompts[i : i + 1], params[i : i + 1], use_tqdm=False)
+        res.update({f"{k}_ms": sum(v) / len(v) if v else None for k, v in logs.items()})
+        res.update({f"{k}_calls": len(v) for k, v in logs.items()})
+    del llm, outputs
+    gc.collect()
+    torch.cuda.empty_cache()  # no-op without CUDA: this engine's KV pool goes before the next engine (or HF)
+    print(f"{label}Total: {total}tok, Time: {elapsed:.2f}s, Throughput: {total / elapsed:.2f}tok/s")
+    if gap is not None:
+        print(f"{label}Max inter-token gap of the decoders: {gap:.3f}s")
+    return res
+
+
 def run_hf(model_dir, random_init, prompts, params, device, dtype, batch_size, eos_ids):
     """HF transformers ``generate`` over ``prompts`` (token-id lists) with the ``params`` (SamplingParams)
     nanospec ran, in left-padded batches of ``batch_size`` (1: per request). Counts per request the tokens
@@ -124,11 +276,8 @@ def run_hf(model_dir, random_init, prompts, params, device, dtype, batch_size, e
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
-    if random_init:
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir)
-    model.to(device, dtype).eval()
+    load = AutoModelForCausalLM.from_config if random_init else AutoModelForCausalLM.from_pretrained
+    model = load(AutoConfig.from_pretrained(model_dir) if random_init else model_dir).to(device, dtype).eval()
     temp = params[0].temperature  # one temperature for the whole workload
     sampling = dict(do_sample=temp > 0) | (dict(temperature=temp, top_k=0, top_p=1.0) if temp > 0 else {})
 
@@ -139,8 +288,7 @@ def run_hf(model_dir, random_init, prompts, params, device, dtype, batch_size, e
         kw = dict(max_new_tokens=mx, min_new_tokens=mx if ignore_eos else None, pad_token_id=0, **sampling)
         with torch.inference_mode():
             rows = model.generate(input_ids=ids, attention_mask=mask, **kw)[:, n:].tolist()
-        rows = [row[: sp.max_tokens] for row, sp in zip(rows, sps)]
-        eos = set() if ignore_eos else eos_ids
+        rows, eos = [row[: sp.max_tokens] for row, sp in zip(rows, sps)], set() if ignore_eos else eos_ids
         return sum(next((i + 1 for i, t in enumerate(r) if t in eos), len(r)) for r in rows)
 
     gen([prompts[0][:16]], [SamplingParams(max_tokens=min(8, params[0].max_tokens))])  # warmup
@@ -191,24 +339,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     """bench.py's options (``--help``); bad values are argparse errors. Fills the workload's defaults in."""
     ap = argparse.ArgumentParser("bench.py", description=__doc__, formatter_class=HelpFormatter)
     a = ap.add_argument
-    a("--workload", choices=["nanovllm", "sharegpt"], default="nanovllm")
+    a("--workload", choices=["nanovllm", "sharegpt", "shared-prefix", "stall"], default="nanovllm")
     a("--batch-1", action="store_true", help="latency mode: one request at a time (ms/token, tok/s)")
     a("--model", help="HF-format model dir (default: SmolLM2-135M-Instruct)")
-    a("--shape", choices=["qwen3-0.6b", "smollm2-135m"], help="random weights of this shape")
+    a("--shape", choices=["qwen3-0.6b", "smollm2-135m", *GEMMA4], help="random weights of this shape")
     a("--device", choices=["auto", "cpu", "cuda"], default="auto")
     a("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    for name, default in (("max-model-len", 4096), ("max-num-seqs", 256), ("max-num-batched-tokens", 8192)):
-        a(f"--{name}", type=number(int, 1), default=default)
-    a("--max-input-len", type=number(int, 1), default=1024)
-    a("--max-output-len", type=number(int, 1), default=1024)
+    ints = "max-model-len=4096 max-num-seqs=256 max-num-batched-tokens=8192 max-input-len=1024 "
+    for name, default in (
+        s.split("=") for s in (ints + "max-output-len=1024 prefix-len=512 stall-len=2000").split()
+    ):
+        a(f"--{name}", type=number(int, 1), default=int(default))
     a("--seed", type=number(int, 0), default=0)
     a("--enforce-eager", action="store_true")
     a("--num-seqs", type=number(int, 1), help="requests (default 256; 16 with --batch-1)")
-    a("--temperature", type=number(), help="default 0.6 (nanovllm), 0.0 (sharegpt)")
+    a("--temperature", type=number(), help="default 0.6 (nanovllm), 0.0 (the others)")
     a("--ignore-eos", action="store_true", help="sharegpt: always generate output_len tokens")
     a("--assistant", default="auto", help="DIR | default | random | none | auto (the default one if it fits)")
     for name in ("--num-steps", "--topk", "--num-draft-tokens"):
         a(name, type=number(int, 1))
+    a("--compare", choices=["enable_prefix_caching", "overlap_schedule", "assistant"], help="on vs off")
+    a("--compare-spec", dest="compare", action="store_const", const="assistant", help="--compare assistant")
     a("--compare-hf", action="store_true", help="also run HF transformers on the same workload")
     a("--kernels", action="store_true", help="attention kernel micro-benchmark (HBM bandwidth; CUDA only)")
     a("--hf-num-seqs", type=number(int, 1), help="HF runs only the first N requests (it is slow)")
@@ -221,69 +372,52 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.assistant == "auto":  # as example.py: speculation is what nanospec is for
         shipped = not (args.model or args.shape) and (DEFAULT_ASSISTANT / "config.json").exists()
         args.assistant = "default" if shipped else "none"
+    if args.compare == "assistant" and args.assistant == "none":
+        ap.error("--compare assistant needs an assistant: --assistant DIR, default or random")
     if args.temperature is None:
         args.temperature = 0.6 if args.workload == "nanovllm" else 0.0
     args.num_seqs = args.num_seqs or (16 if args.batch_1 else 256)
-    args.ignore_eos = args.ignore_eos or args.workload == "nanovllm"
+    args.ignore_eos = args.ignore_eos or args.workload in ("nanovllm", "stall")
     return args
 
 
 def run(args: argparse.Namespace, tmp: Path) -> dict:
-    """One benchmark run of ``parse_args``'s options (random-weight dirs go in ``tmp``): prints the Total line
-    (and HF's); returns the figures, with every option."""
+    """One benchmark run of ``parse_args``'s options (random-weight dirs go in ``tmp``): prints the Total
+    line(s) (and HF's, the comparison's); returns the figures, with every option."""
     model_dir = write_shape_dir(args.shape, tmp) if args.shape else loader.resolve_model_dir(args.model)
     assistant = None if args.assistant == "none" else args.assistant
     if assistant == "random":
-        assistant = str(write_random_assistant(model_dir, tmp / "assistant", args.seed))
-    names = "dtype device max_model_len max_num_seqs max_num_batched_tokens enforce_eager seed".split()
-    engine = {k: getattr(args, k) for k in names} | dict(load_format="dummy" if args.shape else "auto")
-    if assistant is not None:
-        engine.update(assistant=assistant, num_steps=args.num_steps, topk=args.topk)
-        engine.update(num_draft_tokens=args.num_draft_tokens)
-    llm = LLM(str(model_dir), **engine)
-    sizes = (args.num_seqs, args.max_input_len, args.max_output_len, args.seed)
-    if args.workload == "nanovllm":
-        prompts, max_tokens = nanovllm_workload(*sizes)
+        assistant = str(write_random_assistant(model_dir, tmp / "assistant", args.seed, args.shape))
+    prompts, params = workload(args, loader.load_tokenizer(model_dir))
+    res = vars(args) | dict(model=None if args.shape else str(model_dir), num_seqs=len(prompts))
+    res.update(input_tokens=sum(map(len, prompts)))
+    if args.compare:
+        opt, spec, rounds = args.compare, args.compare == "assistant", []
+        for on in (True, False) * 2:
+            kw = dict(label=f"[{opt} {'on' if on else 'off'}] ", phases=spec) | ({} if spec else {opt: on})
+            rounds.append(
+                measure(args, model_dir, None if spec and not on else assistant, prompts, params, **kw)
+            )
+        on, off = (max(rounds[i::2], key=lambda r: r["throughput_tok_s"]) for i in (0, 1))
+        ratio = on["throughput_tok_s"] / off["throughput_tok_s"]
+        res.update(on, compare=dict(option=opt, best_of=2, on=on, off=off, ratio=ratio))
+        res["compare"]["rounds_tok_s"] = [r["throughput_tok_s"] for r in rounds]
+        print(f"{opt} on/off throughput = {ratio:.2f}x")
+        if spec:
+            figs = {k: on[k] for k in ("mean_accept_length", "draft_ms", "verify_ms", "step_ms")}
+            figs["plain_decode_ms"] = off["decode_ms"]
+            print(", ".join(f"{k} {v:.3f}" for k, v in figs.items() if v is not None))
     else:
-        prompts, max_tokens = sharegpt_workload(llm.tokenizer, *sizes)
-    sp = dict(temperature=args.temperature, ignore_eos=args.ignore_eos)
-    params = [SamplingParams(max_tokens=m, seed=args.seed + i, **sp) for i, m in enumerate(max_tokens)]
-    warmup = dict(sp, ignore_eos=True, max_tokens=min(64, args.max_output_len))
-    llm.generate(["Benchmark: "], SamplingParams(**warmup), use_tqdm=False)
-    device, dtype, cfg = llm.runner.device, llm.config.torch_dtype(), llm.config
-    sync(device)
-    t0 = time.perf_counter()
-    if args.batch_1:
-        outputs = [o for p, sp in zip(prompts, params) for o in llm.generate([p], [sp], use_tqdm=False)]
-    else:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-    sync(device)
-    elapsed = time.perf_counter() - t0
-    total = sum(len(o["token_ids"]) for o in outputs)
-    acc = acceptance_stats([o.get("accept_lengths", []) for o in outputs], cfg.num_steps or 0)
-    res = vars(args) | dict(model=None if args.shape else str(model_dir), device=str(device))
-    res.update(dtype=str(dtype).replace("torch.", ""), num_seqs=len(prompts), total_tokens=total)
-    res.update(input_tokens=sum(map(len, prompts)), time_s=elapsed, throughput_tok_s=total / elapsed)
-    res.update(ms_per_token=1000 * elapsed / total if args.batch_1 else None)
-    res.update(assistant=None if assistant is None else args.assistant)
-    res.update(num_steps=cfg.num_steps, topk=cfg.topk, num_draft_tokens=cfg.num_draft_tokens)
-    res.update(mean_accept_length=acc[0], per_position_acceptance=acc[1], num_verify_steps=acc[2])
-    eos_ids = set(llm.eos_token_ids)
-    del llm, outputs
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # the engine's KV pool is gone before HF loads
-    print(f"Total: {total}tok, Time: {elapsed:.2f}s, Throughput: {total / elapsed:.2f}tok/s")
+        res.update(measure(args, model_dir, assistant, prompts, params))
     if args.compare_hf:
         n, bs = min(args.hf_num_seqs or len(prompts), len(prompts)), 1 if args.batch_1 else args.hf_batch_size
-        hf = (bool(args.shape), prompts[:n], params[:n], device, dtype, bs, eos_ids)
-        hf_tok, hf_t = run_hf(model_dir, *hf)
+        dev, dtype, eos = torch.device(res["device"]), getattr(torch, res["dtype"]), set(res["eos_token_ids"])
+        hf_tok, hf_t = run_hf(model_dir, bool(args.shape), prompts[:n], params[:n], dev, dtype, bs, eos)
         res.update(hf_num_seqs=n, hf_batch_size=bs, hf_total_tokens=hf_tok, hf_time_s=hf_t)
-        res.update(hf_throughput_tok_s=hf_tok / hf_t, hf_ratio=total / elapsed / (hf_tok / hf_t))
+        res.update(hf_throughput_tok_s=hf_tok / hf_t, hf_ratio=res["throughput_tok_s"] / (hf_tok / hf_t))
         note = f" (reduced workload: first {n} of {len(prompts)} requests)" if n < len(prompts) else ""
         hf_line = f"Total: {hf_tok}tok, Time: {hf_t:.2f}s, Throughput: {hf_tok / hf_t:.2f}tok/s{note}"
         print(f"HF transformers: {hf_line}, batch {bs}; nanospec / HF throughput = {res['hf_ratio']:.2f}x")
-        print(f"{hf_line}{note}, batch {bs}; nanospec / HF throughput = {res['hf_ratio']:.2f}x")
     return res
 
 
