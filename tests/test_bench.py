@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from nanospec.models import shapes
 from nanospec.tools import bench
 
 TOTAL_LINE = re.compile(r"^Total: (\d+)tok, Time: (\d+\.\d\d)s, Throughput: (\d+\.\d\d)tok/s$")
@@ -456,7 +457,7 @@ def test_gemma4_shape_runs_scaled_down(capsys, monkeypatch, shape):
     """--shape gemma4-* --assistant random through the engine, the shape's numbers scaled down (CPU)."""
     monkeypatch.setitem(bench.GEMMA4, shape, SMALL_GEMMA4[shape])
     small = dict(head_dim=16, global_head_dim=32, vocab_size=49152, vocab_size_per_layer_input=49152)
-    monkeypatch.setattr(bench, "G4_COMMON", small)
+    monkeypatch.setattr(shapes, "G4_COMMON", small)
     engines, init = [], bench.LLM.__init__
     monkeypatch.setattr(
         bench.LLM, "__init__", lambda self, *a, **k: engines.append(self) or init(self, *a, **k)

