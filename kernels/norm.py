@@ -5,6 +5,7 @@ Numerics follow HF ``LlamaRMSNorm``: the row is normalised in fp32, cast back to
 happens in fp32 before the cast instead, as HF ``Gemma4RMSNorm`` does (``weight=None`` is its ``with_scale=False``).
 """
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -50,6 +51,10 @@ def rms_norm_ref(x, weight, eps, residual=None, fp32_weight=False):
     if residual is not None:
         x = (x.float() + residual.float()).to(dtype)
         residual = x
+    if dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
+        # no casts, so both weight orders are x * rsqrt(mean(x^2) + eps) * w: one fused op (CPU engine path)
+        out = F.rms_norm(x, (x.shape[-1],), weight, eps)
+        return out if residual is None else (out, residual)
     h = x.float()
     y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
