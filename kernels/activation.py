@@ -9,13 +9,14 @@ import triton.language as tl
 
 from . import use_triton
 
+
 @triton.jit
-def _act_and_mul_kernel(x_ptr, out_ptr, I, sx, so, GELU: tl.constexpr, BLOCK: tl.constexpr):
+def _act_and_mul_kernel(x_ptr, out_ptr, N, sx, so, GELU: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < I
+    mask = offs < N
     a = tl.load(x_ptr + row * sx + offs, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(x_ptr + row * sx + I + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(x_ptr + row * sx + N + offs, mask=mask, other=0.0).to(tl.float32)
     if GELU:
         # 0.5·a·(1 + tanh(y)) == a·sigmoid(2y), y = sqrt(2/π)·(a + 0.044715·a³)
         y = 1.5957691216057308 * (a + 0.044715 * a * a * a)  # 2·sqrt(2/π)
@@ -33,29 +34,29 @@ def _split(x):
 
 def silu_and_mul_ref(x):
     """Torch reference of :func:`silu_and_mul`."""
-    I = _split(x)
+    N = _split(x)
     xf = x.float()
-    return (F.silu(xf[..., :I]) * xf[..., I:]).to(x.dtype)
+    return (F.silu(xf[..., :N]) * xf[..., N:]).to(x.dtype)
 
 
 def gelu_and_mul_ref(x):
     """Torch reference of :func:`gelu_and_mul`."""
-    I = _split(x)
+    N = _split(x)
     xf = x.float()
-    return (F.gelu(xf[..., :I], approximate="tanh") * xf[..., I:]).to(x.dtype)
+    return (F.gelu(xf[..., :N], approximate="tanh") * xf[..., N:]).to(x.dtype)
 
 
 def _act_and_mul_triton(x, gelu):
-    I = _split(x)
-    x2 = x.reshape(-1, 2 * I)
+    N = _split(x)
+    x2 = x.reshape(-1, 2 * N)
     if x2.numel() and x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty((x2.shape[0], I), dtype=x.dtype, device=x.device)
-    if x2.shape[0] > 0 and I > 0:
-        BLOCK = min(triton.next_power_of_2(I), 1024)
-        _act_and_mul_kernel[(x2.shape[0], triton.cdiv(I, BLOCK))](
-            x2, out, I, x2.stride(0), out.stride(0), GELU=gelu, BLOCK=BLOCK, num_warps=4)
-    return out.view(*x.shape[:-1], I)
+    out = torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)
+    if x2.shape[0] > 0 and N > 0:
+        BLOCK = min(triton.next_power_of_2(N), 1024)
+        _act_and_mul_kernel[(x2.shape[0], triton.cdiv(N, BLOCK))](
+            x2, out, N, x2.stride(0), out.stride(0), GELU=gelu, BLOCK=BLOCK, num_warps=4)
+    return out.view(*x.shape[:-1], N)
 
 
 def silu_and_mul_triton(x):
@@ -77,7 +78,8 @@ def silu_and_mul(x):
 
 
 def gelu_and_mul(x):
-    """GeGLU gate with the tanh GELU (HF ``gelu_pytorch_tanh``, Gemma MLPs): ``gelu(x[..., :I]) * x[..., I:]``.
+    """GeGLU gate with the tanh GELU (HF ``gelu_pytorch_tanh``, Gemma MLPs): ``gelu(x[..., :I]) * x[...,
+    I:]``.
 
     Computed in fp32, returned in ``x.dtype``. Raises ValueError for an odd last dim.
     """

@@ -1,8 +1,9 @@
 """RMSNorm with an optional fused residual add: a Triton kernel (one program per row) and its torch reference.
 
-Numerics follow HF ``LlamaRMSNorm``: the row is normalised in fp32, cast back to the input dtype, then multiplied by
-``weight``: ``out = weight * (h * rsqrt(mean(h²) + eps)).to(dtype)``. With ``fp32_weight=True`` the weight multiply
-happens in fp32 before the cast instead, as HF ``Gemma4RMSNorm`` does (``weight=None`` is its ``with_scale=False``).
+Numerics follow HF ``LlamaRMSNorm``: the row is normalised in fp32, cast back to the input dtype, then
+multiplied by ``weight``: ``out = weight * (h * rsqrt(mean(h²) + eps)).to(dtype)``. With ``fp32_weight=True``
+the weight multiply happens in fp32 before the cast instead, as HF ``Gemma4RMSNorm`` does (``weight=None`` is
+its ``with_scale=False``).
 """
 import torch
 import torch.nn.functional as F
@@ -92,16 +93,19 @@ def rms_norm(x, weight, eps, residual=None, fp32_weight=False):
     """RMSNorm over the last dim, optionally fused with a residual add (matches HF ``LlamaRMSNorm``).
 
     Args:
-        x: ``[..., H]`` float tensor (leading dims are flattened into rows, e.g. a per-head norm on ``[T*heads, D]``).
-        weight: ``[H]`` scale, or None for no scale.
+        x: ``[..., H]`` float tensor (leading dims are flattened into rows, e.g. a per-head norm on
+        ``[T*heads, D]``). weight: ``[H]`` scale, or None for no scale.
         eps: added to ``mean(h²)`` before the rsqrt.
-        residual: optional tensor shaped like ``x``. When given, ``new_residual = (x + residual)`` (added in fp32,
+        residual: optional tensor shaped like ``x``. When given, ``new_residual = (x + residual)`` (added in
+        fp32,
             cast to ``x.dtype``) is normalised and returned too.
-        fp32_weight: multiply by ``weight`` in fp32 before casting (HF ``Gemma4RMSNorm`` order) instead of after
+        fp32_weight: multiply by ``weight`` in fp32 before casting (HF ``Gemma4RMSNorm`` order) instead of
+        after
             (HF ``LlamaRMSNorm`` order).
 
     Returns:
-        ``out`` (dtype of ``x``), or ``(out, new_residual)`` when ``residual`` is given. Zero rows launch nothing.
+        ``out`` (dtype of ``x``), or ``(out, new_residual)`` when ``residual`` is given. Zero rows launch
+        nothing.
 
     Raises:
         ValueError: when ``weight`` or ``residual`` shapes do not match ``x``.

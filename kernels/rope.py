@@ -1,9 +1,10 @@
 """NeoX-style rotary embedding (``rotate_half`` pairing, as HF Llama/Qwen3) and the paged KV store.
 
-``cos_sin`` is a ``[max_position, rotary_dim]`` fp32 table holding ``cat(cos, sin)`` of the ``rotary_dim // 2``
-frequencies. Rotation applies to the first ``rotary_dim`` dims of each head; the rest pass through unchanged.
-The paged KV cache is ``[num_blocks, page_size, Hk, D]`` (viewed flat as ``[num_slots, Hk, D]``); token ``t`` goes to
-slot ``slot_mapping[t] = block * page_size + offset``, and a negative slot means "do not store this token".
+``cos_sin`` is a ``[max_position, rotary_dim]`` fp32 table holding ``cat(cos, sin)`` of the ``rotary_dim //
+2`` frequencies. Rotation applies to the first ``rotary_dim`` dims of each head; the rest pass through
+unchanged. The paged KV cache is ``[num_blocks, page_size, Hk, D]`` (viewed flat as ``[num_slots, Hk, D]``);
+token ``t`` goes to slot ``slot_mapping[t] = block * page_size + offset``, and a negative slot means "do not
+store this token".
 """
 import math
 
@@ -14,16 +15,18 @@ import triton.language as tl
 from . import use_triton
 
 
-# ----------------------------------------------------------------------------------------------- cos/sin table
+# ----------------------------------------------------------------------------------------------- cos/sin
+# table
 def rope_cos_sin(rotary_dim, max_position, base, scaling=None, device=None):
     """The ``[max_position, rotary_dim]`` fp32 table ``cat(cos(p·f), sin(p·f))`` for positions ``p``.
 
-    ``f`` are the inverse frequencies ``base^(-2i/rotary_dim)``, rescaled per ``scaling`` (HF ``rope_scaling`` /
-    ``rope_parameters`` dict): None / ``rope_type`` "default" (no change), "linear" (``f / factor``), "llama3"
-    (exactly HF ``_compute_llama3_parameters``) or "proportional" (HF ``_compute_proportional_rope_parameters``,
-    Gemma 4; pass ``rotary_dim = head_dim``, the dict's ``partial_rotary_factor`` zeroes the trailing frequencies).
-    For other types a partial rotary factor is the caller's: pass ``rotary_dim = int(head_dim * factor)``.
-    Raises ValueError for an odd ``rotary_dim`` or any other ``rope_type``.
+    ``f`` are the inverse frequencies ``base^(-2i/rotary_dim)``, rescaled per ``scaling`` (HF ``rope_scaling``
+    / ``rope_parameters`` dict): None / ``rope_type`` "default" (no change), "linear" (``f / factor``),
+    "llama3" (exactly HF ``_compute_llama3_parameters``) or "proportional" (HF
+    ``_compute_proportional_rope_parameters``, Gemma 4; pass ``rotary_dim = head_dim``, the dict's
+    ``partial_rotary_factor`` zeroes the trailing frequencies). For other types a partial rotary factor is the
+    caller's: pass ``rotary_dim = int(head_dim * factor)``. Raises ValueError for an odd ``rotary_dim`` or any
+    other ``rope_type``.
     """
     if rotary_dim % 2:
         raise ValueError(f"rope: rotary_dim must be even, got {rotary_dim}")
@@ -40,9 +43,11 @@ def rope_cos_sin(rotary_dim, max_position, base, scaling=None, device=None):
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old_len / hi_f) & ~(wavelen > old_len / lo_f)
         inv_freq = torch.where(medium, smoothed, scaled)
-    elif rope_type == "proportional":  # Gemma 4: rotary_dim = head_dim, the last frequencies are zero (identity)
+    elif rope_type == "proportional":
+        # Gemma 4: rotary_dim = head_dim, the last frequencies are zero (identity)
         angles = int(scaling.get("partial_rotary_factor", 1.0) * rotary_dim // 2)
-        inv_freq = torch.cat([inv_freq[:angles], torch.zeros(rotary_dim // 2 - angles)]) / scaling.get("factor", 1.0)
+        zeros = torch.zeros(rotary_dim // 2 - angles)
+        inv_freq = torch.cat([inv_freq[:angles], zeros]) / scaling.get("factor", 1.0)
     elif rope_type != "default":
         raise ValueError(f"rope_scaling.rope_type {rope_type!r} is not supported "
                          "(use default, linear, llama3 or proportional)")
@@ -50,7 +55,8 @@ def rope_cos_sin(rotary_dim, max_position, base, scaling=None, device=None):
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
 
 
-# --------------------------------------------------------------------------------------------- torch reference
+# --------------------------------------------------------------------------------------------- torch
+# reference
 def _rotate_ref(x, positions, cos_sin):
     rd, half = cos_sin.shape[1], cos_sin.shape[1] // 2
     cs = cos_sin.index_select(0, positions.long()).float()
@@ -62,7 +68,8 @@ def _rotate_ref(x, positions, cos_sin):
 
 def _check(q, k, positions, cos_sin):
     rd = cos_sin.shape[1]
-    if q.dim() != 3 or (k is not None and (k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2])):
+    bad_k = k is not None and (k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2])
+    if q.dim() != 3 or bad_k:
         raise ValueError("rope: q must be [T, Hq, D] and k [T, Hk, D] with the same T and D")
     if rd % 2 or rd > q.shape[2]:
         raise ValueError(f"rope: rotary_dim {rd} must be even and <= head_dim {q.shape[2]}")
@@ -71,7 +78,8 @@ def _check(q, k, positions, cos_sin):
 
 
 def _check_store(k, v, k_cache, v_cache, slot_mapping):
-    if v.shape != k.shape or k_cache.shape != v_cache.shape or tuple(k_cache.shape[-2:]) != tuple(k.shape[1:]):
+    fits = tuple(k_cache.shape[-2:]) == tuple(k.shape[1:])
+    if v.shape != k.shape or k_cache.shape != v_cache.shape or not fits:
         raise ValueError(f"store_kv: k/v {tuple(k.shape)}, {tuple(v.shape)} do not fit caches "
                          f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     if slot_mapping.shape != (k.shape[0],):
@@ -108,7 +116,8 @@ def rope_store_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mappin
     return q_out
 
 
-# ------------------------------------------------------------------------------------------------------ Triton
+# ------------------------------------------------------------------------------------------------------
+# Triton
 @triton.jit
 def _rope_heads(src, s_h, dst, d_h, n_heads, cs_row, D, ROT, HALF,
                 ROTATE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -187,7 +196,8 @@ def _launch(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, do_q, d
     cs = cos_sin.float().contiguous() if cos_sin is not None else dummy
     _rope_kv_kernel[(T,)](
         q_, k_, v_, qo, ko, pos, cs, kc, vc, slot_mapping if store else pos,
-        Hq, Hk, D, rot, rot // 2, q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0), v_.stride(1),
+        Hq, Hk, D, rot, rot // 2, q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1),
+        v_.stride(0), v_.stride(1),
         qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), cs.stride(0) if cos_sin is not None else 0,
         kc.stride(0), kc.stride(1),
         DO_Q=do_q, DO_K=do_k, ROPE_K=rope_k, STORE=store, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, num_warps=4)
@@ -219,8 +229,9 @@ def apply_rope(q, k, positions, cos_sin):
 
     Args:
         q: ``[T, Hq, D]``; k: ``[T, Hk, D]`` or None (Q-only, e.g. the frozen-KV drafter).
-        positions: ``[T]`` int32/int64 rows of ``cos_sin`` (must be < max_position; the kernel does not check).
-        cos_sin: ``[max_position, rotary_dim]`` fp32 from :func:`rope_cos_sin`; dims ``>= rotary_dim`` pass through.
+        positions: ``[T]`` int32/int64 rows of ``cos_sin`` (must be < max_position; the kernel does not
+        check). cos_sin: ``[max_position, rotary_dim]`` fp32 from :func:`rope_cos_sin`; dims ``>= rotary_dim``
+        pass through.
 
     Returns:
         ``(q_out, k_out)``: new tensors in the input dtypes (math in fp32); ``k_out`` is None when ``k`` is.
@@ -243,10 +254,11 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
 
 
 def rope_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
-    """:func:`apply_rope` on ``q`` and ``k`` then :func:`store_kv` of the rotated ``k`` and ``v``; returns ``q_out``.
+    """:func:`apply_rope` on ``q`` and ``k`` then :func:`store_kv` of the rotated ``k`` and ``v``; returns
+    ``q_out``.
 
-    The rotated ``k`` is rounded to ``k.dtype`` before the cast to the cache dtype (as the two-step reference does).
-    The Triton path fuses everything in one kernel, one program per token.
+    The rotated ``k`` is rounded to ``k.dtype`` before the cast to the cache dtype (as the two-step reference
+    does). The Triton path fuses everything in one kernel, one program per token.
     """
     fn = rope_store_kv_triton if use_triton(q) else rope_store_kv_ref
     return fn(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)

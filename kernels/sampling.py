@@ -1,20 +1,21 @@
 """Batched temperature / top-k / top-p sampling with per-row parameters and no host sync.
 
-Semantics (vLLM / HF ``TemperatureLogitsWarper`` → ``TopKLogitsWarper`` → ``TopPLogitsWarper``): scale the logits
-by ``1 / temperature``; keep the ``top_k`` largest; of those keep the smallest set of most likely tokens whose
-renormalised mass reaches ``top_p`` (the token that crosses ``top_p`` is kept, so at least one token survives);
-renormalise. ``temperature <= 0`` is greedy: a one-hot at the argmax of the logits (lowest index on ties).
-``top_k <= 0`` or ``>= V`` disables top-k; ``top_p >= 1`` disables top-p.
+Semantics (vLLM / HF ``TemperatureLogitsWarper`` → ``TopKLogitsWarper`` → ``TopPLogitsWarper``): scale the
+logits by ``1 / temperature``; keep the ``top_k`` largest; of those keep the smallest set of most likely
+tokens whose renormalised mass reaches ``top_p`` (the token that crosses ``top_p`` is kept, so at least one
+token survives); renormalise. ``temperature <= 0`` is greedy: a one-hot at the argmax of the logits (lowest
+index on ties). ``top_k <= 0`` or ``>= V`` disables top-k; ``top_p >= 1`` disables top-p.
 
-Sampling uses the exponential race (Gumbel-max): ``argmax(probs / E)`` with ``E = -log(noise)``, where ``noise`` is
-caller-supplied uniform (0, 1) — per-request seeds live in the caller's generators.
+Sampling uses the exponential race (Gumbel-max): ``argmax(probs / E)`` with ``E = -log(noise)``, where
+``noise`` is caller-supplied uniform (0, 1) — per-request seeds live in the caller's generators.
 
-The references sort each row. The Triton kernels (one program per row) never hold a row in registers: they stream
-the vocabulary in BLOCK chunks — a max / argmax / sum-exp pass, then two bisections (≤ 32 counting passes each) over
-the order-preserving int32 image of the fp32 scaled logits, which find the exact top-k value and top-p crossing value,
-then a final pass that writes probabilities or takes the race argmax. Ties: where several tokens share the threshold
-value, the Triton path keeps all of them while the sort-based reference keeps exactly ``top_k`` (in sort order);
-the results agree whenever logits are tie-free. Rows of all ``-inf`` or with NaN logits are unsupported.
+The references sort each row. The Triton kernels (one program per row) never hold a row in registers: they
+stream the vocabulary in BLOCK chunks — a max / argmax / sum-exp pass, then two bisections (≤ 32 counting
+passes each) over the order-preserving int32 image of the fp32 scaled logits, which find the exact top-k value
+and top-p crossing value, then a final pass that writes probabilities or takes the race argmax. Ties: where
+several tokens share the threshold value, the Triton path keeps all of them while the sort-based reference
+keeps exactly ``top_k`` (in sort order); the results agree whenever logits are tie-free. Rows of all ``-inf``
+or with NaN logits are unsupported.
 """
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,8 @@ from . import use_triton
 _BLOCK = 4096  # vocabulary chunk per pass (tests lower it to exercise chunking under the interpreter)
 
 
-# --------------------------------------------------------------------------------------------- torch reference
+# --------------------------------------------------------------------------------------------- torch
+# reference
 def filtered_probs_ref(logits, temperature, top_k, top_p):
     """Torch reference of :func:`filtered_probs` (sort based)."""
     R, V = _check(logits, temperature, top_k, top_p)
@@ -59,7 +61,8 @@ def greedy(logits):
     return logits.argmax(-1)
 
 
-# ------------------------------------------------------------------------------------------------------ Triton
+# ------------------------------------------------------------------------------------------------------
+# Triton
 @triton.jit
 def _key(z):
     """Order-preserving map of fp32 values to int32 (monotone for all non-NaN floats)."""
@@ -87,7 +90,8 @@ def _sampling_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, noise_ptr, out_pt
     is_greedy = temp <= 0
     t = tl.where(is_greedy, 1.0, temp)
 
-    # pass 1: max / first argmax of the raw logits; max, min and online sum of exp(z - max z) of the scaled ones
+    # pass 1: max / first argmax of the raw logits; max, min and online sum of exp(z - max z) of the scaled
+    # ones
     m = float("-inf")
     arg = 0
     mz = float("-inf")
@@ -229,8 +233,8 @@ def filtered_probs(logits, temperature, top_k, top_p):
 def sample(logits, temperature, top_k, top_p, noise):
     """One token per row from :func:`filtered_probs`, by the race ``argmax(probs / -log(noise))``.
 
-    ``noise`` is ``[R, V]`` fp32 uniform in (0, 1), drawn by the caller. Greedy rows return the argmax of the logits.
-    Returns ``[R]`` int64; ``R == 0`` launches nothing. Raises ValueError on mismatched shapes.
+    ``noise`` is ``[R, V]`` fp32 uniform in (0, 1), drawn by the caller. Greedy rows return the argmax of the
+    logits. Returns ``[R]`` int64; ``R == 0`` launches nothing. Raises ValueError on mismatched shapes.
     """
     fn = sample_triton if use_triton(logits) else sample_ref
     return fn(logits, temperature, top_k, top_p, noise)

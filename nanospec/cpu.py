@@ -11,6 +11,8 @@ import os
 import torch
 from torch import nn
 
+from . import loader
+
 
 def gemm_layout(w: torch.Tensor) -> torch.Tensor:
     """``w`` [N, K] with the same values stored column-major (strides (1, N)) if it is a 2-D fp32 CPU tensor;
@@ -25,7 +27,8 @@ def gemm_layout(w: torch.Tensor) -> torch.Tensor:
 
 def use_cpu_gemm_layout(*models: nn.Module) -> int:
     """Re-lay out in place, through :func:`gemm_layout`, the weight of every ``nn.Linear`` in ``models`` and
-    the ``lm_head_weight`` of a model that has one (the target's tied embedding is its LM head).
+    the ``lm_head_weight`` of a model that has one (the target's tied embedding is its LM head), except a
+    centroid LM head (``rows_gathered``), whose cluster rows are gathered, not multiplied whole.
 
     Call it before anything keeps an alias of a weight (the assistant's ``bind_target`` takes the target's LM
     head). Returns how many weights changed: 0 on CUDA or for non-fp32 models.
@@ -33,7 +36,7 @@ def use_cpu_gemm_layout(*models: nn.Module) -> int:
     weights = {}
     for model in models:
         for m in model.modules():
-            if isinstance(m, nn.Linear):
+            if isinstance(m, nn.Linear) and not getattr(m, "rows_gathered", False):
                 weights[id(m.weight)] = m.weight
         head = getattr(model, "lm_head_weight", None)
         if isinstance(head, nn.Parameter):
@@ -50,14 +53,16 @@ def use_cpu_gemm_layout(*models: nn.Module) -> int:
 
 def default_cpu_threads() -> int:
     """On a machine with at most 2 cores, set torch's intra-op threads to 1 unless the user chose a count
-    (``OMP_NUM_THREADS`` set, or ``torch.set_num_threads`` called with a value other than the default).
+    (``OMP_NUM_THREADS`` set, ``torch.set_num_threads`` called with a value other than the default, or
+    ``loader.configure_cpu_threads`` run first, as example.py and bench.py do: their start-up probe decides).
 
     Why: with 2 threads on 2 cores every op ends in an OpenMP barrier that waits for a thread the OS has
     descheduled whenever anything else runs on the other core; engine throughput measured 0.13-0.42x of one
     thread (OMP_WAIT_POLICY unset), 0.78-1.06x (PASSIVE). Returns the thread count in use.
     """
     cores = os.cpu_count() or 1
-    if cores <= 2 and "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() == cores:
+    chosen = loader.THREADS_CHOSEN or "OMP_NUM_THREADS" in os.environ  # a script's probe or the user decided
+    if cores <= 2 and not chosen and torch.get_num_threads() == cores:
         torch.set_num_threads(1)
     return torch.get_num_threads()
 

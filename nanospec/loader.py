@@ -45,6 +45,9 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("NANOSPEC_CACHE") or "~/.cache/nanospec").expanduser()
 
 
+THREADS_CHOSEN = False
+
+
 def configure_cpu_threads(probe=None) -> int:
     """Pick torch's intra-op CPU thread count for this process at start-up and return it.
 
@@ -57,6 +60,8 @@ def configure_cpu_threads(probe=None) -> int:
     printed on stderr. Nothing changes when n is 1, when OMP_NUM_THREADS / MKL_NUM_THREADS set it, or when
     CUDA is available (GPU runs barely use the CPU).
     """
+    global THREADS_CHOSEN
+    THREADS_CHOSEN = True  # LLM's own default (nanospec.cpu.default_cpu_threads) then leaves the count alone
     n = torch.get_num_threads()
     if n == 1 or torch.cuda.is_available() or {"OMP_NUM_THREADS", "MKL_NUM_THREADS"} & os.environ.keys():
         return n

@@ -1,5 +1,6 @@
-"""The target side of the engine: builds the target, allocates its paged KV pools, turns scheduled batches into
-tensors and runs prefill / decode forwards (eagerly or through CUDA graphs, decided by ``GraphRunner.run``)."""
+"""The target side of the engine: builds the target, allocates its paged KV pools, turns scheduled batches
+into tensors and runs prefill / decode forwards (eagerly or through CUDA graphs, decided by
+``GraphRunner.run``)."""
 from dataclasses import dataclass
 
 import torch
@@ -11,16 +12,16 @@ from .cuda_graph import GraphRunner, graph_batch_sizes
 from .kernels.attention import num_kv_splits
 from .kv_cache import DUMMY_BLOCK, BlockAllocator, block_table_tensor, slot_mapping
 from .models import init_random_weights, load_weights, target_class
+from .mtp.state import DraftInput
 from .request import Request
 from .sampler import Sampler
-from .mtp.state import DraftInput
 from .scheduler import Batch, StepOutput
 
 
 def build_target(cfg, device, dtype, max_position: int, model_dir=None, seed: int = 0):
-    """Construct the target (``models.target_class``: Llama/Qwen3 or Gemma 4, config checked first) on the meta
-    device, materialise it on ``device`` in ``dtype``, then load the checkpoint in ``model_dir`` (or random
-    weights when None)."""
+    """Construct the target (``models.target_class``: Llama/Qwen3 or Gemma 4, config checked first) on the
+    meta device, materialise it on ``device`` in ``dtype``, then load the checkpoint in ``model_dir`` (or
+    random weights when None)."""
     cls, text_config = target_class(cfg)
     with torch.device("meta"):
         model = cls(text_config, max_position)
@@ -62,14 +63,15 @@ class PrefillOutput:
 class ModelRunner:
     """Owns the target model, its KV pools, the sampler and the graph runner.
 
-    ``LLM`` drives the order (DESIGN §4 rule 2): ``ModelRunner(...)`` builds the target; ``allocate_kv_cache()``
-    sizes the pools from the memory budget, allocates them and binds the target's layers;
-    ``capture_graphs(mtp=...)`` captures decode (and the speculative step) once everything is bound.
+    ``LLM`` drives the order (DESIGN §4 rule 2): ``ModelRunner(...)`` builds the target;
+    ``allocate_kv_cache()`` sizes the pools from the memory budget, allocates them and binds the target's
+    layers; ``capture_graphs(mtp=...)`` captures decode (and the speculative step) once everything is bound.
     """
 
     def __init__(self, config: EngineConfig, hf_config, model_dir=None):
         self.config = config
-        self.device, self.dtype = config.torch_device(), config.torch_dtype()
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype()
         max_pos = config.max_model_len + (config.num_draft_tokens or 1)  # verify rows sit past the last token
         weights = None if config.load_format == "dummy" else model_dir
         self.model = build_target(hf_config, self.device, self.dtype, max_pos, weights, config.seed)
@@ -81,7 +83,8 @@ class ModelRunner:
         self.graphs: GraphRunner | None = None
         self.decode_inputs = DraftInput.idle(0, self.device, self.dtype)
 
-    # ---- KV pools --------------------------------------------------------------------------------------------------
+    # ---- KV pools
+    # --------------------------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block over every KV-owning layer (KV-shared layers own none)."""
         per_layer = [2 * self.config.page_size * h * d for h, d in filter(None, self.model.kv_geometry)]
@@ -90,7 +93,8 @@ class ModelRunner:
     def num_kv_blocks(self) -> int:
         """Pool size from the memory budget (GPU: ``gpu_memory_utilization`` after weights and a profiled
         activation peak; CPU: ``cpu_kv_cache_gb``), capped at what ``max_num_seqs`` full requests need."""
-        c, per_block = self.config, self.kv_bytes_per_block()
+        c = self.config
+        per_block = self.kv_bytes_per_block()
         per_req = -(-(c.max_model_len + self.lookahead) // c.page_size)
         if c.num_kv_blocks is not None:
             n = c.num_kv_blocks
@@ -103,13 +107,14 @@ class ModelRunner:
         else:
             n = min(int(c.cpu_kv_cache_gb * 2**30 // per_block), c.max_num_seqs * per_req + 1)
         if n - 1 < per_req:
-            raise ValueError(f"the KV budget holds {max(n - 1, 0)} blocks of {c.page_size} tokens, but one request "
-                             f"of max_model_len={c.max_model_len} needs {per_req}: lower max_model_len or raise "
-                             f"gpu_memory_utilization / cpu_kv_cache_gb / num_kv_blocks")
+            raise ValueError(f"the KV budget holds {max(n - 1, 0)} blocks of {c.page_size} tokens, but one "
+                             f"request of max_model_len={c.max_model_len} needs {per_req}: lower "
+                             "max_model_len or raise gpu_memory_utilization, cpu_kv_cache_gb, num_kv_blocks")
         return n
 
     def allocate_kv_cache(self) -> BlockAllocator:
-        """Size, allocate and bind the pools (after a profiled prefill on CUDA); returns the block allocator."""
+        """Size, allocate and bind the pools (after a profiled prefill on CUDA); returns the block
+        allocator."""
         if self.device.type == "cuda":
             self._profile_peak()
         n = self.num_kv_blocks()
@@ -118,13 +123,14 @@ class ModelRunner:
         return self.allocator
 
     def bind_pools(self, num_blocks: int) -> None:
-        """One pool ``[layers, 2, num_blocks, page_size, Hkv, D]`` per KV geometry of the KV-owning layers (one
-        block table serves all of them); the target's layers are bound to their views."""
+        """One pool ``[layers, 2, num_blocks, page_size, Hkv, D]`` per KV geometry of the KV-owning layers
+        (one block table serves all of them); the target's layers are bound to their views."""
         geometry = self.model.kv_geometry
         shapes = sorted({g for g in geometry if g is not None})
         pools = {g: torch.zeros(sum(x == g for x in geometry), 2, num_blocks, self.config.page_size, *g,
                                 dtype=self.dtype, device=self.device) for g in shapes}
-        caches, used = [], dict.fromkeys(shapes, 0)
+        caches = []
+        used = dict.fromkeys(shapes, 0)
         for g in geometry:
             if g is None:
                 caches.append(None)
@@ -155,23 +161,29 @@ class ModelRunner:
         self.kv_pools = []
         torch.cuda.synchronize(dev)
 
-    # ---- graphs ----------------------------------------------------------------------------------------------------
+    # ---- graphs
+    # ----------------------------------------------------------------------------------------------------
     def capture_graphs(self, worker=None) -> GraphRunner:
         """Build the graph runner: phase "decode" and, with the MTP ``worker``, phases "mtp" (greedy batches,
         ``draft_verify``) and "mtp_sampled" (``draft_verify_sampled``). Buckets exist only on CUDA without
         ``enforce_eager``; elsewhere every phase runs eagerly."""
-        c, dev = self.config, self.device
+        c = self.config
+        dev = self.device
         use_graphs = dev.type == "cuda" and not c.enforce_eager
         width = -(-(c.max_model_len + self.lookahead) // c.page_size)
-        i64, i32 = torch.long, torch.int32
-        buffers = {"ids": ((1,), i64, 0), "pos": ((1,), i64, 0), "slots": ((1,), i64, DUMMY_BLOCK * c.page_size),
-                   "block_table": ((1, width), i32, DUMMY_BLOCK), "seq_lens": ((1,), i32, 1), "L": ((1,), i32, 0),
-                   "bonus": ((1,), i64, 0), "hidden": ((1, self.model.config.hidden_size), self.dtype, 0)}
+        i64 = torch.long
+        i32 = torch.int32
+        dummy_slot = DUMMY_BLOCK * c.page_size
+        buffers = {"ids": ((1,), i64, 0), "pos": ((1,), i64, 0), "slots": ((1,), i64, dummy_slot),
+                   "block_table": ((1, width), i32, DUMMY_BLOCK), "seq_lens": ((1,), i32, 1),
+                   "L": ((1,), i32, 0), "bonus": ((1,), i64, 0),
+                   "hidden": ((1, self.model.config.hidden_size), self.dtype, 0)}
         phases = {"decode": (self._decode_logits, ["ids", "pos", "slots", "block_table", "seq_lens"])}
         if worker is not None:
             spec = ["bonus", "hidden", "block_table", "L"]
             phases["mtp"] = (worker.draft_verify, spec)
-            phases["mtp_sampled"] = (worker.draft_verify_sampled, spec + ["temperature", "top_k", "top_p", "noise"])
+            sampled = spec + ["temperature", "top_k", "top_p", "noise"]
+            phases["mtp_sampled"] = (worker.draft_verify_sampled, sampled)
             f32 = torch.float32
             buffers.update(temperature=((1,), f32, 1.0), top_k=((1,), i32, -1), top_p=((1,), f32, 1.0),
                            noise=((1, worker.noise_width), f32, 0.5))
@@ -184,7 +196,8 @@ class ModelRunner:
         with attn_metadata(AttnMetadata.decode(block_table, seq_lens, slots, num_splits)):
             return self.model.compute_logits(self.model(ids, pos))
 
-    # ---- batch preparation -------------------------------------------------------------------------------------------
+    # ---- batch preparation
+    # -------------------------------------------------------------------------------------------
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
@@ -199,24 +212,30 @@ class ModelRunner:
             rows += [i] * n
             cu.append(cu[-1] + n)
             lens.append(s + n)
-        bt, positions = block_table_tensor(batch.reqs, self.device), self._tensor(pos)
+        bt = block_table_tensor(batch.reqs, self.device)
+        positions = self._tensor(pos)
         slots = slot_mapping(bt, self._tensor(rows), positions, self.config.page_size)
         md = AttnMetadata.prefill(bt, self._tensor(lens, torch.int32), slots, self._tensor(cu, torch.int32),
                                   max(batch.num_new))
         return self._tensor(ids), positions, md, [c - 1 for c in cu[1:]]
 
     def prepare_decode(self, reqs: list[Request]):
-        """One query per request: its last token at position ``num_computed``; returns (ids, positions, md)."""
-        bt, pos = block_table_tensor(reqs, self.device), self._tensor([r.num_computed for r in reqs])
+        """One query per request: its last token at position ``num_computed``; returns (ids, positions,
+        md)."""
+        bt = block_table_tensor(reqs, self.device)
+        pos = self._tensor([r.num_computed for r in reqs])
         slots = slot_mapping(bt, torch.arange(len(reqs), device=self.device), pos, self.config.page_size)
-        md = AttnMetadata.decode(bt, (pos + 1).int(), slots, num_kv_splits(max(r.num_computed for r in reqs) + 1))
+        splits = num_kv_splits(max(r.num_computed for r in reqs) + 1)
+        md = AttnMetadata.decode(bt, (pos + 1).int(), slots, splits)
         return self._tensor([r.last_token for r in reqs]), pos, md
 
-    # ---- running -----------------------------------------------------------------------------------------------------
+    # ---- running
+    # -----------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, batch: Batch) -> PrefillOutput:
-        """Run one prefill step (chunks of several requests), no host sync. New requests whose prompt completes
-        sample their first token; resumed ones (after preemption) emit nothing: their newest token is out."""
+        """Run one prefill step (chunks of several requests), no host sync. New requests whose prompt
+        completes sample their first token; resumed ones (after preemption) emit nothing: their newest token
+        is out."""
         if not batch.reqs:  # DESIGN §4 rule 4: an empty step never reaches attention metadata
             return PrefillOutput(0, [], [], [], torch.zeros(0, dtype=torch.long), torch.zeros(0))
         ids, pos, md, last = self.prepare_prefill(batch)
@@ -232,7 +251,8 @@ class ModelRunner:
         return PrefillOutput(len(batch.reqs), done, new, [batch.reqs[i] for i in done], bonus,
                              hidden[[last[i] for i in done]])
 
-    # ---- plain decode: next inputs on the device (as the MTP worker keeps its draft inputs) ------------------------
+    # ---- plain decode: next inputs on the device (as the MTP worker keeps its draft inputs)
+    # ------------------------
     def on_prefill_done(self, reqs, first_tokens: torch.Tensor, hidden: torch.Tensor) -> None:
         """Plain decode: each finished prefill's first input (its newest token at position L)."""
         L = self._tensor([r.prefill_len for r in reqs], torch.int32)
@@ -241,7 +261,8 @@ class ModelRunner:
 
     def on_release(self, reqs, reason: str) -> None:
         gone = {r.request_id for r in reqs}
-        self.decode_inputs = self.decode_inputs.filter([i for i in self.decode_inputs.req_ids if i not in gone])
+        keep = [i for i in self.decode_inputs.req_ids if i not in gone]
+        self.decode_inputs = self.decode_inputs.filter(keep)
 
     @torch.inference_mode()
     def decode(self, reqs: list[Request]) -> StepOutput:
@@ -249,11 +270,13 @@ class ModelRunner:
         if not reqs:  # DESIGN §4 rule 4
             return StepOutput(torch.zeros(0, 2, dtype=torch.long))
         inp = self.decode_inputs.filter([r.request_id for r in reqs])
-        bt, pos = block_table_tensor(reqs, self.device), inp.seq_lens.long()
+        bt = block_table_tensor(reqs, self.device)
+        pos = inp.seq_lens.long()
         slots = slot_mapping(bt, torch.arange(len(reqs), device=self.device), pos, self.config.page_size)
         bound = max(r.num_computed + r.num_inflight for r in reqs) + 1
         inputs = {"ids": inp.bonus_tokens, "pos": pos, "slots": slots, "block_table": bt,
                   "seq_lens": inp.seq_lens + 1}
         toks = self.sampler.sample(reqs, self.graphs.run("decode", inputs, num_kv_splits(bound)))
-        self.decode_inputs = self.decode_inputs.merge(DraftInput(inp.req_ids, toks, inp.hidden, inp.seq_lens + 1))
+        nxt = DraftInput(inp.req_ids, toks, inp.hidden, inp.seq_lens + 1)
+        self.decode_inputs = self.decode_inputs.merge(nxt)
         return StepOutput(torch.stack([torch.ones_like(toks), toks], 1))

@@ -1,11 +1,12 @@
 """CPU engine tuning (nanospec.cpu): the column-major GEMM weight layout and the default thread count."""
+
 import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from nanospec import LLM
+from nanospec import LLM, loader
 from nanospec.cpu import default_cpu_threads, gemm_layout, use_cpu_gemm_layout
 
 
@@ -45,6 +46,7 @@ def test_default_cpu_threads_only_overrides_the_default(monkeypatch):
     old = torch.get_num_threads()
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(loader, "THREADS_CHOSEN", False)  # as in a process where no script probed
     try:
         torch.set_num_threads(2)
         assert default_cpu_threads() == 1
@@ -54,5 +56,8 @@ def test_default_cpu_threads_only_overrides_the_default(monkeypatch):
         monkeypatch.delenv("OMP_NUM_THREADS")
         monkeypatch.setattr(os, "cpu_count", lambda: 8)
         assert default_cpu_threads() == 2  # more cores: untouched
+        monkeypatch.setattr(os, "cpu_count", lambda: 2)
+        monkeypatch.setattr(loader, "THREADS_CHOSEN", True)
+        assert default_cpu_threads() == 2  # a script's start-up probe already chose: it stands
     finally:
         torch.set_num_threads(old)

@@ -8,7 +8,8 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
-def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], skip: tuple[str, ...] = ()) -> None:
+def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
+                 skip: tuple[str, ...] = ()) -> None:
     """Copy checkpoint tensors into ``model`` by HF name, packing q/k/v and gate/up through the model's
     ``packed_modules_mapping`` (a linear with ``shard_sizes`` takes shard i at its offset).
 
@@ -44,14 +45,16 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], 
         if shard is not None:
             p = p.data.narrow(0, sum(sizes[:shard]), sizes[shard])
         if p.shape != t.shape:
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, "
+                             f"expected {tuple(p.shape)}")
         with torch.no_grad():
             p.copy_(t)
         loaded.add((target, shard))
     missing = [n for n in params if (n, None) not in loaded and not all(
         (n, i) in loaded for i in range(len(getattr(modules[n.rsplit(".", 1)[0]], "shard_sizes", [0]))))]
     if missing:
-        raise ValueError(f"checkpoint is missing weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        more = " ..." if len(missing) > 5 else ""
+        raise ValueError(f"checkpoint is missing weights for {missing[:5]}{more}")
     if skipped:
         logger.info("%s: skipped %d checkpoint tensors it does not use, e.g. %r", type(model).__name__,
                     len(skipped), skipped[0])

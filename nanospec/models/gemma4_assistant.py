@@ -245,6 +245,8 @@ class Gemma4Assistant(nn.Module):
         self.lm_head = nn.Linear(self.hidden_size, self.vocab_size, bias=False) if own_head else None
         ordered = getattr(config, "use_ordered_embeddings", False)
         self.masked_embedding = MaskedEmbedding(config) if ordered else None
+        if ordered and own_head:  # rows gathered per cluster, never multiplied whole: they stay row-major
+            self.lm_head.rows_gathered = True
         # Set by bind_target (plain attributes, not submodules/buffers: they belong to the target).
         self._embed = self._target_lm_head = self._target_rows = self._rope = None
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None

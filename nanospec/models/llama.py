@@ -1,7 +1,8 @@
 """Llama-family target model (Llama 2/3, SmolLM2, Qwen3) over the paged KV cache.
 
 Matches HF ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` (Qwen3 adds per-head q/k RMSNorm before RoPE).
-Parameter names follow HF except the packed ``qkv_proj`` and ``gate_up_proj`` (see ``packed_modules_mapping``).
+Parameter names follow HF except the packed ``qkv_proj`` and ``gate_up_proj`` (see
+``packed_modules_mapping``).
 """
 import torch
 import torch.nn.functional as F
@@ -98,7 +99,8 @@ class LlamaForCausalLM(nn.Module):
     """The target model. ``forward(input_ids [T], positions [T]) -> hidden [T, H]`` (post final norm, the
     Frozen-KV MTP seed hidden); ``compute_logits(hidden) -> [T, V]`` fp32. Every layer owns its KV
     (``kv_layer_types`` lists each layer's attention type for the drafter's layer map; ``kv_geometry`` its
-    (num_kv_heads, head_dim); ``kv_owner`` is the identity), and the embedding is unscaled (``embed_scale`` 1)."""
+    (num_kv_heads, head_dim); ``kv_owner`` is the identity), and the embedding is unscaled (``embed_scale``
+    1)."""
 
     strip_prefix = "model."  # HF nests everything but lm_head under "model."
     packed_modules_mapping = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -126,7 +128,8 @@ class LlamaForCausalLM(nn.Module):
         self.cos_sin = None  # made by init_buffers, once the device is known
 
     def init_buffers(self, device):
-        self.cos_sin = rope_cos_sin(self.head_dim, self.max_position, self.rope_theta, self.rope_scaling, device)
+        self.cos_sin = rope_cos_sin(self.head_dim, self.max_position, self.rope_theta, self.rope_scaling,
+                                    device)
 
     def rope_for(self, layer_type: str) -> torch.Tensor:
         """The cos/sin table (one for all layers)."""
