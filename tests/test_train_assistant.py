@@ -1,8 +1,10 @@
 """The Frozen-KV MTP assistant trainer (nanospec.tools.train): train/infer consistency against nanospec's own
-draft loop, a tiny training run that improves real acceptance, and the shipped checkpoint (CPU, fp32)."""
+draft loop, a tiny training run that improves real acceptance, token-id shards (--data), and the shipped
+checkpoint (CPU, fp32)."""
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -13,7 +15,15 @@ from nanospec.loader import load_config
 from nanospec.model_runner import build_target
 from nanospec.models.gemma4_assistant import Gemma4Assistant
 from nanospec.mtp.worker import DEFAULT_ASSISTANT
-from nanospec.tools.datasets import chat_prompts, regenerate_sequences, regeneration_prompts
+from nanospec.tools.datasets import (
+    chat_prompts,
+    config_hash,
+    load_shards,
+    load_sharegpt,
+    regenerate_sequences,
+    regeneration_prompts,
+    save_shard,
+)
 from nanospec.tools.train import (
     capture_target,
     distill_loss,
@@ -224,6 +234,7 @@ def test_regenerate_sequences(tiny_llama_dir, smollm2_tokenizer):
     params = SamplingParams(temperature=0, max_tokens=6)
     greedy = LLM(str(tiny_llama_dir), **ENGINE).generate(prompts, params, use_tqdm=False)
     assert starts == [len(p) for p in prompts] * 2 and stats["rounds"] == 2 and stats["sequences"] == 6
+    assert stats["temperatures"] == [0.0, 0.7] and stats["dtype"] == "float32"
     assert seqs[:3] == [p + o["token_ids"] for p, o in zip(prompts, greedy)]
     assert all(q[: len(p)] == p and len(p) < len(q) <= len(p) + 6 for q, p in zip(seqs[3:], prompts))
     assert (
@@ -244,6 +255,87 @@ def test_regenerate_sequences(tiny_llama_dir, smollm2_tokenizer):
         regenerate_sequences(str(tiny_llama_dir), prompts, [], **engine)
     with pytest.raises(ValueError, match="no prompts"):
         regeneration_prompts(smollm2_tokenizer, [[{"role": "user", "content": " "}]], 4)
+
+
+def test_shards_round_trip_and_refuse_the_eval_split(tmp_path):
+    """save_shard / load_shards: token ids, response starts and provenance come back as written (in shard-name
+    order, the counts added; the same content is the same shard); a shard whose JSON is missing, says split
+    "eval" or names another target's config hash is refused with a ValueError naming it."""
+    d, a, b = tmp_path / "d", ([[1, 2, 3, 4], [5, 6, 70000]], [2, 1]), ([[9, 8, 7, 6, 5]], [3])
+    pa = save_shard(d, *a, dict(split="train", config_sha256="x", seed=1))
+    pb = save_shard(d, *b, dict(split="train", config_sha256="x", seed=2))
+    assert save_shard(d, *a, dict(split="train", config_sha256="x", seed=1)) == pa != pb
+    names = [pa.name, pb.name, pa.name[:16] + ".json", pb.name[:16] + ".json"]
+    assert sorted(f.name for f in d.iterdir()) == sorted(names)
+    (p1, (s1, t1), seed1), (p2, (s2, t2), seed2) = sorted([(pa, a, 1), (pb, b, 2)], key=lambda x: x[0].name)
+    seqs, starts, provs = load_shards(d, "x")
+    assert seqs == s1 + s2 and starts == t1 + t2
+    counts = dict(sequences=len(s1), tokens=sum(map(len, s1)), prompt_tokens=sum(t1))
+    assert provs[0] == dict(split="train", config_sha256="x", seed=seed1, shard=p1.name, **counts)
+    assert [p["shard"] for p in provs] == [p1.name, p2.name]
+    assert load_shards(tmp_path / "none") == ([], [], [])
+    with pytest.raises(ValueError, match=re.escape(p1.name)):
+        load_shards(d, "another target")
+    meta = pb.with_name(pb.name.replace(".pt.gz", ".json"))
+    meta.write_text(json.dumps(dict(json.loads(meta.read_text()), split="eval")))
+    with pytest.raises(ValueError, match=re.escape(pb.name)):
+        load_shards(d)
+    meta.unlink()
+    with pytest.raises(ValueError, match=re.escape(pb.name)):
+        load_shards(d)
+
+
+def test_cli_data_checked_before_any_model_load(monkeypatch, capsys, tmp_path, tiny_llama_dir):
+    """--data without --regenerate: a missing dir or one without shards is an argparse error, a shard of the
+    eval split a ValueError naming it; neither the target's weights nor ShareGPT are loaded, no --out is
+    made."""
+    from nanospec import model_runner
+    from nanospec.tools import datasets
+
+    monkeypatch.setattr(model_runner, "build_target", lambda *a, **k: pytest.fail("loaded the target"))
+    monkeypatch.setattr(datasets, "load_sharegpt", lambda *a, **k: pytest.fail("loaded ShareGPT"))
+    base = ["--target", str(tiny_llama_dir), "--out", str(tmp_path / "out")]
+    (tmp_path / "empty").mkdir()
+    for d in ("missing", "empty"):
+        with pytest.raises(SystemExit) as e:
+            main(base + ["--data", str(tmp_path / d)])
+        assert e.value.code == 2 and "--data" in capsys.readouterr().err
+    prov = dict(split="eval", config_sha256=config_hash(tiny_llama_dir))
+    shard = save_shard(tmp_path / "bad", [[1, 2, 3]], [1], prov)
+    with pytest.raises(ValueError, match=re.escape(shard.name)):
+        main(base + ["--data", str(tmp_path / "bad")])
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_regenerates_into_data_then_trains_on_it(tiny_llama_dir, smollm2_tokenizer, tmp_path):
+    """--regenerate with --data saves the target's answers as a shard (train split, this target) before
+    training; a later run answers only the prompts no shard answers yet; --data alone trains on every
+    shard."""
+    d = tmp_path / "d"
+    base = ["--target", str(tiny_llama_dir), "--data", str(d), "--batch-size", "2", "--epochs", "1"]
+    regen = ["--regenerate", "0", "--max-prompt-tokens", "8", "--max-new-tokens", "6"]
+    main(base + regen + ["--num-conversations", "1", "--out", str(tmp_path / "a")])
+    seqs1, starts1, provs1 = load_shards(d)
+    (p1,) = provs1
+    assert (
+        p1["split"] == "train" and p1["config_sha256"] == config_hash(tiny_llama_dir) and not p1["all_turns"]
+    )
+    assert p1["regeneration"]["temperatures"] == [0.0] and p1["sequences"] == len(seqs1) == 1
+    info = json.loads((tmp_path / "a" / "training_info.json").read_text())
+    assert info["regeneration"]["shard"] == p1["shard"] and info["shards"] == [] and info["steps"] == 1
+    main(base + regen + ["--num-conversations", "3", "--out", str(tmp_path / "b")])
+    seqs, starts, provs = load_shards(d)
+    (p2,) = [p for p in provs if p["shard"] != p1["shard"]]
+    every = {tuple(q) for q in regeneration_prompts(smollm2_tokenizer, load_sharegpt("train", 3), 8)}
+    answered = {tuple(q[:s]) for q, s in zip(seqs, starts)}
+    assert answered == every and len(every) > 1 and len(seqs) == len(every)  # each prompt answered once
+    assert p2["regeneration"]["prompts"] == len(every) - 1
+    main(base + ["--out", str(tmp_path / "c")])
+    info = json.loads((tmp_path / "c" / "training_info.json").read_text())
+    assert [p["shard"] for p in info["shards"]] == [p["shard"] for p in provs] and info[
+        "regeneration"
+    ] is None
+    assert info["sequences"] == info["num_sequences_available"] == len(seqs) and info["conversations"] == 0
 
 
 @pytest.mark.skipif(

@@ -37,14 +37,8 @@ def number(typ=float, lo: float = 0, gt: float | None = None):
 def number_list(typ=float, lo: float = 0):
     """argparse ``type``: ``"0,0.7"`` -> ``[0.0, 0.7]``, every item a ``number(typ, lo)``."""
 
-    def parse(text: str) -> list:
-        try:
-            return [number(typ, lo)(x) for x in text.split(",")]
-        except argparse.ArgumentTypeError:
-            msg = f"must be a comma-separated list of {typ.__name__}s >= {lo:g}, got {text!r}"
-            raise argparse.ArgumentTypeError(msg) from None
-
-    return parse
+    item = number(typ, lo)
+    return lambda text: [item(x) for x in text.split(",")]
 
 
 def check_out_dir(ap: argparse.ArgumentParser, option: str, path: str) -> None:
@@ -54,9 +48,7 @@ def check_out_dir(ap: argparse.ArgumentParser, option: str, path: str) -> None:
     while not p.exists() and p != p.parent:
         p = p.parent
     if not p.is_dir() or not os.access(p, os.W_OK | os.X_OK):
-        ap.error(
-            f"{option} must be a directory that can be created, got {path!r} ({str(p)!r} is not writable)"
-        )
+        ap.error(f"{option} must be a directory that can be created, got {path!r} ({p} is not writable)")
 
 
 def make_out_dir(ap: argparse.ArgumentParser, option: str, path: str) -> None:
@@ -75,23 +67,18 @@ def load_assistant(ap: argparse.ArgumentParser, option: str, value: str, layers:
     from ..models.gemma4_assistant import Gemma4Assistant
     from ..mtp.worker import resolve_assistant
 
-    what = "'default' or an HF gemma4_assistant checkpoint dir"
-    if value != "default" and not (value and pathlib.Path(value).is_dir()):
-        ap.error(f"{option} must be {what}, got {value!r} (no such dir)")
     try:
         d = resolve_assistant(value, target_is_default=True)
         assistant = Gemma4Assistant.from_pretrained(d)
     except (ValueError, OSError, KeyError, TypeError) as e:
-        ap.error(f"{option} must be {what}, got {value!r}: {e}")
+        ap.error(f"{option} must be 'default' or an HF gemma4_assistant checkpoint dir, got {value!r}: {e}")
     n = assistant.text_config.num_hidden_layers
     if layers not in (None, n):
         ap.error(f"--layers {layers} contradicts {option} {value!r}, which has {n} layer(s)")
     return assistant, d
 
 
-def load_target(
-    ap: argparse.ArgumentParser, option: str, model: str | None, assistant_option: str, assistant
-):
+def load_target(ap, option: str, model: str | None, assistant_option: str, assistant):
     """Resolve ``--target`` / ``--model`` (None: the default model) and load its config and tokenizer;
     ``ap.error`` if that fails or if ``assistant`` is 'default' (the shipped assistant) for a target other
     than the default. Returns ``(model_dir, config, tokenizer)``."""

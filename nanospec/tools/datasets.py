@@ -5,15 +5,28 @@ data file is kept in ``$NANOSPEC_CACHE/data``, default ``~/.cache/nanospec/data`
 The ShareGPT split is FIXED and by plain file order: of the ``N`` complete conversations in
 ``ShareGPT_V3_unfiltered_cleaned_split.json`` (after dropping those with no user turn), the first
 ``N - N // 10`` are "train" and the last ``N // 10`` are "eval". Training never reads the eval split.
+
+Shards (``save_shard`` / ``load_shards``): token-id sequences the target generated, kept in the repo's
+``data/`` (``data/<target>/<hash>.pt.gz``: a gzipped ``torch.save`` of int32 ``tokens`` (all sequences,
+concatenated), ``lens`` and ``starts``; <hash>: of the content) so that regeneration time is spent once;
+beside each one ``<hash>.json``, its provenance. The trainer writes: which target (``target``: its dir name,
+``config_sha256``: ``config_hash``), from which prompts (``split``: always "train"; ``all_turns``: first user
+turns only or all; ``max_prompt_tokens``, ``seed``: the prompt order), ``max_new_tokens``, ``regeneration``
+(``regenerate_sequences``' stats: ``temperatures``, ``dtype``, speed), and ``save_shard`` adds the counts:
+``sequences``, ``tokens``, ``prompt_tokens``.
 """
 
 from __future__ import annotations
 
 import gc
 import gzip
+import hashlib
 import json
+import pathlib
 import random
 import time
+
+import torch
 
 from ..loader import cache_dir, package_file
 
@@ -134,15 +147,12 @@ def regenerate_sequences(
 
     Returns ``(sequences, prompt_lens, stats)``: each sequence is prompt + response token ids (the EOS
     included when the target emitted it); stats has prompts, rounds, sequences, generated_tokens, time_s,
-    tok_per_s. Raises ValueError for an empty ``temperatures`` list or no prompts."""
-    import torch
-
+    tok_per_s, temperatures (those of the rounds that ran), dtype. Raises ValueError for an empty
+    ``temperatures`` list or no prompts."""
     from .. import LLM, SamplingParams
 
     if not temperatures or not prompts:
-        raise ValueError(
-            f"temperatures and prompts must be non-empty, got {len(temperatures)} and {len(prompts)}"
-        )
+        raise ValueError(f"need temperatures and prompts, got {len(temperatures)} and {len(prompts)}")
     llm = LLM(model, max_model_len=max(map(len, prompts)) + max_new_tokens + 1, **engine)
     seqs, starts, rounds, t0 = [], [], 0, time.perf_counter()
     for r, temp in enumerate(temperatures):
@@ -154,10 +164,51 @@ def regenerate_sequences(
             seqs += [p + o["token_ids"] for p, o in zip(ps, llm.generate(ps, sps, use_tqdm=progress))]
             starts += map(len, ps)
             rounds = r + 1
-    dt, n_gen = time.perf_counter() - t0, sum(map(len, seqs)) - sum(starts)
+    dt, n_gen, dtype = time.perf_counter() - t0, sum(map(len, seqs)) - sum(starts), llm.config.torch_dtype()
     del llm
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # hand the engine's KV pool back before training
     stats = dict(prompts=len(prompts), rounds=rounds, sequences=len(seqs), generated_tokens=n_gen)
-    return seqs, starts, dict(stats, time_s=round(dt, 1), tok_per_s=round(n_gen / max(dt, 1e-9), 1))
+    stats.update(temperatures=temperatures[:rounds], dtype=str(dtype)[6:], time_s=round(dt, 1))
+    return seqs, starts, dict(stats, tok_per_s=round(n_gen / max(dt, 1e-9), 1))
+
+
+# ------------------------------------------------------------------------------------------------- shards
+def config_hash(model_dir) -> str:
+    """First 16 hex digits of the sha256 of ``model_dir``'s config.json: which target a shard belongs to."""
+    return hashlib.sha256((pathlib.Path(model_dir) / "config.json").read_bytes()).hexdigest()[:16]
+
+
+def save_shard(directory, seqs: list[list[int]], starts: list[int], provenance: dict) -> pathlib.Path:
+    """Write token-id ``seqs`` (response i starts at ``starts[i]``) as a new shard in ``directory`` (created),
+    named by its content's hash (the same data twice: one shard), with ``provenance`` + the counts as its JSON
+    (module docstring). Returns the shard's path. ``load_shards`` refuses a provenance whose ``split`` is not
+    "train"."""
+    flat = dict(tokens=[t for q in seqs for t in q], lens=list(map(len, seqs)), starts=starts)
+    path = pathlib.Path(directory) / f"{hashlib.sha256(json.dumps(flat).encode()).hexdigest()[:16]}.pt.gz"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(path, "wb", 6) as f:  # level 9: 4x the time, 2% smaller
+        torch.save({k: torch.tensor(v, dtype=torch.int32) for k, v in flat.items()}, f)
+    meta = dict(provenance, sequences=len(seqs), tokens=len(flat["tokens"]), prompt_tokens=sum(starts))
+    path.with_name(path.name.replace(".pt.gz", ".json")).write_text(json.dumps(meta, indent=1) + "\n")
+    return path
+
+
+def load_shards(directory, config_sha256=None) -> tuple[list[list[int]], list[int], list[dict]]:
+    """Every shard in ``directory`` (``*.pt.gz``, in name order; none for a missing dir): ``(seqs, starts,
+    provenances)`` (token-id lists, where each response starts, dicts), each provenance with its ``shard``
+    file name added. Raises ValueError naming the shard when its JSON is missing, says a split other than
+    "train" (the held-out eval split never enters training) or, with ``config_sha256`` given, another
+    target's."""
+    seqs, starts, provs = [], [], []
+    for path in sorted(pathlib.Path(directory).glob("*.pt.gz")):
+        meta = path.with_name(path.name.replace(".pt.gz", ".json"))
+        prov = json.loads(meta.read_text()) if meta.is_file() else {}
+        if prov.get("split") != "train" or config_sha256 not in (None, prov.get("config_sha256")):
+            raise ValueError(f"shard {path}: its JSON must say split 'train' (config_sha256 {config_sha256})")
+        d = torch.load(gzip.open(path), weights_only=True)
+        seqs += [q.tolist() for q in d["tokens"].split(d["lens"].tolist())]
+        starts += d["starts"].tolist()
+        provs.append(dict(prov, shard=path.name))
+    return seqs, starts, provs

@@ -28,9 +28,7 @@ from . import cli
 from .cli import number
 
 
-def build_prompts(
-    tokenizer, datasets: list[str], num_prompts: int, max_prompt_tokens: int
-) -> dict[str, list]:
+def build_prompts(tokenizer, datasets, num_prompts: int, max_prompt_tokens: int) -> dict[str, list]:
     """``{"sharegpt-eval": [...], "humaneval": [...]}`` (those named in ``datasets``): up to ``num_prompts``
     token-id prompts each, clipped to ``max_prompt_tokens`` (HumanEval: its last tokens)."""
     from .datasets import chat_prompts, load_humaneval, load_sharegpt
@@ -67,9 +65,7 @@ def measure(model, assistant, prompts, S, k, temperature, max_tokens, tree_token
     return sum(acc) / len(acc), per_pos, ntok / (time.perf_counter() - t0), n or S + 1
 
 
-def agreement(
-    model_dir, assistant_dir, num_prompts: int = 16, max_tokens: int = 96, max_prompt_tokens: int = 192
-):
+def agreement(model_dir, assistant_dir, num_prompts=16, max_tokens=96, max_prompt_tokens=192):
     """Teacher-forced agreement of an assistant with its target on ``num_prompts`` train-split first turns and
     as many eval-split ones (as ``build_prompts`` picks them): the target (fp32) answers each greedily with up
     to ``max_tokens`` tokens, then at every committed length past the prompt the trainer's own unroll
@@ -92,20 +88,18 @@ def agreement(
     assistant = Gemma4Assistant.from_pretrained(assistant_dir, device)
     assistant.bind_target(target, kv=False)
     train_texts = [c[0]["content"] for c in load_sharegpt("train", num_prompts)]
-    splits = dict(train=chat_prompts(llm.tokenizer, train_texts, max_prompt_tokens))
-    held_out = build_prompts(llm.tokenizer, ["sharegpt"], num_prompts, max_prompt_tokens)
-    splits["eval"] = held_out["sharegpt-eval"]
+    held_out = build_prompts(llm.tokenizer, ["sharegpt"], num_prompts, max_prompt_tokens)["sharegpt-eval"]
+    splits = dict(train=chat_prompts(llm.tokenizer, train_texts, max_prompt_tokens), eval=held_out)
     out = {}
-    for split, prompts in splits.items():
+    for k, prompts in splits.items():
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
         seqs = [p + o["token_ids"] for p, o in zip(prompts, outs)]
         tokens, lens, hidden, kv = capture_target(target, seqs, assistant.layer_map(target.kv_layer_types))
         starts = torch.tensor([len(p) for p in prompts], device=lens.device)
         Ls, valid = sample_positions(lens, max_tokens, torch.Generator().manual_seed(0), starts)
         with torch.no_grad():
-            loss, kls, agree = distill_loss(assistant, target, tokens, lens, hidden, kv, Ls, valid, 5)
-        out[split] = dict(positions=int(valid.sum()), loss=float(loss), per_step_kl=kls)
-        out[split]["per_step_top1_agree"] = agree
+            loss, kl, ag = distill_loss(assistant, target, tokens, lens, hidden, kv, Ls, valid, 5)
+        out[k] = dict(positions=int(valid.sum()), loss=float(loss), per_step_kl=kl, per_step_top1_agree=ag)
     return out
 
 
@@ -139,13 +133,12 @@ def main(argv=None):
         print("\n".join(f"{split}: {json.dumps(r)}" for split, r in res.items()))
         return
     sets = build_prompts(tok, datasets, a.num_prompts, a.max_prompt_tokens)
-    max_len = max(len(p) for ps in sets.values() for p in ps) + a.max_tokens + 16
+    engine = dict(dtype=a.dtype, max_model_len=max(map(len, sum(sets.values(), []))) + a.max_tokens + 16)
     sizes = {k: len(v) for k, v in sets.items()}
     print(f"assistant={a.assistant} prompts={sizes} max_tokens={a.max_tokens} dtype={a.dtype}")
     head = ["dataset", "temp", "S", "k", "N", "mean acc len"] + [f"p{i}" for i in range(1, max(a.steps) + 1)]
     print("| " + " | ".join(head + ["tok/s"]) + " |\n|" + "---|" * (len(head) + 1), flush=True)
     for (name, prompts), t, S, k in itertools.product(sets.items(), a.temperatures, a.steps, a.topks):
-        engine = dict(dtype=a.dtype, max_model_len=max_len)
         m, pp, tps, N = measure(a.model, a.assistant, prompts, S, k, t, a.max_tokens, a.tree_tokens, **engine)
         cells = [name, f"{t:g}", str(S), str(k), str(N), f"{m:.2f}"] + [f"{x:.2f}" for x in pp]
         print("| " + " | ".join(cells + [""] * (max(a.steps) - S) + [f"{tps:.1f}"]) + " |", flush=True)
