@@ -21,7 +21,7 @@
 # More environment: STEPS ["gpu kernel_tests graphs bench train eval"]; TARGET [the default SmolLM2-135M-Instruct]
 # model dir; DATA [data/<target dir name>]; INIT [default]: the assistant to start from ("default": the shipped
 # one, "none": a fresh init); LR [1e-3 warm, 2e-3 fresh]; TRAIN_EXTRA: more trainer flags; BUNDLE: a folder of
-# `python -m nanospec.tools.bundle` parts, unpacked into the nanospec cache first (for a machine without network).
+# `python scripts/offline_bundle.py` parts, unpacked into the nanospec cache first (for a machine without network).
 # DRY_RUN=1: the same plumbing on CPU in seconds: STEPS "train eval", 2 prompts, 8 new tokens, a 200-token
 # training run, 1 eval prompt; DATA [OUT_DIR/data_dry].
 set -uo pipefail

@@ -1,8 +1,6 @@
 """Argument checks of nanospec's command-line tools (train, eval, bench): every bad value stops argparse with
 a message naming the option and its allowed range, before any model or data is loaded."""
 
-from __future__ import annotations
-
 import argparse
 import math
 import os

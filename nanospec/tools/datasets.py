@@ -16,8 +16,6 @@ turns only or all; ``max_prompt_tokens``, ``seed``: the prompt order), ``max_new
 ``sequences``, ``tokens``, ``prompt_tokens``.
 """
 
-from __future__ import annotations
-
 import gc
 import gzip
 import hashlib

@@ -17,8 +17,6 @@ to SGLang's N=12 for that shape.
 (``agreement``): a large gap means the assistant memorised its training data.
 """
 
-from __future__ import annotations
-
 import argparse
 import itertools
 import json

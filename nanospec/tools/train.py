@@ -20,8 +20,6 @@ step 1 input ``(x_L, h_{L-1})``, step s input ``(x_{L+s-1}, h_next of step s-1)`
 ``L + position_offset`` (default L-1) over K/V rows ``[0, L)``. Loss of step s = KL(p_target(. | row L+s-1) ||
 q_assistant), weighted ``step_decay ** (s-1)``."""
 
-from __future__ import annotations
-
 import argparse
 import copy
 import itertools
