@@ -3,7 +3,7 @@
     python example.py                       # default model; the shipped assistant when present
     python example.py --model DIR --assistant none --temperature 0.7
 
-Every option is checked before torch or a model is loaded.
+Every option is checked before a model is loaded (most before torch is even imported).
 """
 
 import argparse
@@ -38,9 +38,9 @@ def bounded(typ, lo, hi=math.inf):
 def parse_args(argv=None):
     """Every option checked here, before torch or a model is loaded (``--help`` needs neither)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="HF-format Llama/Qwen3 dir (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", help="HF-format Llama/Qwen3/Gemma 4 dir (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--assistant", default="auto", help="gemma4_assistant dir | default | none | auto")
-    ap.add_argument("--num-steps", type=bounded(int, 1), help="draft steps per verify (default 5)")
+    ap.add_argument("--num-steps", type=bounded(int, 1), help="draft steps per verify (1 on CPU, 5 on CUDA)")
     ap.add_argument("--max-tokens", type=bounded(int, 1, 4096), default=128, help="new tokens per prompt")
     ap.add_argument("--temperature", type=bounded(float, 0), default=0.0, help="0 is greedy")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")

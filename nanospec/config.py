@@ -96,11 +96,11 @@ class EngineConfig:
         if self.assistant is None:
             given = [n for n in ("num_steps", "topk", "num_draft_tokens") if getattr(self, n) is not None]
             if given:
-                raise ValueError(f"{', '.join(given)} only apply to speculative decoding: "
+                raise ValueError(f"options {', '.join(given)} only apply to speculative decoding: "
                                  "pass assistant=DIR or "
                                  f"'default', or drop them")
             return
-        if self.num_steps is None:  # per device, measured (README, "Speculative decoding"): CPU pays at 1-2
+        if self.num_steps is None:  # per device, measured (README, "Where speculation pays")
             self.num_steps = 1 if self.torch_device().type == "cpu" else 5
         self.topk = 1 if self.topk is None else self.topk
         if self.num_draft_tokens is None:

@@ -112,7 +112,7 @@ class Scheduler:
         decode rows into the prefill forward (vLLM's chunked prefill) would need, under speculation, draft +
         tree-verify rows of varying tree masks inside the extend forward; alternating keeps every forward one
         mode and bounds the gap just as well. Measured (CPU, 7 decoding requests and one 2,000-token prompt in
-        chunks of 256): see README, "Decode never stalls".
+        chunks of 256): see README, "Serving".
         """
         decode_turn = bool(self.running) and self.last_kind == "prefill"
         batch = self._schedule_decode() if decode_turn else self._schedule_prefill()

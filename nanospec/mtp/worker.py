@@ -1,6 +1,6 @@
 """Frozen-KV MTP worker: the one owner of the drafter and of every request's draft input.
 
-The lifecycle, hook by hook, in the order it happens (DESIGN §4 rule in brackets). ``LLM`` calls 1-3, the
+The lifecycle, hook by hook, in the order it happens (DESIGN §4 rule in brackets). ``LLM`` calls 1-5, the
 scheduler's release path calls 6; nothing else creates, updates, filters or releases a draft input.
 
 1. ``FrozenKVMTPWorker(config, target, assistant_dir, sampler)``: load and check the assistant; no KV pool

@@ -289,7 +289,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--num-seqs", type=number(int, 1), help="requests (default 256; 16 with --batch-1)")
     a("--temperature", type=number(), help="default 0.6 (nanovllm), 0.0 (the others)")
     a("--ignore-eos", action="store_true", help="sharegpt: always generate output_len tokens")
-    a("--assistant", default="auto", help="DIR | default | random | none | auto (the default one if it fits)")
+    a("--assistant", default="auto", help="DIR | default | random | none | auto (default if one is shipped)")
     for name in ("--num-steps", "--topk", "--num-draft-tokens"):
         a(name, type=number(int, 1))
     a("--compare", choices=["enable_prefix_caching", "overlap_schedule", "assistant"], help="on vs off")
