@@ -15,7 +15,7 @@ from .models import init_random_weights, load_weights, target_class
 from .mtp.state import DraftInput
 from .request import Request
 from .sampler import Sampler
-from .scheduler import Batch, StepOutput
+from .scheduler import Batch, HostCopy, StepOutput
 
 
 def build_target(cfg, device, dtype, max_position: int, model_dir=None, seed: int = 0):
@@ -49,11 +49,14 @@ class PrefillOutput:
     bonus: torch.Tensor
     hidden: torch.Tensor
 
+    def __post_init__(self):
+        self._copy = HostCopy(self.bonus)  # queued at launch: reading it waits for this step only
+
     @property
     def tokens(self) -> list[list[int]]:
         out = [[] for _ in range(self.num_reqs)]
         if self.new_idx:
-            toks = self.bonus.tolist()
+            toks = self._copy.tolist()
             for j, i in enumerate(self.done_idx):
                 if i in self.new_idx:
                     out[i] = [toks[j]]

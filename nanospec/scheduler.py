@@ -28,19 +28,43 @@ class Batch:
         return self.kind == "decode" or r.num_computed + self.num_new[i] == r.prefill_len
 
 
+class HostCopy:
+    """A device tensor's values for the host, copied without blocking the stream: on CUDA a non-blocking copy
+    into pinned memory and an event, queued when the step is launched, so reading it later (``tolist``) waits
+    for that step only, never for the steps launched after it (overlap scheduling). On CPU the tensor
+    itself."""
+
+    def __init__(self, t: torch.Tensor):
+        self.event = None
+        self.t = t
+        if t.is_cuda:
+            self.t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.t.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def tolist(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.t.tolist()
+
+
 @dataclass
 class StepOutput:
     """What a decode step emits, still on the device: ``rows`` [B, 1 + K] int64 = (accept_len, then that many
     tokens: the accepted drafts and the bonus token; plain decode: 1 and the sampled token). ``tokens`` and
-    ``accept_lens`` make the step's one host copy on first use."""
+    ``accept_lens`` read the step's one host copy (``HostCopy``, queued at launch) on first use."""
 
     rows: torch.Tensor
     speculative: bool = False
     _host: list | None = None
 
+    def __post_init__(self):
+        self._copy = HostCopy(self.rows)
+
     def _rows(self) -> list[list[int]]:
         if self._host is None:
-            self._host = self.rows.tolist()
+            self._host = self._copy.tolist()
         return self._host
 
     @property
