@@ -11,7 +11,8 @@ OUT=${1:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
-[ -e nanospec/kernels ] || ln -s ../kernels nanospec/kernels  # what an install's package-dir mapping provides
+# without an install, a link provides what the package-dir mapping would (an installed checkout needs none)
+python3 -c "import nanospec.kernels" 2>/dev/null || [ -e nanospec/kernels ] || ln -s ../kernels nanospec/kernels
 rc=0
 step() {  # step NAME CMD...: run CMD, log to $OUT/NAME.txt, remember a failure
   echo "== $1"

@@ -29,7 +29,8 @@ OUT=${1:-gpu_out}
 mkdir -p "$OUT/data"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TQDM_MININTERVAL=15
 unset TRITON_INTERPRET
-[ -e nanospec/kernels ] || ln -s ../kernels nanospec/kernels  # what an install's package-dir mapping provides
+# without an install, a link provides what the package-dir mapping would (an installed checkout needs none)
+python3 -c "import nanospec.kernels" 2>/dev/null || [ -e nanospec/kernels ] || ln -s ../kernels nanospec/kernels
 if [ -n "${BUNDLE:-}" ]; then
   C=${NANOSPEC_CACHE:-$HOME/.cache/nanospec}; mkdir -p "$C" && cat "$BUNDLE"/*.tar.* | tar -xC "$C" || exit 1
 fi
