@@ -357,8 +357,10 @@ class Gemma4Assistant(nn.Module):
                                    sliding_window=self._windows[layer_idx])
         return attn
 
-    def _body(self, tokens, h_prev, positions, attn_fn=None):
-        """Embed + layers + final norm: ``(hn [R, H], h_next [R, Hb])`` in the assistant's dtype."""
+    def body(self, tokens, h_prev, positions, attn_fn=None):
+        """Embed + layers + final norm of one draft step (``forward``'s arguments): ``(hn [R, H], h_next [R,
+        Hb])`` in the assistant's dtype, before any LM head (the trainer scores ``hn`` itself). RuntimeError
+        before ``bind_target``."""
         if self._embed is None:
             raise RuntimeError("assistant: bind_target(target) before forward")
         dtype, R = self.pre_projection.weight.dtype, tokens.shape[0]
@@ -383,6 +385,19 @@ class Gemma4Assistant(nn.Module):
         ids = me.token_ordering.view(C, -1)[sel].flatten(1)
         return centroid_logits(hn, rows, sel), ids
 
+    def dense_logits(self, hn, vocab=None):
+        """Full-vocabulary logits ``[R, V]`` fp32 (token-id order) of final-normed ``hn [R, H]``: the LM head
+        applied whole, as HF's dense head (the centroid head's own rows are stored in cluster order).
+        ``vocab`` (LongTensor [V'], the trainer's subset; the target's LM head only): logits ``[R, V']`` of
+        those tokens."""
+        me = self.masked_embedding
+        head = self.lm_head.weight if self.lm_head is not None else self._target_lm_head
+        head = head if vocab is None else head[vocab]
+        logits = F.linear(hn, head.to(self.pre_projection.weight.dtype)).float()
+        if me is not None and self.lm_head is not None:
+            logits = torch.zeros_like(logits).index_copy(1, me.token_ordering, logits)
+        return logits
+
     def forward(self, tokens, h_prev, positions, attn_fn=None, dense: bool = False):
         """One draft step for R query rows: ``tokens [R]``, ``h_prev [R, Hb]``, ``positions [R]`` ->
         ``(logits [R, V] fp32, h_next [R, Hb])``. ``attn_fn(layer_idx, q [R, Hq, D]) -> o [R, Hq, D]``
@@ -392,14 +407,9 @@ class Gemma4Assistant(nn.Module):
         token ``min(candidates of the row) - 1``; HF takes that min over the whole batch, the same for one
         row), or the full LM head with ``dense`` (for training). Drafting uses ``propose``, which never builds
         [R, V]."""
-        hn, h_next = self._body(tokens, h_prev, positions, attn_fn)
-        me = self.masked_embedding
-        if me is None or dense:
-            head = self.lm_head.weight if self.lm_head is not None else self._target_lm_head
-            logits = F.linear(hn, head.to(self.pre_projection.weight.dtype)).float()
-            if me is not None and self.lm_head is not None:  # own rows are in cluster order
-                logits = torch.zeros_like(logits).index_copy(1, me.token_ordering, logits)
-            return logits, h_next
+        hn, h_next = self.body(tokens, h_prev, positions, attn_fn)
+        if self.masked_embedding is None or dense:
+            return self.dense_logits(hn), h_next
         cand, ids = self._candidates(hn)
         fill = (cand.amin(-1, keepdim=True) - 1.0).expand(-1, self.vocab_size)
         return fill.contiguous().scatter_(1, ids, cand), h_next
@@ -423,7 +433,7 @@ class Gemma4Assistant(nn.Module):
             logits, h_next = self(tokens, h_prev, positions)
             top_lp, top_tok = torch.log_softmax(logits, -1).topk(k, dim=-1)
             return top_lp, top_tok, h_next
-        hn, h_next = self._body(tokens, h_prev, positions)
+        hn, h_next = self.body(tokens, h_prev, positions)
         cand, ids = self._candidates(hn)
         top, j = cand.topk(k, dim=-1)
         hi, lo = cand.amax(-1, keepdim=True), cand.amin(-1, keepdim=True)

@@ -51,6 +51,8 @@ from .cli import HelpFormatter, number
 
 ENGINE = "dtype device max_model_len max_num_seqs max_num_batched_tokens enforce_eager seed".split()
 SPEC = ["num_steps", "topk", "num_draft_tokens"]
+INT_OPTIONS = """max-model-len=4096 max-num-seqs=256 max-num-batched-tokens=8192 max-input-len=1024
+    max-output-len=1024 prefix-len=512 stall-len=2000"""  # bench.py's int options >= 1 and their defaults
 
 
 def nanovllm_workload(num_seqs=256, max_input_len=1024, max_output_len=1024, seed=0):
@@ -73,9 +75,8 @@ def sharegpt_workload(tokenizer, num_seqs=None, max_input_len=1024, max_output_l
 
     convs, prompts, max_tokens = load_sharegpt("eval"), [], []
     chat, plain = dict(tokenize=False, add_generation_prompt=True), dict(add_special_tokens=False)
-    order = list(range(len(convs)))
-    random.Random(seed).shuffle(order)
-    for conv in (convs[i] for i in order if len(prompts) != num_seqs):
+    random.Random(seed).shuffle(convs)  # the same order as shuffling indices
+    for conv in (c for c in convs if len(prompts) != num_seqs):
         if len(conv) < 2 or conv[1]["role"] != "assistant":
             continue
         text = conv[0]["content"]
@@ -275,14 +276,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = ap.add_argument
     a("--workload", choices=["nanovllm", "sharegpt", "shared-prefix", "stall"], default="nanovllm")
     a("--batch-1", action="store_true", help="latency mode: one request at a time (ms/token, tok/s)")
-    a("--model", help="HF-format model dir (default: SmolLM2-135M-Instruct)")
-    a("--shape", choices=["qwen3-0.6b", "smollm2-135m", *GEMMA4], help="random weights of this shape")
+    model = ap.add_mutually_exclusive_group().add_argument  # --model or --shape
+    model("--model", help="HF-format model dir (default: SmolLM2-135M-Instruct)")
+    model("--shape", choices=["qwen3-0.6b", "smollm2-135m", *GEMMA4], help="random weights of this shape")
     a("--device", choices=["auto", "cpu", "cuda"], default="auto")
     a("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    ints = "max-model-len=4096 max-num-seqs=256 max-num-batched-tokens=8192 max-input-len=1024 "
-    for name, default in (
-        s.split("=") for s in (ints + "max-output-len=1024 prefix-len=512 stall-len=2000").split()
-    ):
+    for name, default in (s.split("=") for s in INT_OPTIONS.split()):
         a(f"--{name}", type=number(int, 1), default=int(default))
     a("--seed", type=number(int, 0), default=0)
     a("--enforce-eager", action="store_true")
@@ -298,8 +297,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--hf-num-seqs", type=number(int, 1), help="HF runs only the first N requests (it is slow)")
     a("--hf-batch-size", type=number(int, 1), default=1, help="HF generate batch (left-padded)")
     args = ap.parse_args(argv)
-    if args.model and args.shape:
-        ap.error("give --model or --shape, not both")
     if args.assistant not in ("auto", "default", "random", "none") and not Path(args.assistant).is_dir():
         ap.error(f"--assistant must be auto, default, random, none or a dir, got {args.assistant!r}")
     if args.assistant == "auto":  # as example.py: speculation is what nanospec is for
@@ -328,9 +325,8 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
         opt, spec, rounds = args.compare, args.compare == "assistant", []
         for on in (True, False) * 2:
             kw = dict(label=f"[{opt} {'on' if on else 'off'}] ", phases=spec) | ({} if spec else {opt: on})
-            rounds.append(
-                measure(args, model_dir, None if spec and not on else assistant, prompts, params, **kw)
-            )
+            asst = None if spec and not on else assistant
+            rounds.append(measure(args, model_dir, asst, prompts, params, **kw))
         on, off = (max(rounds[i::2], key=lambda r: r["throughput_tok_s"]) for i in (0, 1))
         ratio = on["throughput_tok_s"] / off["throughput_tok_s"]
         res.update(on, compare=dict(option=opt, best_of=2, on=on, off=off, ratio=ratio))

@@ -66,8 +66,7 @@ def load_assistant(ap: argparse.ArgumentParser, option: str, value: str, layers:
     from ..mtp.worker import resolve_assistant
 
     try:
-        d = resolve_assistant(value, target_is_default=True)
-        assistant = Gemma4Assistant.from_pretrained(d)
+        assistant = Gemma4Assistant.from_pretrained(d := resolve_assistant(value, target_is_default=True))
     except (ValueError, OSError, KeyError, TypeError) as e:
         ap.error(f"{option} must be 'default' or an HF gemma4_assistant checkpoint dir, got {value!r}: {e}")
     n = assistant.text_config.num_hidden_layers

@@ -165,8 +165,7 @@ def regenerate_sequences(
     dt, n_gen, dtype = time.perf_counter() - t0, sum(map(len, seqs)) - sum(starts), llm.config.torch_dtype()
     del llm
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # hand the engine's KV pool back before training
+    torch.cuda.empty_cache()  # no-op without CUDA: hand the engine's KV pool back before training
     stats = dict(prompts=len(prompts), rounds=rounds, sequences=len(seqs), generated_tokens=n_gen)
     stats.update(temperatures=temperatures[:rounds], dtype=str(dtype)[6:], time_s=round(dt, 1))
     return seqs, starts, dict(stats, tok_per_s=round(n_gen / max(dt, 1e-9), 1))

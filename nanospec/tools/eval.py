@@ -2,7 +2,6 @@
 
     python -m nanospec.tools.eval [--assistant DIR|default] [--num-prompts 16] [--max-tokens 64]
         [--steps 1,3,5] [--topks 1,3] [--temperatures 0,0.7] [--datasets sharegpt,humaneval]
-    python -m nanospec.tools.eval --agreement [--assistant DIR|default] [--num-prompts 16] [--max-tokens 96]
 
 Prompts: the first user turn of the held-out ShareGPT "eval" split (``nanospec.tools.datasets``; never used in
 training), less any text that also occurs as a user turn in the train split (ShareGPT repeats some), through
@@ -13,13 +12,12 @@ fraction of verify steps with accept_length >= i + 1, i = 1..S. topk > 1 verifie
 num_steps`` tree tokens (``--tree-tokens`` overrides; clipped to [2, 1 + S * k]); e.g. S=5, k=3 -> N=11, close
 to SGLang's N=12 for that shape.
 
-``--agreement`` instead prints teacher-forced agreement with the target on train- vs eval-split prompts
-(``agreement``): a large gap means the assistant memorised its training data.
+``--datasets sharegpt-train`` adds the first user turns of the train split (what the trainer saw): an
+acceptance there far above the held-out one means the assistant memorised its training data.
 """
 
 import argparse
 import itertools
-import json
 import time
 
 from . import cli
@@ -27,8 +25,9 @@ from .cli import number
 
 
 def build_prompts(tokenizer, datasets, num_prompts: int, max_prompt_tokens: int) -> dict[str, list]:
-    """``{"sharegpt-eval": [...], "humaneval": [...]}`` (those named in ``datasets``): up to ``num_prompts``
-    token-id prompts each, clipped to ``max_prompt_tokens`` (HumanEval: its last tokens)."""
+    """``{"sharegpt-eval": [...], "sharegpt-train": [...], "humaneval": [...]}`` (those named in
+    ``datasets``): up to ``num_prompts`` token-id prompts each, clipped to ``max_prompt_tokens`` (HumanEval:
+    its last tokens)."""
     from .datasets import chat_prompts, load_humaneval, load_sharegpt
 
     out = {}
@@ -36,6 +35,9 @@ def build_prompts(tokenizer, datasets, num_prompts: int, max_prompt_tokens: int)
         seen = {m["content"] for conv in load_sharegpt("train") for m in conv if m["role"] == "user"}
         texts = [conv[0]["content"] for conv in load_sharegpt("eval") if conv[0]["content"] not in seen]
         out["sharegpt-eval"] = chat_prompts(tokenizer, texts, max_prompt_tokens)[:num_prompts]
+    if "sharegpt-train" in datasets:
+        texts = [conv[0]["content"] for conv in load_sharegpt("train", num_prompts)]
+        out["sharegpt-train"] = chat_prompts(tokenizer, texts, max_prompt_tokens)
     if "humaneval" in datasets:
         enc = [tokenizer.encode(p, add_special_tokens=False) for p in load_humaneval(num_prompts)]
         out["humaneval"] = [ids[-max_prompt_tokens:] for ids in enc]
@@ -63,44 +65,6 @@ def measure(model, assistant, prompts, S, k, temperature, max_tokens, tree_token
     return sum(acc) / len(acc), per_pos, ntok / (time.perf_counter() - t0), n or S + 1
 
 
-def agreement(model_dir, assistant_dir, num_prompts=16, max_tokens=96, max_prompt_tokens=192):
-    """Teacher-forced agreement of an assistant with its target on ``num_prompts`` train-split first turns and
-    as many eval-split ones (as ``build_prompts`` picks them): the target (fp32) answers each greedily with up
-    to ``max_tokens`` tokens, then at every committed length past the prompt the trainer's own unroll
-    (``train.distill_loss``, 5 steps) gives per-step KL and top-1 agreement.
-
-    Returns ``{"train" | "eval": {"positions": int, "loss": float, "per_step_kl": [5], "per_step_top1_agree":
-    [5]}}``."""
-    import torch
-
-    from .. import LLM, SamplingParams
-    from ..loader import load_config
-    from ..model_runner import build_target
-    from ..models.gemma4_assistant import Gemma4Assistant
-    from .datasets import chat_prompts, load_sharegpt
-    from .train import capture_target, distill_loss, sample_positions
-
-    device, max_len = "cuda" if torch.cuda.is_available() else "cpu", max_prompt_tokens + max_tokens + 64
-    llm = LLM(str(model_dir), dtype="float32", device=device, max_model_len=max_len)
-    target = build_target(load_config(model_dir), device, torch.float32, max_len, model_dir)
-    assistant = Gemma4Assistant.from_pretrained(assistant_dir, device)
-    assistant.bind_target(target, kv=False)
-    train_texts = [c[0]["content"] for c in load_sharegpt("train", num_prompts)]
-    held_out = build_prompts(llm.tokenizer, ["sharegpt"], num_prompts, max_prompt_tokens)["sharegpt-eval"]
-    splits = dict(train=chat_prompts(llm.tokenizer, train_texts, max_prompt_tokens), eval=held_out)
-    out = {}
-    for k, prompts in splits.items():
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
-        seqs = [p + o["token_ids"] for p, o in zip(prompts, outs)]
-        tokens, lens, hidden, kv = capture_target(target, seqs, assistant.layer_map(target.kv_layer_types))
-        starts = torch.tensor([len(p) for p in prompts], device=lens.device)
-        Ls, valid = sample_positions(lens, max_tokens, torch.Generator().manual_seed(0), starts)
-        with torch.no_grad():
-            loss, kl, ag = distill_loss(assistant, target, tokens, lens, hidden, kv, Ls, valid, 5)
-        out[k] = dict(positions=int(valid.sum()), loss=float(loss), per_step_kl=kl, per_step_top1_agree=ag)
-    return out
-
-
 def main(argv=None):
     """The evaluation CLI (module docstring); every value is checked before any model or data work."""
     from ..loader import configure_cpu_threads
@@ -115,21 +79,15 @@ def main(argv=None):
     add("--steps", type=cli.number_list(int, 1), default=[1, 3, 5], help="num_steps values")
     add("--topks", type=cli.number_list(int, 1), default=[1, 3], help="topk values")
     add("--temperatures", type=cli.number_list(), default=[0.0, 0.7], help="sampling temperatures")
-    add("--datasets", default="sharegpt,humaneval", help="sharegpt and/or humaneval")
+    add("--datasets", default="sharegpt,humaneval", help="of sharegpt (held out), sharegpt-train, humaneval")
     add("--tree-tokens", type=number(int, 2), help="num_draft_tokens for topk > 1")
     add("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    add("--agreement", action="store_true", help="teacher-forced agreement on train vs eval prompts instead")
     a = ap.parse_args(argv)
-    datasets = a.datasets.split(",")
-    if not set(datasets) <= {"sharegpt", "humaneval"}:
-        ap.error(f"--datasets must name sharegpt and/or humaneval, got {a.datasets!r}")
-    _, assistant_dir = cli.load_assistant(ap, "--assistant", a.assistant)  # a few MB: fails before the target
+    if not set(datasets := a.datasets.split(",")) <= {"sharegpt", "sharegpt-train", "humaneval"}:
+        ap.error(f"--datasets must name sharegpt, sharegpt-train and/or humaneval, got {a.datasets!r}")
+    cli.load_assistant(ap, "--assistant", a.assistant)  # a few MB: fails before the target
     model_dir, _, tok = cli.load_target(ap, "--model", a.model, "--assistant", a.assistant)
     configure_cpu_threads()
-    if a.agreement:
-        res = agreement(model_dir, assistant_dir, a.num_prompts, a.max_tokens, a.max_prompt_tokens)
-        print("\n".join(f"{split}: {json.dumps(r)}" for split, r in res.items()))
-        return
     sets = build_prompts(tok, datasets, a.num_prompts, a.max_prompt_tokens)
     engine = dict(dtype=a.dtype, max_model_len=max(map(len, sum(sets.values(), []))) + a.max_tokens + 16)
     sizes = {k: len(v) for k, v in sets.items()}

@@ -18,11 +18,13 @@ post-final-norm hidden states. Then, for sampled committed lengths L (any number
 mask), the assistant is unrolled S steps exactly as ``nanospec.mtp.draft.run_draft`` runs them (topk 1):
 step 1 input ``(x_L, h_{L-1})``, step s input ``(x_{L+s-1}, h_next of step s-1)``, every step at RoPE position
 ``L + position_offset`` (default L-1) over K/V rows ``[0, L)``. Loss of step s = KL(p_target(. | row L+s-1) ||
-q_assistant), weighted ``step_decay ** (s-1)``."""
+q_assistant), weighted ``step_decay ** (s-1)``.
+
+``--num-centroids N``: the assistant gets a centroid LM head (``add_centroid_head``; an ``--init`` that has
+one keeps its own), trained with the rest (``distill_loss``)."""
 
 import argparse
 import copy
-import itertools
 import json
 import math
 import random
@@ -54,6 +56,8 @@ OPTIONS = [
     ("seed", number(int, 0), 0, "seeds the init, the data order and the sampled positions"),
     ("train_vocab", number(int, 1), None, "train on the N most frequent tokens only (cuts the LM-head cost)"),
     ("amp", bool, False, "bf16 target + bf16 autocast (fp32 master weights)"),
+    ("num_centroids", number(int, 1), None, "add a centroid LM head of N equal clusters (unset: dense head)"),
+    ("centroid_top_k", number(int, 1), 32, "centroid head: clusters scored per draft row"),
 ]
 DEFAULTS = {name: default for name, _, default, _ in OPTIONS}
 
@@ -104,27 +108,30 @@ def dense_attn_fn(kv, Ls):
     return attn
 
 
-def unroll(assistant, tokens, hidden, kv, Ls, num_steps: int, position_offset: int = -1):
+def unroll(assistant, tokens, hidden, kv, Ls, num_steps: int, position_offset: int = -1, vocab=None):
     """Run ``num_steps`` draft steps for committed lengths ``Ls [B, n]`` (1 <= L < len) with teacher tokens.
 
     Step s (1-based) feeds ``tokens[b, L+s-1]`` (clamped at the sequence end) and, for s = 1,
-    ``hidden[b, L-1]``, else the previous step's ``h_next``. Returns
-    ``[(logits [B*n, V] fp32, h_next [B*n, Hb])]`` per step."""
+    ``hidden[b, L-1]``, else the previous step's ``h_next``. Returns ``[(logits [B*n, V] fp32, h_next [B*n,
+    Hb], hn [B*n, H])]`` per step: full-vocabulary logits (``dense_logits``, also for a centroid head) and the
+    final-normed hidden states the centroid scores come from; ``vocab``: logits of those tokens only."""
     B, n = Ls.shape
     b = torch.arange(B, device=Ls.device)[:, None].expand(B, n)
     pos = (Ls + position_offset).clamp(min=0).reshape(-1)
     attn, h, outs = dense_attn_fn(kv, Ls), hidden[b, Ls - 1].reshape(B * n, -1), []
     for s in range(num_steps):
         tok = tokens[b, (Ls + s).clamp(max=tokens.shape[1] - 1)].reshape(-1)
-        logits, h = assistant(tok, h, pos, attn_fn=attn)
-        outs.append((logits, h))
+        hn, h = assistant.body(tok, h, pos, attn_fn=attn)
+        outs.append((assistant.dense_logits(hn, vocab), h, hn))
     return outs
 
 
 def distill_loss(
     assistant, target, tokens, lens, hidden, kv, Ls, valid, num_steps, step_decay=0.8, vocab=None
 ):
-    """Weighted sum over steps of KL(target || assistant), averaged over valid (b, L, s).
+    """Weighted sum over steps of KL(target || assistant), averaged over valid (b, L, s). A centroid head
+    adds, per position, KL(target's probability of each cluster || softmax of its centroid scores) (the
+    candidates' selection itself passes no gradient), and its top-1 agreement is ``greedy_drafts``'s.
 
     ``vocab`` (LongTensor [V'] or None): train on that vocabulary subset only (both distributions renormalised
     over it; the assistant then shares the target's LM head rows ``vocab``) to cut the LM-head cost. Returns
@@ -132,17 +139,12 @@ def distill_loss(
     reaches reports nan. Raises ValueError for a vocabulary subset with an assistant's own LM head."""
     B, n = Ls.shape
     b = torch.arange(B, device=Ls.device)[:, None].expand(B, n)
-    head, full_head = target.lm_head_weight.detach(), assistant._target_lm_head
-    if vocab is not None:
-        if full_head is None:
-            raise ValueError("a vocabulary subset needs an assistant that uses the target's LM head")
-        head = assistant._target_lm_head = head[vocab]
-    try:
-        outs = unroll(assistant, tokens, hidden, kv, Ls, num_steps)
-    finally:
-        assistant._target_lm_head = full_head
-    total, kls, accs = 0.0, [], []
-    for s, (logits, _) in enumerate(outs):
+    if vocab is not None and assistant.lm_head is not None:
+        raise ValueError("a vocabulary subset needs an assistant that uses the target's LM head")
+    head = target.lm_head_weight.detach()[slice(None) if vocab is None else vocab]
+    outs = unroll(assistant, tokens, hidden, kv, Ls, num_steps, vocab=vocab)
+    me, total, kls, accs = assistant.masked_embedding, 0.0, [], []
+    for s, (logits, _, hn) in enumerate(outs):
         row = Ls + s  # the target row whose distribution predicts the token that step s drafts
         m = (valid & (row < lens[:, None])).reshape(-1).float()
         with torch.no_grad():
@@ -150,12 +152,36 @@ def distill_loss(
             t_logp = torch.log_softmax(F.linear(t_hidden, head).float(), -1)
         a_logp = torch.log_softmax(logits, -1)
         kl = (t_logp.exp() * (t_logp - a_logp)).sum(-1)
-        total = total + step_decay**s * (kl * m).sum() / m.sum().clamp(min=1)
-        agree = (a_logp.argmax(-1) == t_logp.argmax(-1)).float()
+        loss = kl
+        if me is not None:
+            scores, cluster = me.centroids(hn).float(), token_clusters(assistant, vocab)
+            mass = t_logp.new_zeros(scores.shape).index_add_(1, cluster, t_logp.exp())
+            loss = kl + (torch.xlogy(mass, mass) - mass * torch.log_softmax(scores, -1)).sum(-1)
+        total = total + step_decay**s * (loss * m).sum() / m.sum().clamp(min=1)
+        agree = (greedy_drafts(assistant, logits, hn, vocab) == t_logp.argmax(-1)).float()
         # 0 / 0 = nan where no position reaches this step (0.0 would read as a perfect match)
         kls.append(float((kl.detach() * m).sum() / m.sum()))
         accs.append(float((agree * m).sum() / m.sum()))
     return total / sum(step_decay**s for s in range(num_steps)), kls, accs
+
+
+def token_clusters(assistant, vocab=None):
+    """A centroid head's cluster of each token: ``[V]`` int64 (``[V']``: of ``vocab``'s tokens)."""
+    me = assistant.masked_embedding
+    cluster = me.token_ordering.argsort() // (assistant.vocab_size // assistant.config.num_centroids)
+    return cluster if vocab is None else cluster[vocab]
+
+
+def greedy_drafts(assistant, logits, hn, vocab=None):
+    """The token a greedy draft picks per row (an index into ``logits [R, V]``, or ``[R, V']`` of ``vocab``'s
+    tokens): their argmax, for a centroid head over the tokens of the top ``centroid_intermediate_top_k``
+    clusters of ``hn [R, H]`` only (what ``propose`` drafts)."""
+    if assistant.masked_embedding is None:
+        return logits.argmax(-1)
+    scores = assistant.masked_embedding.centroids(hn)
+    top = scores.topk(assistant.config.centroid_intermediate_top_k, dim=-1).indices
+    top = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top, True)
+    return logits.masked_fill(~top[:, token_clusters(assistant, vocab)], -math.inf).argmax(-1)
 
 
 def sample_positions(lens, n: int, generator=None, starts=None):
@@ -193,6 +219,45 @@ def init_assistant(assistant, seed: int = 0) -> None:
         layer.post_feedforward_layernorm.weight.fill_(0.1)
 
 
+@torch.no_grad()
+def balanced_clusters(rows, num_clusters: int):
+    """``token_ordering [V]`` (int64) of ``num_clusters`` equal clusters of ``rows [V, H]`` (LM-head rows;
+    ``num_clusters`` must divide V): the rows of a group of c clusters are sorted by their projection on the
+    group's principal direction (power iteration) and split c // 2 : c - c // 2, recursively, so rows that
+    score alike share a cluster. Returns the row ids cluster by cluster."""
+
+    def split(ids, c):
+        if c == 1:
+            return [ids]
+        x = rows[ids].float() - rows[ids].float().mean(0)
+        v = x[x.norm(dim=1).argmax()]
+        for _ in range(8):
+            v = F.normalize(x.T @ (x @ v), dim=0)
+        ids, n = ids[(x @ v).argsort(stable=True)], len(ids) * (c // 2) // c
+        return split(ids[:n], c // 2) + split(ids[n:], c - c // 2)
+
+    return torch.cat(split(torch.arange(rows.shape[0], device=rows.device), num_clusters))
+
+
+@torch.no_grad()
+def add_centroid_head(assistant, target, num_centroids: int, top_k: int = 32) -> Gemma4Assistant:
+    """A copy of the dense-head ``assistant`` (every weight kept) with a centroid LM head of
+    ``balanced_clusters`` of its LM-head rows (the target's when it shares them), each centroid its cluster's
+    mean row (so its score starts as the cluster's mean logit), scoring ``top_k`` clusters per draft row;
+    bound to ``target`` without KV. ValueError naming the field when ``num_centroids`` does not divide the
+    vocabulary or ``top_k`` is outside [1, num_centroids]."""
+    config = copy.deepcopy(assistant.config)
+    config.update(dict(use_ordered_embeddings=True, num_centroids=num_centroids))
+    config.centroid_intermediate_top_k = top_k
+    new = Gemma4Assistant(config).to(target.embed_tokens.weight.device)
+    new.load_state_dict(assistant.state_dict(), strict=False)
+    new.bind_target(target, kv=False)
+    rows = (target.lm_head_weight if new.lm_head is None else new.lm_head.weight).detach()
+    new.set_token_ordering(order := balanced_clusters(rows, num_centroids))
+    new.masked_embedding.centroids.weight.copy_(rows[order].view(num_centroids, -1, rows.shape[1]).mean(1))
+    return new
+
+
 def new_assistant(target, layers: int = 1, seed: int = 0) -> Gemma4Assistant:
     """A fresh ``layers``-layer assistant for ``target`` (its hidden size, sharing its LM head), bound to it
     without KV (the trainer passes K/V itself), on the target's device."""
@@ -223,11 +288,14 @@ def train(target, seqs, out_dir=None, assistant=None, starts=None, info=None, pr
         raise ValueError("no sequence reaches past its prompt: raise --seq-len, or use --all-positions")
     torch.manual_seed(o.seed)
     target.requires_grad_(False)
-    assistant = new_assistant(target, o.layers or 1, o.seed) if assistant is None else assistant
-    dev, layer_map, V = target.embed_tokens.weight.device, assistant.layer_map(target.kv_layer_types), None
+    dev = target.embed_tokens.weight.device
+    assistant = new_assistant(target, o.layers or 1, o.seed) if assistant is None else assistant.to(dev)
+    assistant.bind_target(target, kv=False)  # the trainer passes K/V itself
+    if o.num_centroids and assistant.masked_embedding is None:  # an init's own centroid head stays
+        assistant = add_centroid_head(assistant, target, o.num_centroids, o.centroid_top_k)
+    layer_map, V = assistant.layer_map(target.kv_layer_types), None
     if o.train_vocab and o.train_vocab < target.config.vocab_size:
-        flat = torch.tensor([t for q in seqs for t in q])
-        counts = torch.bincount(flat, minlength=target.config.vocab_size)
+        counts = torch.bincount(torch.tensor([t for q in seqs for t in q]), minlength=assistant.vocab_size)
         V = counts.argsort(descending=True, stable=True)[: o.train_vocab].sort().values.to(dev)
     frozen = copy.deepcopy(target).to(torch.bfloat16) if o.amp else target  # amp: a bf16 copy of the target
     frozen.cos_sin = target.cos_sin  # its RoPE table stays fp32
@@ -236,15 +304,17 @@ def train(target, seqs, out_dir=None, assistant=None, starts=None, info=None, pr
     rng, n = random.Random(o.seed), len(seqs)  # whole shuffled epochs, then cut
     order = [i for _ in range(math.ceil(o.epochs)) for i in rng.sample(range(n), n)]
     order = order[: max(1, int(o.epochs * n))]
-    total_steps, budget_s = -(-len(order) // o.batch_size), (o.time_budget_min or 0) * 60
+    total_steps, budget_s = -(-len(order) // o.batch_size), (o.time_budget_min or math.inf) * 60
+    max_tokens = o.max_tokens or math.inf
     t0 = last_save = time.time()
     tokens_seen, seqs_seen, losses, summary, gen = 0, 0, [], {}, torch.Generator().manual_seed(o.seed)
     bar = tqdm(total=total_steps, desc="train", disable=not progress)
     for step in range(total_steps):
         elapsed = time.time() - t0
-        if (budget_s and elapsed > budget_s) or (o.max_tokens and tokens_seen >= o.max_tokens):
+        if elapsed > budget_s or tokens_seen >= max_tokens:
             break
-        frac = min(1.0, max(step / total_steps, elapsed / budget_s if budget_s else 0.0))
+        # the schedule's progress: steps, time or tokens, whichever budget is spent furthest
+        frac = min(1.0, max(step / total_steps, elapsed / budget_s, tokens_seen / max_tokens))
         for grp in opt.param_groups:
             grp["lr"] = o.lr * min(1.0, (step + 1) / o.warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
         ids = order[step * o.batch_size : (step + 1) * o.batch_size]
@@ -269,8 +339,7 @@ def train(target, seqs, out_dir=None, assistant=None, starts=None, info=None, pr
         bar.update(1)
         bar.set_postfix(loss=f"{summary['final_loss']:.3f}", acc1=f"{accs[0]:.2f}", accS=f"{accs[-1]:.2f}")
         if progress and step % 20 == 0:
-            t = summary["train_time_s"]
-            tqdm.write(f"step {step} loss {losses[-1]:.4f} kl {nulls[0]} agree {nulls[1]} t {t}s")
+            tqdm.write(f"step {step} loss {losses[-1]:.4f} kl {nulls[0]} agree {nulls[1]} t {elapsed:.1f}s")
         if out_dir and time.time() - last_save > o.save_every_min * 60:
             assistant.save_pretrained(out_dir, summary)
             last_save = time.time()
@@ -319,6 +388,9 @@ def main(argv=None):
         a.seq_len = a.max_prompt_tokens + a.max_new_tokens + 64 if a.regenerate or a.data else 256
     t0 = time.time()
     model_dir, cfg, tok = cli.load_target(ap, "--target", a.target, "--init", a.init)
+    C, V = a.num_centroids, cfg.vocab_size
+    if C and (V % C or not 1 <= a.centroid_top_k <= C):
+        ap.error(f"--num-centroids must divide the vocabulary ({V}) and be >= --centroid-top-k, got {C}")
     shortest = len(data.chat_prompts(tok, ["x"], 1)[0])  # the chat template around a 1-token user turn
     if not a.all_positions and a.seq_len <= shortest:  # no response position would be left to train
         ap.error(f"--seq-len must exceed {shortest} (this target's shortest chat prompt), got {a.seq_len}")
@@ -348,12 +420,6 @@ def main(argv=None):
         (seqs, starts), src = data.build_sequences(tok, convs, a.seq_len), "original ShareGPT responses"
     seqs, starts = [q[: a.seq_len] for q in seqs + old_seqs], starts + old_starts
     target = build_target(cfg, device, torch.float32, a.seq_len + 8, model_dir)
-    if init is not None:
-        init.to(target.embed_tokens.weight.device).bind_target(target, kv=False)
-    # keep only the data we will use (the epoch order is over this subset; starts stay aligned)
-    if a.max_tokens:
-        cum = list(itertools.accumulate(map(len, seqs)))
-        seqs = seqs[: next((i for i, c in enumerate(cum) if c >= a.max_tokens / a.epochs), len(seqs) - 1) + 1]
     hardware = torch.cuda.get_device_name() if device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     info = dict(target=str(model_dir), data=f"ShareGPT train split, {src}", regeneration=regen, shards=shards)
     info.update(hardware=hardware, conversations=len(convs), num_sequences_available=len(seqs), args=vars(a))
