@@ -1,6 +1,10 @@
 """Plain helpers shared by the speculative-engine tests (their fixtures live in conftest.py)."""
 
+import torch
+
 from nanospec import LLM, SamplingParams
+from nanospec.loader import load_config
+from nanospec.model_runner import build_target
 
 HB = 64  # hidden size of conftest's tiny Llama target
 REF_LEN = 48
@@ -17,3 +21,11 @@ def make_llm(model_dir, assistant=None, **kw):
 
 def greedy(max_tokens=REF_LEN, **kw):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+TRAIN_ENGINE = dict(dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=200, page_size=4)
+
+
+def tiny_target(model_dir):
+    """The trainer's view of a target dir: nanospec's fp32 CPU model (max_model_len 256), no engine."""
+    return build_target(load_config(model_dir), "cpu", torch.float32, 256, model_dir)

@@ -9,10 +9,9 @@ import re
 import pytest
 import torch
 from conftest import make_tiny_model, randomize
+from helpers import TRAIN_ENGINE, tiny_target
 
 from nanospec import LLM, SamplingParams
-from nanospec.loader import load_config
-from nanospec.model_runner import build_target
 from nanospec.models.gemma4_assistant import Gemma4Assistant
 from nanospec.mtp.worker import DEFAULT_ASSISTANT
 from nanospec.tools.datasets import (
@@ -34,11 +33,7 @@ from nanospec.tools.train import (
     unroll,
 )
 
-ENGINE = dict(dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=200, page_size=4)
-
-
-def tiny_target(model_dir):
-    return build_target(load_config(model_dir), "cpu", torch.float32, 256, model_dir)
+ENGINE = TRAIN_ENGINE
 
 
 def record_drafts(llm):

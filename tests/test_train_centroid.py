@@ -7,10 +7,9 @@ import json
 import pytest
 import torch
 from conftest import make_tiny_model, randomize
+from helpers import TRAIN_ENGINE, tiny_target
 
 from nanospec import LLM, SamplingParams
-from nanospec.loader import load_config
-from nanospec.model_runner import build_target
 from nanospec.models.gemma4_assistant import Gemma4Assistant
 from nanospec.tools.train import (
     add_centroid_head,
@@ -25,11 +24,7 @@ from nanospec.tools.train import (
     unroll,
 )
 
-ENGINE = dict(dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=200, page_size=4)
-
-
-def tiny_target(model_dir):
-    return build_target(load_config(model_dir), "cpu", torch.float32, 256, model_dir)
+ENGINE = TRAIN_ENGINE
 
 
 @pytest.mark.parametrize("means", [[[0, 0], [10, 0], [30, 0]], [[0, 0], [10, 0], [0, 20], [10, 20]]])

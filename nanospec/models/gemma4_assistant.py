@@ -22,10 +22,10 @@ vocabulary is split into C clusters of S = V / C tokens (``token_ordering`` [V],
 the C centroids (``masked_embedding.centroids(hn)``), keeps the top ``centroid_intermediate_top_k`` clusters
 and computes logits only for their tokens (``kernels.centroid``, over LM-head rows stored in cluster order).
 HF fills every other token with ``min(candidates) - 1``; ``propose`` gives that tensor's top-k
-log-probabilities in closed form, without building it. Training one: take the KL on full-vocabulary logits
-(``forward(..., dense=True)``) and train the centroids with a cross-entropy of
-``masked_embedding.centroids(hn)`` against the cluster of the teacher's token (its index in ``token_ordering``
-divided by S); the candidate selection itself (top-k) passes no gradient.
+log-probabilities in closed form, without building it. Training one (``nanospec.tools.train``): the token
+KL on the full-vocabulary ``dense_logits(hn)``, and for the centroids a KL between the target's probability
+mass per cluster and the softmax of ``masked_embedding.centroids(hn)``; the candidate selection itself (top-k)
+passes no gradient.
 """
 import torch
 import torch.nn.functional as F
