@@ -89,18 +89,33 @@ def test_padding_rows_never_touch_live_blocks(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-@pytest.mark.parametrize("spec", [None, {"num_steps": 3}, {"num_steps": 2, "topk": 2, "num_draft_tokens": 4}])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        None,
+        {"num_steps": 3},
+        {"num_steps": 2, "topk": 2, "num_draft_tokens": 4},
+        {"num_steps": 3, "centroids": True},
+        {"num_steps": 2, "topk": 2, "num_draft_tokens": 4, "centroids": True},
+    ],
+)
 def test_static_graph_path_matches_eager(tiny_llama_dir, tmp_path, spec, temperature):
     """Whole generations through the static (padded) graph functions equal plain eager runs, with a bucket
-    smaller than the batch too (eager fallback), spec on and off, greedy and sampled (the "mtp_sampled" phase:
-    sampling tensors and noise are static inputs too)."""
+    smaller than the batch too (eager fallback), spec on and off, dense and centroid LM heads (as the shipped
+    assistant has), greedy and sampled (the "mtp_sampled" phase: sampling tensors and noise are static inputs
+    too)."""
     kw = {}
     if spec:
         from test_spec_lossless import make_assistant
 
-        kw = dict(
-            assistant=make_assistant(tmp_path / "a", tiny_llama_dir, hidden_size=32, num_heads=4), **spec
+        spec = dict(spec)
+        head = (
+            dict(use_ordered_embeddings=True, num_centroids=64, centroid_top_k=4)
+            if spec.pop("centroids", 0)
+            else {}
         )
+        path = make_assistant(tmp_path / "a", tiny_llama_dir, hidden_size=32, num_heads=4, **head)
+        kw = dict(assistant=path, **spec)
     sp = [
         SamplingParams(max_tokens=10, ignore_eos=True, temperature=temperature, top_k=50, seed=i)
         for i in range(len(PROMPTS))

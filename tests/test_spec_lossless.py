@@ -21,6 +21,11 @@ def make_assistant(path, target_dir, seed=0, std=0.15, **kw):
     torch.manual_seed(seed)
     model = Gemma4AssistantForCausalLM(assistant_config_for(load_config(target_dir), **kw)).float()
     randomize(model, seed, std)
+    if kw.get("use_ordered_embeddings"):  # a real permutation (HF's init is none), so the reordering matters
+        perm = torch.randperm(
+            model.config.text_config.vocab_size, generator=torch.Generator().manual_seed(seed)
+        )
+        model.masked_embedding.token_ordering.copy_(perm)
     model.save_pretrained(path)
     return str(path)
 

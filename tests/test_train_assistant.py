@@ -345,6 +345,9 @@ def test_shipped_checkpoint(smollm2_dir, smollm2_tokenizer):
     assert sum(p.stat().st_size for p in DEFAULT_ASSISTANT.iterdir()) <= 16 * 2**20
     a = Gemma4Assistant.from_pretrained(DEFAULT_ASSISTANT)
     assert a.lm_head is None and len(a.model.layers) == cfg["text_config"]["num_hidden_layers"]
+    if cfg.get("use_ordered_embeddings"):  # centroid head: equal clusters of a real permutation of the vocab
+        order = a.masked_embedding.token_ordering
+        assert 49152 % cfg["num_centroids"] == 0 and torch.equal(order.sort().values, torch.arange(49152))
     chat = [
         smollm2_tokenizer.apply_chat_template(
             [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
