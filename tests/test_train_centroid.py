@@ -81,6 +81,10 @@ def test_add_centroid_head_keeps_the_dense_model(tiny_llama_dir):
         add_centroid_head(dense, target, 7)
     with pytest.raises(ValueError, match="centroid_intermediate_top_k"):
         add_centroid_head(dense, target, 256, top_k=257)
+    with pytest.raises(ValueError, match="use_ordered_embeddings: this assistant has a centroid head"):
+        add_centroid_head(head, target, 256)  # would drop its trained centroids
+    with pytest.raises(ValueError, match="use_ordered_embeddings"):
+        train(target, [[5, 17, 300, 42, 9, 1000, 7, 8]], assistant=head, num_centroids=128, progress=False)
 
 
 def test_greedy_drafts_match_nanospec_drafting(tiny_llama_dir, tmp_path):
@@ -169,8 +173,9 @@ def test_trained_centroid_head_is_served_losslessly(smollm2_tokenizer, tmp_path)
 
 
 def test_cli_num_centroids_checked_before_any_work(monkeypatch, capsys, tiny_llama_dir, tmp_path):
-    """A centroid count that does not divide the vocabulary, or is below --centroid-top-k: an argparse error
-    naming the option, before the target's weights or any data load."""
+    """A centroid count that does not divide the vocabulary, is below --centroid-top-k, or comes with an
+    --init that has a centroid head already: an argparse error naming the option, before the target's weights
+    or any data load."""
     import nanospec.model_runner as runner
 
     monkeypatch.setattr(runner, "build_target", lambda *a, **k: pytest.fail("weights loaded"))
@@ -183,3 +188,9 @@ def test_cli_num_centroids_checked_before_any_work(monkeypatch, capsys, tiny_lla
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert "--num-centroids must divide the vocabulary (49152)" in err and f"got {bad}" in err, err
+    head = add_centroid_head(new_assistant(tiny_target(tiny_llama_dir)), tiny_target(tiny_llama_dir), 96)
+    head.save_pretrained(tmp_path / "head")
+    with pytest.raises(SystemExit):
+        main(["--target", str(tiny_llama_dir), "--init", str(tmp_path / "head"), "--num-centroids", "48"])
+    err = capsys.readouterr().err
+    assert "--num-centroids adds a centroid head to a dense-head assistant" in err, err

@@ -111,8 +111,7 @@ def acceptance_stats(accept_lengths, num_steps):
     """accept_lengths: per-request lists (accepted drafts + 1 per verify step). Returns (mean accept length,
     [fraction of verify steps accepting >= i drafts for i = 1..num_steps], number of verify steps); None where
     there is no verify step."""
-    flat = [a for req in accept_lengths for a in req]
-    n = len(flat)
+    n = len(flat := [a for req in accept_lengths for a in req])
     rates = [sum(a >= i + 1 for a in flat) / n if n else None for i in range(1, num_steps + 1)]
     return (sum(flat) / n if n else None), rates, n
 

@@ -35,8 +35,7 @@ def number(typ=float, lo: float = 0, gt: float | None = None):
 def number_list(typ=float, lo: float = 0):
     """argparse ``type``: ``"0,0.7"`` -> ``[0.0, 0.7]``, every item a ``number(typ, lo)``."""
 
-    item = number(typ, lo)
-    return lambda text: [item(x) for x in text.split(",")]
+    return lambda text: list(map(number(typ, lo), text.split(",")))
 
 
 def check_out_dir(ap: argparse.ArgumentParser, option: str, path: str) -> None:

@@ -90,8 +90,7 @@ def main(argv=None):
     configure_cpu_threads()
     sets = build_prompts(tok, datasets, a.num_prompts, a.max_prompt_tokens)
     engine = dict(dtype=a.dtype, max_model_len=max(map(len, sum(sets.values(), []))) + a.max_tokens + 16)
-    sizes = {k: len(v) for k, v in sets.items()}
-    print(f"assistant={a.assistant} prompts={sizes} max_tokens={a.max_tokens} dtype={a.dtype}")
+    print(f"assistant={a.assistant} max_tokens={a.max_tokens} prompts:", {k: len(v) for k, v in sets.items()})
     head = ["dataset", "temp", "S", "k", "N", "mean acc len"] + [f"p{i}" for i in range(1, max(a.steps) + 1)]
     print("| " + " | ".join(head + ["tok/s"]) + " |\n|" + "---|" * (len(head) + 1), flush=True)
     for (name, prompts), t, S, k in itertools.product(sets.items(), a.temperatures, a.steps, a.topks):
