@@ -20,6 +20,7 @@ from nanospec.tools.train import (
     main,
     new_assistant,
     sample_positions,
+    token_clusters,
     train,
     unroll,
 )
@@ -114,7 +115,7 @@ def test_greedy_drafts_match_nanospec_drafting(tiny_llama_dir, tmp_path):
     }
     loaded = Gemma4Assistant.from_pretrained(tmp_path / "a")
     loaded.bind_target(target, kv=False)
-    checked, dense_differs = 0, False
+    checked, dense_differs, clusters = 0, False, token_clusters(loaded)
     for req_ids, lens, tree in drafts:
         for row, (rid, L) in enumerate(zip(req_ids, lens)):
             chain = tree[row].tolist()  # [bonus, d1..dS]
@@ -122,7 +123,10 @@ def test_greedy_drafts_match_nanospec_drafting(tiny_llama_dir, tmp_path):
             tokens, _, hidden, kv = capture_target(target, [seq], loaded.layer_map(target.kv_layer_types))
             with torch.no_grad():
                 steps = unroll(loaded, tokens, hidden, kv, torch.tensor([[L]]), S)
-                picks = [int(greedy_drafts(loaded, lg, hn)[0]) for lg, _, hn in steps]
+                scores = [loaded.masked_embedding.centroids(hn) for _, _, hn in steps]
+                picks = [
+                    int(greedy_drafts(loaded, lg, sc, clusters)[0]) for (lg, _, _), sc in zip(steps, scores)
+                ]
             assert picks == chain[1:], (L, picks, chain)
             dense_differs |= any(int(lg[0].argmax()) != p for (lg, _, _), p in zip(steps, picks))
             checked += 1

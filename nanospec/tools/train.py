@@ -20,8 +20,8 @@ step 1 input ``(x_L, h_{L-1})``, step s input ``(x_{L+s-1}, h_next of step s-1)`
 ``L + position_offset`` (default L-1) over K/V rows ``[0, L)``. Loss of step s = KL(p_target(. | row L+s-1) ||
 q_assistant), weighted ``step_decay ** (s-1)``.
 
-``--num-centroids N``: the assistant gets a centroid LM head (``add_centroid_head``; an ``--init`` that has
-one keeps its own), trained with the rest (``distill_loss``)."""
+``--num-centroids N``: the assistant gets a centroid LM head (``add_centroid_head``; refused for an ``--init``
+that has one), trained with the rest (``distill_loss``)."""
 
 import argparse
 import copy
@@ -144,6 +144,7 @@ def distill_loss(
     head = target.lm_head_weight.detach()[slice(None) if vocab is None else vocab]
     outs = unroll(assistant, tokens, hidden, kv, Ls, num_steps, vocab=vocab)
     me, total, kls, accs = assistant.masked_embedding, 0.0, [], []
+    cluster = None if me is None else token_clusters(assistant, vocab)  # once per batch, not per step
     for s, (logits, _, hn) in enumerate(outs):
         row = Ls + s  # the target row whose distribution predicts the token that step s drafts
         m = (valid & (row < lens[:, None])).reshape(-1).float()
@@ -152,13 +153,13 @@ def distill_loss(
             t_logp = torch.log_softmax(F.linear(t_hidden, head).float(), -1)
         a_logp = torch.log_softmax(logits, -1)
         kl = (t_logp.exp() * (t_logp - a_logp)).sum(-1)
-        loss = kl
+        loss, scores = kl, None
         if me is not None:
-            scores, cluster = me.centroids(hn).float(), token_clusters(assistant, vocab)
+            scores = me.centroids(hn).float()
             mass = t_logp.new_zeros(scores.shape).index_add_(1, cluster, t_logp.exp())
             loss = kl + (torch.xlogy(mass, mass) - mass * torch.log_softmax(scores, -1)).sum(-1)
         total = total + step_decay**s * (loss * m).sum() / m.sum().clamp(min=1)
-        agree = (greedy_drafts(assistant, logits, hn, vocab) == t_logp.argmax(-1)).float()
+        agree = (greedy_drafts(assistant, logits, scores, cluster) == t_logp.argmax(-1)).float()
         # 0 / 0 = nan where no position reaches this step (0.0 would read as a perfect match)
         kls.append(float((kl.detach() * m).sum() / m.sum()))
         accs.append(float((agree * m).sum() / m.sum()))
@@ -172,16 +173,16 @@ def token_clusters(assistant, vocab=None):
     return cluster if vocab is None else cluster[vocab]
 
 
-def greedy_drafts(assistant, logits, hn, vocab=None):
-    """The token a greedy draft picks per row (an index into ``logits [R, V]``, or ``[R, V']`` of ``vocab``'s
-    tokens): their argmax, for a centroid head over the tokens of the top ``centroid_intermediate_top_k``
-    clusters of ``hn [R, H]`` only (what ``propose`` drafts)."""
-    if assistant.masked_embedding is None:
+def greedy_drafts(assistant, logits, scores=None, cluster=None):
+    """The token a greedy draft picks per row (an index into ``logits [R, V']``): their argmax; for a centroid
+    head (``scores [R, C]``: the rows' centroid scores, ``cluster [V']``: ``token_clusters`` of the logits'
+    tokens) over the tokens of the top ``centroid_intermediate_top_k`` clusters only (what ``propose``
+    drafts). ``scores`` None: a dense head."""
+    if scores is None:
         return logits.argmax(-1)
-    scores = assistant.masked_embedding.centroids(hn)
     top = scores.topk(assistant.config.centroid_intermediate_top_k, dim=-1).indices
     top = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top, True)
-    return logits.masked_fill(~top[:, token_clusters(assistant, vocab)], -math.inf).argmax(-1)
+    return logits.masked_fill(~top[:, cluster], -math.inf).argmax(-1)
 
 
 def sample_positions(lens, n: int, generator=None, starts=None):
