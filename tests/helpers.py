@@ -29,3 +29,9 @@ TRAIN_ENGINE = dict(dtype="float32", device="cpu", max_model_len=128, num_kv_blo
 def tiny_target(model_dir):
     """The trainer's view of a target dir: nanospec's fp32 CPU model (max_model_len 256), no engine."""
     return build_target(load_config(model_dir), "cpu", torch.float32, 256, model_dir)
+
+
+def chat_texts(tokenizer, questions):
+    """Each question as a one-turn chat prompt (text, generation prompt added) in the tokenizer's template."""
+    chat = dict(tokenize=False, add_generation_prompt=True)
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], **chat) for q in questions]

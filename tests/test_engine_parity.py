@@ -9,6 +9,7 @@ import inspect
 
 import pytest
 import torch
+from helpers import chat_texts
 from transformers import AutoModelForCausalLM
 
 from nanospec import LLM, SamplingParams
@@ -144,10 +145,7 @@ def test_smollm2_greedy_matches_hf_generate(smollm2_dir):
         "Write a haiku about the sea.",
         "Explain in one sentence why the sky is blue.",
     ]
-    prompts = [
-        tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-        for q in questions
-    ]
+    prompts = chat_texts(tok, questions)
     n = 24
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n), use_tqdm=False)
 

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 from conftest import make_tiny_model, randomize
+from helpers import chat_texts
 
 from nanospec import LLM, SamplingParams
 from nanospec.loader import load_config
@@ -150,10 +151,7 @@ def test_greedy_lossless_smollm2(smollm2_dir, tmp_path):
         "What is 12 times 7?",
         "Give me a synonym for happy.",
     )
-    prompts = [
-        tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
-        for c in questions
-    ]
+    prompts = chat_texts(tok, questions)
     sp = SamplingParams(max_tokens=24)
     ref = [o["token_ids"] for o in engine(smollm2_dir).generate(prompts, sp, use_tqdm=False)]
     for kw in (

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 from conftest import make_tiny_model, randomize
-from helpers import TRAIN_ENGINE, tiny_target
+from helpers import TRAIN_ENGINE, chat_texts, tiny_target
 
 from nanospec import LLM, SamplingParams
 from nanospec.models.gemma4_assistant import Gemma4Assistant
@@ -348,12 +348,7 @@ def test_shipped_checkpoint(smollm2_dir, smollm2_tokenizer):
     if cfg.get("use_ordered_embeddings"):  # centroid head: equal clusters of a real permutation of the vocab
         order = a.masked_embedding.token_ordering
         assert 49152 % cfg["num_centroids"] == 0 and torch.equal(order.sort().values, torch.arange(49152))
-    chat = [
-        smollm2_tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
-        )
-        for q in ("What is the capital of France?", "Write a haiku about the sea.")
-    ]
+    chat = chat_texts(smollm2_tokenizer, ["What is the capital of France?", "Write a haiku about the sea."])
     params = SamplingParams(temperature=0, max_tokens=24)
     kw = dict(dtype="float32", device="cpu", max_model_len=512)
     off = LLM(None, **kw).generate(chat, params, use_tqdm=False)
