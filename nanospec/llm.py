@@ -163,7 +163,11 @@ class LLM:
         return req is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._inflight is not None
+        """True while a request waits or runs, a launched step can still emit tokens, or a finished or aborted
+        request has not been returned by ``step`` yet; a step in flight only for finished requests does not
+        count (it emits nothing)."""
+        live = self._inflight is not None and not all(r.is_finished for r in self._inflight[0].reqs)
+        return self.scheduler.has_work() or bool(self._stash) or live
 
     def output_dict(self, req: Request) -> dict:
         out = {"text": req.output_text(), "token_ids": list(req.output_token_ids),

@@ -29,6 +29,10 @@ class Request:
         self.num_computed = 0
         self.num_inflight = 0  # decode steps launched but not yet committed (overlap scheduling: 0 or 1)
         self.epoch = 0  # bumped by preemption: a step launched in an earlier epoch is dropped
+        # sampling calls (prefill's first token, each decode / verify step): launched and not dropped, and
+        # committed. The launched count keys a seeded request's noise, so it never lags under overlap.
+        self.num_samples_launched = 0
+        self.num_samples = 0
         self.finish_reason: str | None = None
         self.stop_str_index: int | None = None  # where the text is cut, when a stop string matched
         self.accept_lengths: list[int] = []

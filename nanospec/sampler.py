@@ -10,7 +10,9 @@ class Sampler:
     Frozen-KV MTP worker (verify), which both pass the requests explicitly.
 
     Noise comes from the engine generator (``seed``), or for a request with ``SamplingParams.seed`` from its
-    own generator keyed by (seed, output index), so its samples do not depend on the batch it runs in.
+    own generator keyed by (seed, sampling-call index), so its samples do not depend on the batch it runs in
+    nor on the schedule: the index counts the request's sampling calls launched before this one (its prefill's
+    first token, then one per decode or verify step), which the host knows before any earlier step commits.
     """
 
     def __init__(self, device: torch.device, seed: int):
@@ -30,7 +32,7 @@ class Sampler:
         u = torch.rand(len(reqs), width, generator=self.generator, device=self.device)
         for i, r in enumerate(reqs):
             if r.params.seed is not None:
-                key = (r.params.seed * 1_000_003 + len(r.output_token_ids)) % 2**63
+                key = (r.params.seed * 1_000_003 + r.num_samples_launched) % 2**63
                 g = torch.Generator(self.device).manual_seed(key)
                 u[i] = torch.rand(width, generator=g, device=self.device)
         return u.clamp_(min=1e-20)

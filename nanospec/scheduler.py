@@ -186,6 +186,7 @@ class Scheduler:
         self._release(req, "preempted")
         req.epoch += 1  # a step still in flight for it is dropped when it commits
         req.num_inflight = 0
+        req.num_samples_launched = req.num_samples  # the dropped step's noise is drawn again
         req.num_computed = 0
         req.status = Status.WAITING
         # A half-prefilled head holds blocks and must finish first: queued in front of it, a victim that does
@@ -200,6 +201,7 @@ class Scheduler:
         batch.epochs = [r.epoch for r in batch.reqs]
         batch.done = [batch.completes(i) for i in range(len(batch.reqs))]
         for i, req in enumerate(batch.reqs):
+            req.num_samples_launched += batch.kind == "decode" or (batch.done[i] and not req.output_token_ids)
             if batch.kind == "decode":
                 req.num_inflight += 1
                 continue
@@ -227,6 +229,7 @@ class Scheduler:
                     req.accept_lengths.append(accept_lens[i])
             elif not batch.done[i]:
                 continue
+            req.num_samples += bool(toks)
             req.append_tokens(toks)
             if req.is_finished:
                 self.running.remove(req)

@@ -185,10 +185,13 @@ def _chi2_sf(x: float, k: int) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (1.0, 0.9)])
-def test_sampling_lossless_chi_square(tmp_path_factory, smollm2_tokenizer, temperature, top_p):
+@pytest.mark.parametrize(
+    "temperature,top_p,overlap", [(1.0, 1.0, False), (1.0, 0.9, False), (1.0, 1.0, True)]
+)
+def test_sampling_lossless_chi_square(tmp_path_factory, smollm2_tokenizer, temperature, top_p, overlap):
     """On a vocab-8 target, the joint distribution of the 2nd and 3rd tokens (drawn by verify steps) matches
-    spec-off sampling (p > 0.01, fixed seeds)."""
+    spec-off sampling without overlap (p > 0.01, fixed engine seeds). With overlap on, every request is
+    seeded: reused noise would correlate a request's tokens and fail the test."""
     d = make_tiny_model(
         tmp_path_factory.mktemp("v8"),
         smollm2_tokenizer,
@@ -200,8 +203,12 @@ def test_sampling_lossless_chi_square(tmp_path_factory, smollm2_tokenizer, tempe
     )
     asst = make_assistant(tmp_path_factory.mktemp("a8"), d, seed=8, std=0.5, hidden_size=32)
     n, sp = 4000, SamplingParams(temperature=temperature, top_p=top_p, max_tokens=3, ignore_eos=True)
+    if overlap:
+        sp = [
+            SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True, seed=s) for s in range(n)
+        ]
     runs = []
-    for kw in ({}, {"assistant": asst, "num_steps": 2}):
+    for kw in ({}, {"assistant": asst, "num_steps": 2, "overlap_schedule": overlap}):
         llm = LLM(str(d), dtype="float32", device="cpu", max_model_len=16, max_num_seqs=256, seed=3, **kw)
         outs = llm.generate([[3, 1, 4]] * n, sp, use_tqdm=False)
         runs.append([tuple(o["token_ids"][1:]) for o in outs])
