@@ -41,6 +41,8 @@ def parse_args(argv=None):
     ap.add_argument("--model", help="HF-format Llama/Qwen3/Gemma 4 dir (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--assistant", default="auto", help="gemma4_assistant dir | default | none | auto")
     ap.add_argument("--num-steps", type=bounded(int, 1), help="draft steps per verify (1 on CPU, 5 on CUDA)")
+    adaptive = dict(action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--adaptive-speculation", **adaptive, help="draft 0..num-steps tokens per step, as pays")
     ap.add_argument("--max-tokens", type=bounded(int, 1, 4096), default=128, help="new tokens per prompt")
     ap.add_argument("--temperature", type=bounded(float, 0), default=0.0, help="0 is greedy")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -74,7 +76,8 @@ def main(argv=None):
     for flag, given in (("--num-steps", args.num_steps is not None), ("--trace", args.trace)):
         if assistant == "none" and given:
             ap.error(f"{flag} needs an assistant (--assistant is none, or auto on another --model)")
-    assistant_kwargs = {} if assistant == "none" else {"assistant": assistant, "num_steps": args.num_steps}
+    spec = dict(assistant=assistant, num_steps=args.num_steps, adaptive_speculation=args.adaptive_speculation)
+    assistant_kwargs = {} if assistant == "none" else spec
     if args.trace:
         assistant_kwargs["trace"] = True
     configure_cpu_threads()

@@ -27,6 +27,8 @@ class EngineConfig:
     topk >= 1 branches per step; num_draft_tokens N (tokens verified per request, root included) defaults to
     num_steps + 1 for topk 1 and must be given for topk > 1, with 2 <= N <= 1 + num_steps * topk;
     draft_position_offset: RoPE position of every draft step is L + offset (-1 follows SGLang, 0 follows HF).
+    adaptive_speculation: each step drafts the s in 0..num_steps that maximises expected tokens per second
+    (``mtp.policy.DraftLength``; default True); False always drafts num_steps.
     trace: None | True (print the Frozen-KV MTP lifecycle events per engine step) | a callable
     ``(step, event, fields)`` receiving them; needs an assistant.
     Raises ValueError / TypeError naming the field and the allowed range.
@@ -52,6 +54,7 @@ class EngineConfig:
     topk: int | None = None
     num_draft_tokens: int | None = None
     draft_position_offset: int = -1
+    adaptive_speculation: bool = True
     trace: object = None
 
     def __post_init__(self):
@@ -65,7 +68,7 @@ class EngineConfig:
                 raise TypeError(f"{name} must be an int, got {v!r}")
             if v < lo:
                 raise ValueError(f"{name} must be >= {lo}, got {v}")
-        for name in ("enforce_eager", "enable_prefix_caching", "overlap_schedule"):
+        for name in ("enforce_eager", "enable_prefix_caching", "overlap_schedule", "adaptive_speculation"):
             v = getattr(self, name)
             if not isinstance(v, bool) and not (v is None and name == "overlap_schedule"):
                 kinds = "a bool or None" if name == "overlap_schedule" else "a bool"

@@ -151,6 +151,8 @@ class LLM:
         return owner.step(batch.reqs) if self.worker is not None else self.runner.decode(batch.reqs)
 
     def _commit(self, batch, out) -> list[Request]:
+        if batch.kind == "decode" and self.worker is not None:
+            self.worker.observe(out)
         accept = out.accept_lens if batch.kind == "decode" and out.speculative else None
         return self.scheduler.commit(batch, out.tokens, accept)
 

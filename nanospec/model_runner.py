@@ -2,6 +2,7 @@
 into tensors and runs prefill / decode forwards (eagerly or through CUDA graphs, decided by
 ``GraphRunner.run``)."""
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -167,8 +168,9 @@ class ModelRunner:
     # ---- graphs
     # ----------------------------------------------------------------------------------------------------
     def capture_graphs(self, worker=None) -> GraphRunner:
-        """Build the graph runner: phase "decode" and, with the MTP ``worker``, phases "mtp" (greedy batches,
-        ``draft_verify``) and "mtp_sampled" (``draft_verify_sampled``). Buckets exist only on CUDA without
+        """Build the graph runner: phase "decode" and, with the MTP ``worker``, phases "mtp:{s}" (greedy
+        batches, ``draft_verify``) and "mtp_sampled:{s}" (``draft_verify_sampled``) for every draft length s
+        the worker's policy may choose. Buckets exist only on CUDA without
         ``enforce_eager``; elsewhere every phase runs eagerly."""
         c = self.config
         dev = self.device
@@ -184,9 +186,10 @@ class ModelRunner:
         phases = {"decode": (self._decode_logits, ["ids", "pos", "slots", "block_table", "seq_lens"])}
         if worker is not None:
             spec = ["bonus", "hidden", "block_table", "L"]
-            phases["mtp"] = (worker.draft_verify, spec)
             sampled = spec + ["temperature", "top_k", "top_p", "noise"]
-            phases["mtp_sampled"] = (worker.draft_verify_sampled, sampled)
+            for s in worker.policy.candidates:  # one graph per draft length the policy may choose
+                phases[f"mtp:{s}"] = (partial(worker.draft_verify, num_steps=s), spec)
+                phases[f"mtp_sampled:{s}"] = (partial(worker.draft_verify_sampled, num_steps=s), sampled)
             f32 = torch.float32
             buffers.update(temperature=((1,), f32, 1.0), top_k=((1,), i32, -1), top_p=((1,), f32, 1.0),
                            noise=((1, worker.noise_width), f32, 0.5))

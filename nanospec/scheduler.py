@@ -57,6 +57,8 @@ class StepOutput:
 
     rows: torch.Tensor
     speculative: bool = False
+    draft_len: int = 0  # draft steps of a speculative step (0: it verified the bonus token alone)
+    timer: object = None  # the step's StepTimer (speculation), read when the step commits
     _host: list | None = None
 
     def __post_init__(self):

@@ -13,7 +13,10 @@ PROMPTS = [[11, 22, 33], P_DISTINCT, list(range(1000, 1017)), list(range(5000, 5
 
 
 def make_llm(model_dir, assistant=None, **kw):
+    """A small fp32 CPU engine; speculation drafts a fixed num_steps (tests of the adaptive draft length pass
+    ``adaptive_speculation=True``)."""
     base = dict(device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=128, page_size=16)
+    base["adaptive_speculation"] = False
     if assistant is not None:
         base["assistant"] = str(assistant)
     return LLM(str(model_dir), **{**base, **kw})
@@ -24,6 +27,7 @@ def greedy(max_tokens=REF_LEN, **kw):
 
 
 TRAIN_ENGINE = dict(dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=200, page_size=4)
+TRAIN_ENGINE["adaptive_speculation"] = False  # acceptance is measured at a fixed num_steps
 
 
 def tiny_target(model_dir):

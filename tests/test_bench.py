@@ -138,10 +138,13 @@ def test_batch_1_with_random_assistant(capsys, monkeypatch, two_layers):
     res, _, outputs = run_bench(
         capsys,
         monkeypatch,
-        TINY + ["--batch-1", "--assistant", "random", "--num-steps", "2", "--temperature", "0"],
+        TINY
+        + ["--batch-1", "--assistant", "random", "--num-steps", "2", "--temperature", "0"]
+        + ["--no-adaptive-speculation"],
     )
     assert len(outputs) == 2  # one generate() per request
     acc = [a for o in outputs for a in o["accept_lengths"]]
+    assert res["draft_len_counts"] == {"2": len(acc)}  # a fixed draft length: every step drafts 2
     assert res["num_verify_steps"] == len(acc) and res["mean_accept_length"] == pytest.approx(
         sum(acc) / len(acc)
     )
@@ -180,8 +183,9 @@ def test_default_model_speculates_with_the_shipped_assistant(capsys, monkeypatch
         "0",
     ]
     res, _, outputs = run_bench(capsys, monkeypatch, argv)
-    assert res["assistant"] == "default" and res["num_steps"] >= 1 and res["num_verify_steps"] >= 1
-    assert [a for o in outputs for a in o["accept_lengths"]] and res["mean_accept_length"] >= 1
+    assert res["assistant"] == "default" and res["num_steps"] >= 1 and res["adaptive_speculation"]
+    steps = sum(res["draft_len_counts"].values())  # the policy may draft 0 tokens in some steps
+    assert steps >= 1 and res["num_verify_steps"] == steps - res["draft_len_counts"].get("0", 0)
     res, _, outputs = run_bench(capsys, monkeypatch, argv + ["--assistant", "none"])
     assert res["assistant"] is None and res["mean_accept_length"] is None
     assert all("accept_lengths" not in o for o in outputs)
@@ -264,7 +268,15 @@ def test_shared_prefix_text(monkeypatch):
 
 def test_compare_spec_batch_1_phases(capsys, monkeypatch, two_layers):
     argv = tiny(
-        "--batch-1", "--assistant", "random", "--num-steps", "2", "--temperature", "0", "--compare-spec"
+        "--batch-1",
+        "--assistant",
+        "random",
+        "--num-steps",
+        "2",
+        "--temperature",
+        "0",
+        "--compare-spec",
+        "--no-adaptive-speculation",
     )
     res, lines, rounds = run_compare(capsys, monkeypatch, argv)
     on, off = res["compare"]["on"], res["compare"]["off"]
@@ -296,7 +308,9 @@ def test_compare_spec_batch_1_phases(capsys, monkeypatch, two_layers):
         mean_accept_length=on["mean_accept_length"], draft_ms=on["draft_ms"], verify_ms=on["verify_ms"]
     )
     figs.update(step_ms=on["step_ms"], plain_decode_ms=off["decode_ms"])
-    assert lines[-2] == ", ".join(f"{k} {v:.3f}" for k, v in figs.items())
+    assert lines[-3] == ", ".join(f"{k} {v:.3f}" for k, v in figs.items())
+    assert on["draft_len_counts"] == {"2": sum(len(o["accept_lengths"]) for o in rounds[0][:2])}
+    assert lines[-2] == f"steps per draft length s: {on['draft_len_counts']}"
 
 
 def test_timed_wraps_the_instance_only():
@@ -464,7 +478,16 @@ def test_gemma4_shape_runs_scaled_down(capsys, monkeypatch, shape):
         bench.LLM, "__init__", lambda self, *a, **k: engines.append(self) or init(self, *a, **k)
     )
     argv = tiny(
-        "--shape", shape, "--assistant", "random", "--batch-1", "--num-seqs", "1", "--temperature", "0"
+        "--shape",
+        shape,
+        "--assistant",
+        "random",
+        "--batch-1",
+        "--num-seqs",
+        "1",
+        "--temperature",
+        "0",
+        "--no-adaptive-speculation",
     )
     res, _, outputs = run_bench(capsys, monkeypatch, argv)
     llm = engines[0]

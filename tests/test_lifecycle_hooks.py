@@ -12,9 +12,12 @@ class Recorder:
     """Collects (step, event, req) and checks, at every release, that blocks and draft input are both gone."""
 
     def __init__(self):
-        self.events, self.reasons, self.llm = [], [], None
+        self.events, self.reasons, self.draft_lens, self.llm = [], [], [], None
 
     def __call__(self, step, event, fields):
+        if event == "draft_len":  # one per step, not per request (tests/test_adaptive_speculation.py)
+            self.draft_lens.append((step, fields["s"]))
+            return
         self.events.append((step, event, fields["req"]))
         if event == "release":
             self.reasons.append(fields["reason"])

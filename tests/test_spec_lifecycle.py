@@ -44,20 +44,21 @@ def oracle(monkeypatch, reference):
     """
 
     def install(wrong_at=None):
-        def draft(self, reqs, block_table, seq_lens, num_splits=None):
+        def draft(self, reqs, block_table, seq_lens, num_splits=None, num_steps=None):
             seed = self.draft_inputs.filter([r.request_id for r in reqs])
             assert seed.req_ids == [r.request_id for r in reqs]
             # own, fresh seed per row
             assert seed.bonus_tokens.tolist() == [r.all_token_ids[-1] for r in reqs]
             assert seq_lens.tolist() == [r.num_tokens - 1 for r in reqs]  # own L: all but the bonus in KV
+            S = self.num_steps if num_steps is None else num_steps
             rows = []
             for r in reqs:
                 n, ref = len(r.output_token_ids), reference(r.prompt_token_ids)
                 assert r.output_token_ids == ref[:n]
-                d = (ref[n : n + self.num_steps] + [0] * self.num_steps)[: self.num_steps]
-                j = self.num_steps if wrong_at is None else wrong_at(r.prompt_token_ids, n)
+                d = (ref[n : n + S] + [0] * S)[:S]
+                j = S if wrong_at is None else wrong_at(r.prompt_token_ids, n)
                 rows.append([t if i < j else (t + 1) % V for i, t in enumerate(d)])
-            drafts = torch.tensor(rows, dtype=torch.long).view(len(reqs), self.num_steps)
+            drafts = torch.tensor(rows, dtype=torch.long).view(len(reqs), S)
             return chain_tree(seed.bonus_tokens, drafts)
 
         monkeypatch.setattr(FrozenKVMTPWorker, "draft", draft)
@@ -340,9 +341,9 @@ def test_rule3_long_prompt_num_steps_1(tiny_llama_dir, asst_dir, record_draft_me
     llm = make_llm(tiny_llama_dir, asst_dir, num_steps=1, **kw)
     digests, orig = [], FrozenKVMTPWorker.draft
 
-    def checked(self, reqs, bt, L, num_splits=None):  # pool checksum around every draft of the run
+    def checked(self, reqs, bt, L, num_splits=None, num_steps=None):  # pool checksum around every draft
         before = _pool_digest(llm.runner.kv_pools[0])
-        out = orig(self, reqs, bt, L, num_splits)
+        out = orig(self, reqs, bt, L, num_splits, num_steps)
         digests.append(before == _pool_digest(llm.runner.kv_pools[0]))
         return out
 
@@ -545,7 +546,7 @@ def test_rule6_rows_independent_tree(tiny_llama_dir, asst_dir, reference, monkey
     for i, anc in enumerate([[0], [0, 1], [0, 2], [0, 2, 3], [0, 2, 4]]):
         m[i, anc] = True
 
-    def draft(self, reqs, block_table, seq_lens, num_splits=None):
+    def draft(self, reqs, block_table, seq_lens, num_splits=None, num_steps=None):
         seed = self.draft_inputs.filter([r.request_id for r in reqs])
         assert seed.bonus_tokens.tolist() == [r.all_token_ids[-1] for r in reqs]
         rows = []

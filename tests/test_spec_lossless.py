@@ -31,8 +31,16 @@ def make_assistant(path, target_dir, seed=0, std=0.15, **kw):
     return str(path)
 
 
-def engine(model_dir, **kw):
-    return LLM(str(model_dir), dtype="float32", device="cpu", max_model_len=256, max_num_seqs=8, **kw)
+def engine(model_dir, adaptive_speculation=False, **kw):
+    return LLM(
+        str(model_dir),
+        dtype="float32",
+        device="cpu",
+        max_model_len=256,
+        max_num_seqs=8,
+        adaptive_speculation=adaptive_speculation,
+        **kw,
+    )
 
 
 PROMPTS = [[1, 5, 9, 200, 31], [7] * 3, list(range(40, 73)), [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
@@ -83,8 +91,8 @@ def oracle_draft(reference, prompts, topk, wrong_every, rng_seed=0):
     g = torch.Generator().manual_seed(rng_seed)
     by_prompt = {tuple(p): r for p, r in zip(prompts, reference)}
 
-    def draft(self, reqs, block_table, seq_lens, num_splits=None):
-        S, k, B = self.num_steps, self.topk, len(reqs)
+    def draft(self, reqs, block_table, seq_lens, num_splits=None, num_steps=None):
+        S, k, B = self.num_steps if num_steps is None else num_steps, self.topk, len(reqs)
         truth = []
         for r in reqs:
             ref, n = by_prompt[tuple(r.prompt_token_ids)], len(r.output_token_ids)
@@ -94,8 +102,8 @@ def oracle_draft(reference, prompts, topk, wrong_every, rng_seed=0):
             )
         truth = torch.tensor(truth, dtype=torch.long)
         bonus = torch.tensor([r.all_token_ids[-1] for r in reqs])
-        if k == 1:
-            return chain_tree(bonus, truth)
+        if k == 1 or S == 0:
+            return chain_tree(bonus, truth.view(B, S))
         N = 1 + S * k
         tokens, parents = torch.zeros(B, N, dtype=torch.long), torch.full((B, N), -1)
         depth = torch.zeros(B, N, dtype=torch.long)
@@ -186,12 +194,16 @@ def _chi2_sf(x: float, k: int) -> float:
 
 
 @pytest.mark.parametrize(
-    "temperature,top_p,overlap", [(1.0, 1.0, False), (1.0, 0.9, False), (1.0, 1.0, True)]
+    "temperature,top_p,overlap,adaptive",
+    [(1.0, 1.0, False, False), (1.0, 0.9, False, True), (1.0, 1.0, True, True)],
 )
-def test_sampling_lossless_chi_square(tmp_path_factory, smollm2_tokenizer, temperature, top_p, overlap):
+def test_sampling_lossless_chi_square(
+    tmp_path_factory, smollm2_tokenizer, temperature, top_p, overlap, adaptive
+):
     """On a vocab-8 target, the joint distribution of the 2nd and 3rd tokens (drawn by verify steps) matches
     spec-off sampling without overlap (p > 0.01, fixed engine seeds). With overlap on, every request is
-    seeded: reused noise would correlate a request's tokens and fail the test."""
+    seeded: reused noise would correlate a request's tokens and fail the test. ``adaptive``: the draft length
+    varies per step (adaptive_speculation)."""
     d = make_tiny_model(
         tmp_path_factory.mktemp("v8"),
         smollm2_tokenizer,
@@ -208,7 +220,10 @@ def test_sampling_lossless_chi_square(tmp_path_factory, smollm2_tokenizer, tempe
             SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True, seed=s) for s in range(n)
         ]
     runs = []
-    for kw in ({}, {"assistant": asst, "num_steps": 2, "overlap_schedule": overlap}):
+    for kw in (
+        {},
+        {"assistant": asst, "num_steps": 2, "overlap_schedule": overlap, "adaptive_speculation": adaptive},
+    ):
         llm = LLM(str(d), dtype="float32", device="cpu", max_model_len=16, max_num_seqs=256, seed=3, **kw)
         outs = llm.generate([[3, 1, 4]] * n, sp, use_tqdm=False)
         runs.append([tuple(o["token_ids"][1:]) for o in outs])

@@ -76,7 +76,7 @@ def run_draft(assistant, seed: DraftInput, block_table, seq_lens, num_steps: int
     pos = (seq_lens.long() + position_offset).clamp(min=0)
     tok = seed.bonus_tokens
     h = seed.hidden
-    if k == 1:
+    if k == 1 or num_steps == 0:  # a chain (no draft at all for 0 steps)
         drafts = []
         with attn_metadata(AttnMetadata.draft(block_table, seq_lens, num_splits=num_splits)):
             for _ in range(num_steps):

@@ -32,6 +32,7 @@ from ..kv_cache import block_table_tensor, slot_mapping
 from ..models.gemma4_assistant import Gemma4Assistant
 from ..scheduler import StepOutput
 from .draft import run_draft
+from .policy import DraftLength, StepTimer
 from .state import DraftInput
 from .verify import accept_greedy, accept_sampling, compact_accepted_kv, emitted_tokens
 
@@ -77,6 +78,9 @@ class FrozenKVMTPWorker:
         self.draft_inputs = DraftInput.idle(target.config.hidden_size, device, dtype)
         self.kv_pools = None
         self.graphs = None
+        # chains can stop after any step; a tree of N nodes needs all its steps
+        lengths = list(range(self.num_steps + 1)) if self.topk == 1 else [0, self.num_steps]
+        self.policy = DraftLength(lengths, config.adaptive_speculation)
 
     # ---- 2, 3: bind after allocation -----------------------------------------------------------------------
     def bind(self, kv_pools: list[torch.Tensor]) -> None:
@@ -107,24 +111,37 @@ class FrozenKVMTPWorker:
         is read."""
         if not reqs:  # DESIGN §4 rule 4
             return StepOutput(torch.zeros(0, 2, dtype=torch.long), speculative=True)
+        s, estimate = self.policy.choose(len(reqs))
+        timer = StepTimer(self.sampler.device)
         inp = self._inputs_for(reqs)
         L = inp.seq_lens
         bt = block_table_tensor(reqs, inp.hidden.device)
         bound = max(r.num_computed + r.num_inflight * self.num_draft_tokens for r in reqs)
         inputs = {"bonus": inp.bonus_tokens, "hidden": inp.hidden, "block_table": bt, "L": L}
-        phase = "mtp"
+        phase = f"mtp:{s}"
         # a sampled batch: its own graphs, noise drawn on the host side
         if not all(r.params.greedy for r in reqs):
             temperature, top_k, top_p = self.sampler.tensors(reqs)
             noise = self.sampler.noise(reqs, self.noise_width)
             inputs.update(temperature=temperature, top_k=top_k, top_p=top_p, noise=noise)
-            phase = "mtp_sampled"
-        tree_tokens, out, acc, bonus, hidden = self.graphs.run(phase, inputs, num_kv_splits(bound), reqs=reqs)
+            phase = f"mtp_sampled:{s}"
+        tree_tokens, out, acc, bonus, hidden = self.graphs.run(phase, inputs, num_kv_splits(bound), reqs=reqs,
+                                                               num_steps=s)
+        # a step that drafts nothing (s = 0) verifies the bonus token alone: the draft input stays fresh
         self.draft_inputs = self.draft_inputs.merge(DraftInput(inp.req_ids, bonus, hidden, L + acc.int()))
-        result = StepOutput(torch.cat([acc[:, None], out], 1), speculative=True)
+        result = StepOutput(torch.cat([acc[:, None], out], 1), speculative=s > 0, draft_len=s,
+                            timer=timer.stop())
         if self.trace is not None:
+            fields = {"s": s, "batch": len(reqs), "expected_accept": round(self.policy.expected_accept(s), 3),
+                      "tok_per_s": None if estimate is None else round(estimate, 1)}
+            self.trace("draft_len", fields)
             self._trace_step(reqs, L.tolist(), tree_tokens.tolist(), result)
         return result
+
+    def observe(self, out: StepOutput) -> None:
+        """A committed step's accept lengths and measured time, for the draft-length policy."""
+        if out.timer is not None:
+            self.policy.observe(out.draft_len, len(out.accept_lens), out.accept_lens, out.timer.seconds())
 
     @property
     def noise_width(self) -> int:
@@ -138,16 +155,23 @@ class FrozenKVMTPWorker:
             raise RuntimeError("a decode request has no draft input")
         return inp
 
-    def draft(self, reqs, block_table, seq_lens, num_splits=None):
-        """The draft tree of ``reqs`` from their draft inputs (reads KV rows [0, L), writes nothing)."""
-        return run_draft(self.assistant, self._inputs_for(reqs), block_table, seq_lens, self.num_steps,
-                         self.topk, self.num_draft_tokens, self.position_offset, num_splits)
+    def draft(self, reqs, block_table, seq_lens, num_splits=None, num_steps=None):
+        """The draft tree of ``reqs`` from their draft inputs (reads KV rows [0, L), writes nothing):
+        ``num_steps`` (default: all) steps."""
+        s = self.num_steps if num_steps is None else num_steps
+        return run_draft(self.assistant, self._inputs_for(reqs), block_table, seq_lens, s, self.topk,
+                         self._num_nodes(s), self.position_offset, num_splits)
 
-    def verify(self, tree, block_table, L, sampling=None):
+    def _num_nodes(self, s: int) -> int:
+        """Tree nodes verified per request when drafting s steps (a shorter draft is a chain)."""
+        return self.num_draft_tokens if s == self.num_steps else s + 1
+
+    def verify(self, tree, block_table, L, sampling=None, num_steps=None):
         """Target forward over the tree (K/V written to rows [L, L+N)), accept, compact, next seed hidden.
 
         Pure tensor code with no host sync (graph-capturable): slots come from the block table on device.
-        ``sampling`` = (temperature, top_k, top_p [B], noise [B, V + S*k]) or None for greedy.
+        ``sampling`` = (temperature, top_k, top_p [B], noise [B, V + S*k]) or None for greedy; ``num_steps``:
+        the tree's depth (default: all steps).
         Returns (emitted [B, S+1] tokens padded with -1, accept_len [B], bonus [B], next seed hidden [B, Hb]).
         """
         B, N = tree.tokens.shape
@@ -159,38 +183,42 @@ class FrozenKVMTPWorker:
         with attn_metadata(md):
             hidden = self.target(tree.tokens.flatten(), (L.long()[:, None] + tree.depth).flatten())
         logits = self.target.compute_logits(hidden).view(B, N, -1)
+        s = self.num_steps if num_steps is None else num_steps
         if sampling is None:
-            path, acc, bonus = accept_greedy(tree, logits.argmax(-1), self.num_steps)
+            path, acc, bonus = accept_greedy(tree, logits.argmax(-1), s)
         else:
             V = logits.shape[-1]
             t, k, p, u = sampling
             probs = filtered_probs(logits.view(B * N, V), *(x.repeat_interleave(N) for x in (t, k, p)))
-            path, acc, bonus = accept_sampling(tree, probs.view(B, N, V),
-                                               u[:, V:].view(B, self.num_steps, -1), u[:, :V], self.num_steps)
+            u_accept = u[:, V:V + s * self.topk].view(B, s, self.topk)
+            path, acc, bonus = accept_sampling(tree, probs.view(B, N, V), u_accept, u[:, :V], s)
         if not tree.is_chain:
             compact_accepted_kv(self.kv_pools, block_table, L, path, acc, self.page_size)
         last = path.gather(1, (acc - 1)[:, None]).squeeze(1)
         seed_hidden = hidden.view(B, N, -1)[torch.arange(B, device=dev), last]
         return emitted_tokens(tree, path, acc, bonus), acc, bonus, seed_hidden
 
-    def draft_verify(self, bonus, hidden, block_table, L, num_splits=None, reqs=None, sampling=None):
-        """One whole speculative step from draft-input tensors (bonus [B], hidden [B, Hb]): the ``mtp`` phase
-        a CUDA graph captures. Eager calls pass ``reqs`` so that ``draft`` sees the requests. ``sampling`` =
-        (temperature, top_k, top_p [B], noise [B, noise_width]) or None (greedy).
-        Returns (tree tokens [B, N], emitted, accept_len, bonus, next seed hidden)."""
+    def draft_verify(self, bonus, hidden, block_table, L, num_splits=None, reqs=None, sampling=None,
+                     num_steps=None):
+        """One whole speculative step of ``num_steps`` draft steps (default: all) from draft-input tensors
+        (bonus [B], hidden [B, Hb]): the ``mtp:{s}`` phase a CUDA graph captures. Eager calls pass ``reqs`` so
+        that ``draft`` sees the requests. ``sampling`` = (temperature, top_k, top_p [B], noise [B,
+        noise_width]) or None (greedy). Returns (tree tokens [B, N], emitted, accept_len, bonus, next seed
+        hidden)."""
+        s = self.num_steps if num_steps is None else num_steps
         if reqs is None:
-            tree = run_draft(self.assistant, DraftInput([], bonus, hidden), block_table, L, self.num_steps,
-                             self.topk, self.num_draft_tokens, self.position_offset, num_splits)
+            tree = run_draft(self.assistant, DraftInput([], bonus, hidden), block_table, L, s, self.topk,
+                             self._num_nodes(s), self.position_offset, num_splits)
         else:
-            tree = self.draft(reqs, block_table, L, num_splits)
-        return (tree.tokens, *self.verify(tree, block_table, L, sampling))
+            tree = self.draft(reqs, block_table, L, num_splits, s)
+        return (tree.tokens, *self.verify(tree, block_table, L, sampling, s))
 
     def draft_verify_sampled(self, bonus, hidden, block_table, L, temperature, top_k, top_p, noise,
-                             num_splits=None, reqs=None):
-        """The ``mtp_sampled`` phase: ``draft_verify`` of a batch with sampled rows, its sampling tensors
-        static graph inputs like the rest."""
+                             num_splits=None, reqs=None, num_steps=None):
+        """The ``mtp_sampled:{s}`` phase: ``draft_verify`` of a batch with sampled rows, its sampling
+        tensors static graph inputs like the rest."""
         return self.draft_verify(bonus, hidden, block_table, L, num_splits, reqs,
-                                 (temperature, top_k, top_p, noise))
+                                 (temperature, top_k, top_p, noise), num_steps)
 
     def _trace_step(self, reqs, lens, tree_tokens, result) -> None:
         for r, L, toks, emitted in zip(reqs, lens, tree_tokens, result.tokens):

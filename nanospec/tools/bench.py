@@ -50,7 +50,7 @@ from ..mtp.worker import DEFAULT_ASSISTANT
 from .cli import HelpFormatter, number
 
 ENGINE = "dtype device max_model_len max_num_seqs max_num_batched_tokens enforce_eager seed".split()
-SPEC = ["num_steps", "topk", "num_draft_tokens"]
+SPEC = ["num_steps", "topk", "num_draft_tokens", "adaptive_speculation"]
 INT_OPTIONS = """max-model-len=4096 max-num-seqs=256 max-num-batched-tokens=8192 max-input-len=1024
     max-output-len=1024 prefix-len=512 stall-len=2000"""  # bench.py's int options >= 1 and their defaults
 
@@ -200,6 +200,7 @@ def measure(args, model_dir, assistant, prompts, params, label="", phases=False,
     warm = prompts[:1] if args.workload == "shared-prefix" else ["Benchmark: "]
     llm.generate(warm, SamplingParams(**warmup), use_tqdm=False)
     device, cfg, gap = llm.runner.device, llm.config, None
+    counts = dict(llm.worker.policy.counts) if llm.worker else {}
     sync(device)
     t0 = time.perf_counter()
     if args.workload == "stall":
@@ -217,6 +218,9 @@ def measure(args, model_dir, assistant, prompts, params, label="", phases=False,
     res.update(mean_accept_length=acc[0], per_position_acceptance=acc[1], num_verify_steps=acc[2])
     res.update(assistant=assistant and args.assistant, eos_token_ids=sorted(llm.eos_token_ids))
     res.update(cached_tokens=sum(o["num_cached_tokens"] for o in outputs))
+    if llm.worker:  # steps that drafted s tokens, per s (0: plain decode steps)
+        now = sorted(llm.worker.policy.counts.items())
+        res["draft_len_counts"] = {str(s): n - counts.get(s, 0) for s, n in now}
     if phases:
         logs = {name: [] for name in ("draft", "verify", "step", "decode")}
         for name, log in logs.items():
@@ -290,6 +294,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--assistant", default="auto", help="DIR | default | random | none | auto (default if one is shipped)")
     for name in ("--num-steps", "--topk", "--num-draft-tokens"):
         a(name, type=number(int, 1))
+    a("--adaptive-speculation", action=argparse.BooleanOptionalAction, default=True, help="s per step")
     a("--compare", choices=["enable_prefix_caching", "overlap_schedule", "assistant"], help="on vs off")
     a("--compare-spec", dest="compare", action="store_const", const="assistant", help="--compare assistant")
     a("--compare-hf", action="store_true", help="also run HF transformers on the same workload")
@@ -335,6 +340,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
             figs = {k: on[k] for k in ("mean_accept_length", "draft_ms", "verify_ms", "step_ms")}
             figs["plain_decode_ms"] = off["decode_ms"]
             print(", ".join(f"{k} {v:.3f}" for k, v in figs.items() if v is not None))
+            print(f"steps per draft length s: {on['draft_len_counts']}")
     else:
         res.update(measure(args, model_dir, assistant, prompts, params))
     if args.compare_hf:

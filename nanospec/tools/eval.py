@@ -54,7 +54,8 @@ def measure(model, assistant, prompts, S, k, temperature, max_tokens, tree_token
     from .. import LLM, SamplingParams
 
     n = None if k == 1 else max(2, min(1 + S * k, tree_tokens or 1 + 2 * S))
-    llm = LLM(model, assistant=assistant, num_steps=S, topk=k, num_draft_tokens=n, **engine)
+    llm = LLM(model, assistant=assistant, num_steps=S, topk=k, num_draft_tokens=n, adaptive_speculation=False,
+              **engine)
     sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
     acc, t0, ntok = [], time.perf_counter(), 0
     for i in range(0, len(prompts), batch):

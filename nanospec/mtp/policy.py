@@ -1,0 +1,92 @@
+"""Adaptive draft length (DESIGN §3, "Draft length"): each speculative step the worker asks ``DraftLength``
+for the number of draft steps s in 0..num_steps (0: a plain decode step through the verify path) that
+maximises expected committed tokens per second, E(s) / cost(s, B), from the acceptance and step times it
+has measured."""
+import time
+from collections import Counter
+
+import torch
+
+
+class StepTimer:
+    """The duration of one launched step, read after its results reached the host: CUDA events on CUDA (no
+    extra sync: the step's host copy has already waited for it), the host clock elsewhere (the CPU runs the
+    step inside its launch)."""
+
+    def __init__(self, device: torch.device):
+        self.events = device.type == "cuda"
+        self.start = torch.cuda.Event(enable_timing=True) if self.events else time.perf_counter()
+        if self.events:
+            self.start.record()
+
+    def stop(self) -> "StepTimer":
+        self.end = torch.cuda.Event(enable_timing=True) if self.events else time.perf_counter()
+        if self.events:
+            self.end.record()
+        return self
+
+    def seconds(self) -> float:
+        if not self.events:
+            return self.end - self.start
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / 1e3
+
+
+class DraftLength:
+    """Chooses s per step from ``candidates`` (0..num_steps for chains; 0 and num_steps for trees).
+
+    E(s) = 1 + sum_{i<=s} prod_{j<=i} a_j, where a_j is the running rate at which a draft at position j is
+    accepted when reached (counts decayed by ``decay`` per observed step, prior 1/2); cost(s, B) is the
+    running mean (weight ``alpha``) of measured step seconds at that s and batch-size bucket (powers of two).
+    Warm-up: a bucket first tries every candidate once, largest first. Probing: every ``probe_every``-th step
+    of a bucket runs its least recently measured candidate, so a change in the text or in costs is noticed.
+    ``adaptive=False``: always num_steps. ``counts``: steps per s.
+    """
+
+    def __init__(self, candidates: list[int], adaptive: bool = True, decay: float = 0.95, alpha: float = 0.3,
+                 probe_every: int = 16):
+        self.candidates = candidates
+        self.adaptive = adaptive
+        self.decay = decay
+        self.alpha = alpha
+        self.probe_every = probe_every
+        self.hits = [0.0] * (max(candidates) + 1)
+        self.tries = [0.0] * (max(candidates) + 1)
+        self.cost: dict[tuple[int, int], float] = {}
+        self.measured_at: dict[tuple[int, int], int] = {}
+        self.steps: Counter = Counter()  # steps chosen per bucket
+        self.counts: Counter = Counter()
+
+    def expected_accept(self, s: int) -> float:
+        """E(s): expected tokens committed per request by a step drafting s tokens."""
+        e = p = 1.0
+        for j in range(1, s + 1):
+            p *= (self.hits[j] + 0.5) / (self.tries[j] + 1.0)
+            e += p
+        return e
+
+    def choose(self, batch_size: int) -> tuple[int, float | None]:
+        """(s, estimated tokens per second per request, None while warming up or probing)."""
+        b = 1 << (batch_size - 1).bit_length()
+        self.steps[b] += 1
+        todo = [s for s in self.candidates if (s, b) not in self.cost]
+        if not self.adaptive or todo:
+            s = self.candidates[-1] if not self.adaptive else todo[-1]
+        elif self.steps[b] % self.probe_every == 0:
+            s = min(self.candidates, key=lambda c: self.measured_at[c, b])
+        else:
+            s = max(self.candidates, key=lambda c: self.expected_accept(c) / self.cost[c, b])
+            self.counts[s] += 1
+            return s, self.expected_accept(s) / self.cost[s, b]
+        self.counts[s] += 1
+        return s, None
+
+    def observe(self, s: int, batch_size: int, accept_lens: list[int], seconds: float) -> None:
+        """Book a committed step: its draft length, batch size, accept lengths and measured seconds."""
+        key = (s, 1 << (batch_size - 1).bit_length())
+        old = self.cost.get(key, seconds)
+        self.cost[key] = old + self.alpha * (seconds - old)
+        self.measured_at[key] = self.steps[key[1]]
+        for j in range(1, s + 1):
+            self.tries[j] = self.decay * self.tries[j] + sum(a >= j for a in accept_lens)
+            self.hits[j] = self.decay * self.hits[j] + sum(a > j for a in accept_lens)
