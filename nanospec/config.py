@@ -1,4 +1,5 @@
 """Engine options and their validation: every user option is checked here, before any work starts."""
+import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -27,6 +28,8 @@ class EngineConfig:
     topk >= 1 branches per step; num_draft_tokens N (tokens verified per request, root included) defaults to
     num_steps + 1 for topk 1 and must be given for topk > 1, with 2 <= N <= 1 + num_steps * topk;
     draft_position_offset: RoPE position of every draft step is L + offset (-1 follows SGLang, 0 follows HF).
+    tensor_parallel_size: ranks the target and the drafter are split across (one process and device each;
+    DESIGN §9); at most the visible GPUs on CUDA, and it must split the heads (``parallel.check_sizes``).
     trace: None | True (print the Frozen-KV MTP lifecycle events per engine step) | a callable
     ``(step, event, fields)`` receiving them; needs an assistant.
     Raises ValueError / TypeError naming the field and the allowed range.
@@ -52,12 +55,13 @@ class EngineConfig:
     topk: int | None = None
     num_draft_tokens: int | None = None
     draft_position_offset: int = -1
+    tensor_parallel_size: int = 1
     trace: object = None
 
     def __post_init__(self):
         for name, lo in (("max_model_len", 2), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
                          ("page_size", 1), ("seed", 0), ("num_kv_blocks", 2), ("num_steps", 1), ("topk", 1),
-                         ("num_draft_tokens", 2), ("draft_position_offset", -1)):
+                         ("num_draft_tokens", 2), ("draft_position_offset", -1), ("tensor_parallel_size", 1)):
             v = getattr(self, name)
             if v is None and name in ("num_kv_blocks", "num_steps", "topk", "num_draft_tokens"):
                 continue
@@ -87,6 +91,10 @@ class EngineConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but torch sees no CUDA device; "
                              "use device='cpu' or 'auto'")
+        gpus = torch.cuda.device_count() if self.torch_device().type == "cuda" else self.tensor_parallel_size
+        if self.tensor_parallel_size > gpus and "WORLD_SIZE" not in os.environ:  # torchrun: ranks on machines
+            raise ValueError(f"tensor_parallel_size must be in [1, {gpus}] (the visible GPUs), "
+                             f"got {self.tensor_parallel_size}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -1,10 +1,12 @@
 """LLM: the user-facing engine (vLLM / nano-vllm style): add_request / step / generate."""
 import time
+from functools import partial
+from operator import attrgetter
 
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from . import cpu, loader
+from . import cpu, loader, parallel
 from .config import EngineConfig
 from .model_runner import ModelRunner
 from .models.assistant_io import read_config
@@ -53,10 +55,21 @@ class LLM:
         self.tokenizer = loader.load_tokenizer(model_dir)
         self.eos_token_ids = _eos_ids(model_dir, hf_config, self.tokenizer)
         # DESIGN §4 rule 2: check every option, then construct, then allocate, then bind
-        assistant = None
+        assistant = assistant_config = None
         if c.speculative:  # a bad or mismatched assistant fails from the configs, before any weights load
             assistant = resolve_assistant(c.assistant, loader.is_default_target(hf_config, self.tokenizer))
-            check_assistant_config(read_config(assistant), hf_config)
+            check_assistant_config(assistant_config := read_config(assistant), hf_config)
+        parallel.check_sizes(c.tensor_parallel_size, hf_config, assistant_config)
+        parallel.start(c, str(model_dir), kwargs)
+        try:
+            self._build(c, hf_config, model_dir, assistant)
+        except BaseException:
+            self.close()
+            raise
+        if parallel.rank > 0:  # a rank of a tensor-parallel engine: rank 0's calls, then exit
+            self._serve()
+
+    def _build(self, c, hf_config, model_dir, assistant) -> None:
         self.runner = ModelRunner(c, hf_config, model_dir)
         self.worker = None
         self.num_steps_run = 0
@@ -73,7 +86,8 @@ class LLM:
         graphs = self.runner.capture_graphs(self.worker)
         if self.worker is not None:
             self.worker.set_graphs(graphs)
-        release = self.worker.on_release if self.worker is not None else self.runner.on_release
+        self.owner = self.worker if self.worker is not None else self.runner  # the keeper of the next inputs
+        release = lambda reqs, reason: self._call("owner.on_release", reqs, reason)  # noqa: E731
         self.scheduler = Scheduler(c, allocator, self.runner.lookahead, on_release=release)
         on_cuda = self.runner.device.type == "cuda"
         self.overlap = c.overlap_schedule if c.overlap_schedule is not None else on_cuda
@@ -129,7 +143,7 @@ class LLM:
         launched = None
         if batch is not None:
             self.num_steps_run += 1
-            launched = (batch, self._launch(batch))
+            launched = (batch, self._call("_launch", batch))
             self.scheduler.on_launch(batch)
         finished = []
         if self._inflight is not None:
@@ -142,13 +156,53 @@ class LLM:
 
     def _launch(self, batch):
         """Queue a step's device work (no host sync): prefill, or one decode / speculative step."""
-        owner = self.worker if self.worker is not None else self.runner  # the keeper of the next inputs
         if batch.kind == "prefill":
             out = self.runner.prefill(batch)
             if out.done:
-                owner.on_prefill_done(out.done, out.bonus, out.hidden)
+                self.owner.on_prefill_done(out.done, out.bonus, out.hidden)
             return out
-        return owner.step(batch.reqs) if self.worker is not None else self.runner.decode(batch.reqs)
+        return self.owner.step(batch.reqs) if self.worker is not None else self.runner.decode(batch.reqs)
+
+    # ---- tensor parallelism (nanospec/parallel.py): rank 0 sends each call, every rank runs it ------------
+    def _call(self, name, *args):
+        """Run method ``name`` (a dotted path from the LLM) or ``fn(llm, ...)`` on every rank, rank 0 first
+        sending it; a rank's death becomes a RuntimeError naming it (``parallel.raise_if_dead``)."""
+        try:
+            if parallel.size > 1:
+                parallel.send((name, args))
+            return self._run(name, args)
+        except Exception:
+            parallel.raise_if_dead()
+            raise
+
+    def _run(self, name, args):
+        return (attrgetter(name)(self) if isinstance(name, str) else partial(name, self))(*args)
+
+    def collective_rpc(self, fn, *args) -> list:
+        """``fn(llm, *args)`` on every rank (``fn`` picklable: a module-level function); the results in rank
+        order."""
+        out = self._call(fn, *args)
+        return parallel.gather_objects(out) if parallel.size > 1 else [out]
+
+    def _serve(self) -> None:
+        """Ranks > 0: run rank 0's calls in its order until it closes (a None message), then exit."""
+        while (msg := parallel.recv()) is not None:
+            out = self._run(*msg)
+            if not isinstance(msg[0], str):
+                parallel.gather_objects(out)
+        parallel.close()
+        raise SystemExit(0)
+
+    def close(self) -> None:
+        """Release the tensor-parallel ranks (idempotent; also run at interpreter exit)."""
+        if self.config.tensor_parallel_size > 1:
+            parallel.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _commit(self, batch, out) -> list[Request]:
         accept = out.accept_lens if batch.kind == "decode" and out.speculative else None

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import loader
+from . import loader, parallel
 from .config import EngineConfig
 from .context import AttnMetadata, attn_metadata
 from .cuda_graph import GraphRunner, graph_batch_sizes
@@ -109,6 +109,7 @@ class ModelRunner:
             n = min(int(budget // per_block), c.max_num_seqs * per_req + 1)
         else:
             n = min(int(c.cpu_kv_cache_gb * 2**30 // per_block), c.max_num_seqs * per_req + 1)
+        n = parallel.agreed_min(n)  # every rank's pool has as many blocks (the block tables are shared)
         if n - 1 < per_req:
             raise ValueError(f"the KV budget holds {max(n - 1, 0)} blocks of {c.page_size} tokens, but one "
                              f"request of max_model_len={c.max_model_len} needs {per_req}: lower "
@@ -250,6 +251,7 @@ class ModelRunner:
         if new:
             reqs = [batch.reqs[i] for i in new]
             sampled = self.sampler.sample(reqs, self.model.compute_logits(hidden[[last[i] for i in new]]))
+            parallel.agree(sampled)  # rank 0's tokens (DESIGN §4 rule 7)
             bonus[[done.index(i) for i in new]] = sampled
         return PrefillOutput(len(batch.reqs), done, new, [batch.reqs[i] for i in done], bonus,
                              hidden[[last[i] for i in done]])
@@ -280,6 +282,7 @@ class ModelRunner:
         inputs = {"ids": inp.bonus_tokens, "pos": pos, "slots": slots, "block_table": bt,
                   "seq_lens": inp.seq_lens + 1}
         toks = self.sampler.sample(reqs, self.graphs.run("decode", inputs, num_kv_splits(bound)))
+        parallel.agree(toks)
         nxt = DraftInput(inp.req_ids, toks, inp.hidden, inp.seq_lens + 1)
         self.decode_inputs = self.decode_inputs.merge(nxt)
         return StepOutput(torch.stack([torch.ones_like(toks), toks], 1))

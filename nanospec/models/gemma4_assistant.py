@@ -28,14 +28,15 @@ mass per cluster and the softmax of ``masked_embedding.centroids(hn)``; the cand
 passes no gradient.
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .. import parallel
 from ..context import get_attn_metadata
 from ..kernels.activation import gelu_and_mul, silu_and_mul
 from ..kernels.attention import draft_attention
 from ..kernels.centroid import centroid_logits
 from ..kernels.rope import apply_rope, rope_cos_sin
+from ..parallel import ColumnLinear, Linear, RowLinear, linear
 from . import assistant_io
 from .llama import RMSNorm
 
@@ -52,12 +53,14 @@ class QOnlyAttention(nn.Module):
 
     def __init__(self, tc, layer_idx: int):
         super().__init__()
-        self.num_heads, self.head_dim = tc.num_attention_heads, tc.per_layer_config[layer_idx].head_dim
+        self.head_dim = d = tc.per_layer_config[layer_idx].head_dim
         self.layer_type = tc.layer_types[layer_idx]
         bias = bool(getattr(tc, "attention_bias", False))
-        self.q_proj = nn.Linear(tc.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        # the heads split like the KV heads of the target layer read: a contiguous span matches them
+        self.q_proj = ColumnLinear(tc.hidden_size, [(tc.num_attention_heads, d)], bias)
+        self.num_heads = self.q_proj.shard_sizes[0] // d
         self.q_norm = Gemma4RMSNorm(self.head_dim, tc.rms_norm_eps)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, tc.hidden_size, bias=bias)
+        self.o_proj = RowLinear(tc.num_attention_heads, d, tc.hidden_size, bias)
 
     def forward(self, x, positions, cos_sin, attn):
         R = x.shape[0]
@@ -70,9 +73,9 @@ class MLP(nn.Module):
     def __init__(self, tc):
         super().__init__()
         i = tc.intermediate_size
-        self.gate_up_proj = nn.Linear(tc.hidden_size, 2 * i, bias=False)  # packed gate_proj | up_proj
+        self.gate_up_proj = Linear(tc.hidden_size, 2 * i, bias=False)  # packed gate_proj | up_proj
         self.gate_up_proj.shard_sizes = [i, i]
-        self.down_proj = nn.Linear(i, tc.hidden_size, bias=False)
+        self.down_proj = Linear(i, tc.hidden_size, bias=False)
         self.act_and_mul = _ACTS[tc.hidden_activation]
 
     def forward(self, x):
@@ -108,7 +111,7 @@ class MaskedEmbedding(nn.Module):
     def __init__(self, config):
         super().__init__()
         tc = config.get_text_config()
-        self.centroids = nn.Linear(tc.hidden_size, config.num_centroids, bias=False)
+        self.centroids = Linear(tc.hidden_size, config.num_centroids, bias=False)
         self.register_buffer("token_ordering", torch.arange(tc.vocab_size))
 
 
@@ -238,11 +241,11 @@ class Gemma4Assistant(nn.Module):
         self.vocab_size, self.hidden_size = tc.vocab_size, tc.hidden_size
         self.backbone_hidden_size = config.backbone_hidden_size
         self.use_target_lm_head = bool(getattr(config, "use_target_lm_head", False))
-        self.pre_projection = nn.Linear(2 * self.backbone_hidden_size, self.hidden_size, bias=False)
-        self.post_projection = nn.Linear(self.hidden_size, self.backbone_hidden_size, bias=False)
+        self.pre_projection = Linear(2 * self.backbone_hidden_size, self.hidden_size, bias=False)
+        self.post_projection = Linear(self.hidden_size, self.backbone_hidden_size, bias=False)
         self.model = Gemma4Model(tc)
         own_head = not self.use_target_lm_head
-        self.lm_head = nn.Linear(self.hidden_size, self.vocab_size, bias=False) if own_head else None
+        self.lm_head = Linear(self.hidden_size, self.vocab_size, bias=False) if own_head else None
         ordered = getattr(config, "use_ordered_embeddings", False)
         self.masked_embedding = MaskedEmbedding(config) if ordered else None
         if ordered and own_head:  # rows gathered per cluster, never multiplied whole: they stay row-major
@@ -326,8 +329,10 @@ class Gemma4Assistant(nn.Module):
                                "first)")
         self._embed = target.embed
         self._rope = ropes
-        # detached: a Parameter assigned here would register as the assistant's own (trained, saved) weight
-        self._target_lm_head = target.lm_head_weight.detach() if self.lm_head is None else None
+        # detached: a Parameter assigned here would register as the assistant's own (trained, saved) weight;
+        # a vocabulary-parallel target head is gathered whole once (the drafter's head is replicated)
+        head = None if self.lm_head is not None else target.lm_head_weight.detach()
+        self._target_lm_head = None if head is None else parallel.gather(head)
         self._gather_target_rows()
         if not kv:
             return
@@ -393,7 +398,7 @@ class Gemma4Assistant(nn.Module):
         me = self.masked_embedding
         head = self.lm_head.weight if self.lm_head is not None else self._target_lm_head
         head = head if vocab is None else head[vocab]
-        logits = F.linear(hn, head.to(self.pre_projection.weight.dtype)).float()
+        logits = linear(hn, head.to(self.pre_projection.weight.dtype)).float()
         if me is not None and self.lm_head is not None:
             logits = torch.zeros_like(logits).index_copy(1, me.token_ordering, logits)
         return logits

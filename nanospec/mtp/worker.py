@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from .. import parallel
 from ..context import AttnMetadata, attn_metadata
 from ..kernels.attention import num_kv_splits
 from ..kernels.sampling import filtered_probs
@@ -152,6 +153,7 @@ class FrozenKVMTPWorker:
         """
         B, N = tree.tokens.shape
         dev = tree.tokens.device
+        parallel.agree(tree.tokens, *(() if tree.is_chain else (tree.parents, tree.depth, tree.tree_mask)))
         rows = torch.arange(B, device=dev)[:, None]
         slots = slot_mapping(block_table, rows, L.long()[:, None] + torch.arange(N, device=dev),
                              self.page_size)
@@ -167,6 +169,7 @@ class FrozenKVMTPWorker:
             probs = filtered_probs(logits.view(B * N, V), *(x.repeat_interleave(N) for x in (t, k, p)))
             path, acc, bonus = accept_sampling(tree, probs.view(B, N, V),
                                                u[:, V:].view(B, self.num_steps, -1), u[:, :V], self.num_steps)
+        parallel.agree(path, acc, bonus)  # rank 0's walk (tensor parallelism: DESIGN §4 rule 7)
         if not tree.is_chain:
             compact_accepted_kv(self.kv_pools, block_table, L, path, acc, self.page_size)
         last = path.gather(1, (acc - 1)[:, None]).squeeze(1)
