@@ -1,4 +1,5 @@
 """LLM: the user-facing engine (vLLM / nano-vllm style): add_request / step / generate."""
+import os
 import time
 from functools import partial
 from operator import attrgetter
@@ -191,7 +192,7 @@ class LLM:
             if not isinstance(msg[0], str):
                 parallel.gather_objects(out)
         parallel.close()
-        raise SystemExit(0)
+        os._exit(0)  # nothing of this rank outlives the group: skip the interpreter teardown
 
     def close(self) -> None:
         """Release the tensor-parallel ranks (idempotent; also run at interpreter exit)."""

@@ -35,3 +35,23 @@ def chat_texts(tokenizer, questions):
     """Each question as a one-turn chat prompt (text, generation prompt added) in the tokenizer's template."""
     chat = dict(tokenize=False, add_generation_prompt=True)
     return [tokenizer.apply_chat_template([{"role": "user", "content": q}], **chat) for q in questions]
+
+
+def next_inputs(llm):
+    """``LLM.collective_rpc`` probe: this rank's next-step inputs (request ids, bonus tokens, committed
+    lengths, seed hiddens of the draft inputs, or the plain-decode rows) and its KV pool's block count."""
+    inp = llm.worker.draft_inputs if llm.worker is not None else llm.runner.decode_inputs
+    return (
+        inp.req_ids,
+        inp.bonus_tokens.tolist(),
+        inp.seq_lens.tolist(),
+        inp.hidden.tolist(),
+        [p.shape[2] for p in llm.runner.kv_pools],
+    )
+
+
+def rank_min(llm):
+    """``LLM.collective_rpc`` probe: ``parallel.agreed_min`` of a value that differs per rank."""
+    from nanospec import parallel
+
+    return parallel.agreed_min(100 - parallel.rank)
