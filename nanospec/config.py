@@ -1,5 +1,4 @@
 """Engine options and their validation: every user option is checked here, before any work starts."""
-import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -29,7 +28,8 @@ class EngineConfig:
     num_steps + 1 for topk 1 and must be given for topk > 1, with 2 <= N <= 1 + num_steps * topk;
     draft_position_offset: RoPE position of every draft step is L + offset (-1 follows SGLang, 0 follows HF).
     tensor_parallel_size: ranks the target and the drafter are split across (one process and device each;
-    DESIGN §9); at most the visible GPUs on CUDA, and it must split the heads (``parallel.check_sizes``).
+    DESIGN §9); at most the visible GPUs on CUDA, and it must split the heads (``parallel.check_sizes``, run
+    by ``LLM`` before any process starts).
     trace: None | True (print the Frozen-KV MTP lifecycle events per engine step) | a callable
     ``(step, event, fields)`` receiving them; needs an assistant.
     Raises ValueError / TypeError naming the field and the allowed range.
@@ -91,10 +91,6 @@ class EngineConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but torch sees no CUDA device; "
                              "use device='cpu' or 'auto'")
-        gpus = torch.cuda.device_count() if self.torch_device().type == "cuda" else self.tensor_parallel_size
-        if self.tensor_parallel_size > gpus and "WORLD_SIZE" not in os.environ:  # torchrun: ranks on machines
-            raise ValueError(f"tensor_parallel_size must be in [1, {gpus}] (the visible GPUs), "
-                             f"got {self.tensor_parallel_size}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -105,8 +101,7 @@ class EngineConfig:
             given = [n for n in ("num_steps", "topk", "num_draft_tokens") if getattr(self, n) is not None]
             if given:
                 raise ValueError(f"options {', '.join(given)} only apply to speculative decoding: "
-                                 "pass assistant=DIR or "
-                                 f"'default', or drop them")
+                                 "pass assistant=DIR or 'default', or drop them")
             return
         if self.num_steps is None:  # per device, measured (README, "Where speculation pays")
             self.num_steps = 1 if self.torch_device().type == "cpu" else 5
@@ -121,8 +116,7 @@ class EngineConfig:
             raise ValueError(f"num_draft_tokens must be in [2, {hi}] (1 + num_steps * topk), "
                              f"got {self.num_draft_tokens}")
         if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1:
-            raise ValueError("with topk=1, num_draft_tokens must equal num_steps + 1 = "
-                             f"{self.num_steps + 1}, "
+            raise ValueError(f"with topk=1, num_draft_tokens must be num_steps + 1 = {self.num_steps + 1}, "
                              f"got {self.num_draft_tokens}")
 
     @classmethod

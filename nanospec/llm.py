@@ -1,7 +1,6 @@
 """LLM: the user-facing engine (vLLM / nano-vllm style): add_request / step / generate."""
 import os
 import time
-from functools import partial
 from operator import attrgetter
 
 from tqdm.auto import tqdm
@@ -30,11 +29,8 @@ def _eos_ids(model_dir, hf_config, tokenizer) -> set[int]:
     except OSError:
         gen = None
     ids = set()
-    for src in (hf_config, gen):
-        e = getattr(src, "eos_token_id", None)
+    for e in (getattr(src, "eos_token_id", None) for src in (hf_config, gen, tokenizer)):
         ids |= set(e if isinstance(e, (list, tuple)) else [] if e is None else [e])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
     return ids
 
 
@@ -60,9 +56,9 @@ class LLM:
         if c.speculative:  # a bad or mismatched assistant fails from the configs, before any weights load
             assistant = resolve_assistant(c.assistant, loader.is_default_target(hf_config, self.tokenizer))
             check_assistant_config(assistant_config := read_config(assistant), hf_config)
-        parallel.check_sizes(c.tensor_parallel_size, hf_config, assistant_config)
+        parallel.check_sizes(c, hf_config, assistant_config)
         parallel.start(c, str(model_dir), kwargs)
-        try:
+        try:  # a failure from here on closes the ranks already started
             self._build(c, hf_config, model_dir, assistant)
         except BaseException:
             self.close()
@@ -109,13 +105,10 @@ class LLM:
             raise TypeError("prompt must be a str or a list of int token ids")
         if not ids:
             raise ValueError("prompt is empty: give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.runner.vocab_size}), got {bad[:5]}")
-        bad = [t for t in params.stop_token_ids if t >= self.runner.vocab_size]
-        if bad:
-            raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {self.runner.vocab_size}), "
-                             f"got {bad[:5]}")
+        for field, toks in (("prompt token ids", ids), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in toks if not 0 <= t < self.runner.vocab_size]
+            if bad:
+                raise ValueError(f"{field} must be in [0, {self.runner.vocab_size}), got {bad[:5]}")
         if len(ids) + params.max_tokens > self.config.max_model_len:
             raise ValueError(f"prompt length {len(ids)} + max_tokens {params.max_tokens} exceeds "
                              f"max_model_len={self.config.max_model_len}")
@@ -165,34 +158,30 @@ class LLM:
         return self.owner.step(batch.reqs) if self.worker is not None else self.runner.decode(batch.reqs)
 
     # ---- tensor parallelism (nanospec/parallel.py): rank 0 sends each call, every rank runs it ------------
-    def _call(self, name, *args):
-        """Run method ``name`` (a dotted path from the LLM) or ``fn(llm, ...)`` on every rank, rank 0 first
-        sending it; a rank's death becomes a RuntimeError naming it (``parallel.raise_if_dead``)."""
+    def _call(self, name: str, *args):
+        """Run the method at dotted path ``name`` on every rank, rank 0 first sending it; a rank's death
+        becomes a RuntimeError naming it (``parallel.raise_if_dead``)."""
         try:
             if parallel.size > 1:
-                parallel.send((name, args))
-            return self._run(name, args)
+                parallel.broadcast((name, args))
+            return attrgetter(name)(self)(*args)
         except Exception:
             parallel.raise_if_dead()
             raise
 
-    def _run(self, name, args):
-        return (attrgetter(name)(self) if isinstance(name, str) else partial(name, self))(*args)
+    def _serve(self) -> None:
+        """Ranks > 0: rank 0's calls in its order until it closes (a None message), then exit."""
+        while (msg := parallel.broadcast()) is not None:
+            attrgetter(msg[0])(self)(*msg[1])
+        os._exit(0)  # nothing of this rank outlives the group: skip the interpreter's teardown
 
     def collective_rpc(self, fn, *args) -> list:
         """``fn(llm, *args)`` on every rank (``fn`` picklable: a module-level function); the results in rank
         order."""
-        out = self._call(fn, *args)
-        return parallel.gather_objects(out) if parallel.size > 1 else [out]
+        return self._call("_rpc", fn, args)
 
-    def _serve(self) -> None:
-        """Ranks > 0: run rank 0's calls in its order until it closes (a None message), then exit."""
-        while (msg := parallel.recv()) is not None:
-            out = self._run(*msg)
-            if not isinstance(msg[0], str):
-                parallel.gather_objects(out)
-        parallel.close()
-        os._exit(0)  # nothing of this rank outlives the group: skip the interpreter teardown
+    def _rpc(self, fn, args):
+        return parallel.gather_objects(fn(self, *args))
 
     def close(self) -> None:
         """Release the tensor-parallel ranks (idempotent; also run at interpreter exit)."""

@@ -109,7 +109,8 @@ class ModelRunner:
             n = min(int(budget // per_block), c.max_num_seqs * per_req + 1)
         else:
             n = min(int(c.cpu_kv_cache_gb * 2**30 // per_block), c.max_num_seqs * per_req + 1)
-        n = parallel.agreed_min(n)  # every rank's pool has as many blocks (the block tables are shared)
+        # every rank's pool has as many blocks (they share the block tables): the smallest any rank offers
+        n = int(parallel.all_reduce(torch.tensor([n], device=self.device), parallel.dist.ReduceOp.MIN))
         if n - 1 < per_req:
             raise ValueError(f"the KV budget holds {max(n - 1, 0)} blocks of {c.page_size} tokens, but one "
                              f"request of max_model_len={c.max_model_len} needs {per_req}: lower "
@@ -223,16 +224,6 @@ class ModelRunner:
                                   max(batch.num_new))
         return self._tensor(ids), positions, md, [c - 1 for c in cu[1:]]
 
-    def prepare_decode(self, reqs: list[Request]):
-        """One query per request: its last token at position ``num_computed``; returns (ids, positions,
-        md)."""
-        bt = block_table_tensor(reqs, self.device)
-        pos = self._tensor([r.num_computed for r in reqs])
-        slots = slot_mapping(bt, torch.arange(len(reqs), device=self.device), pos, self.config.page_size)
-        splits = num_kv_splits(max(r.num_computed for r in reqs) + 1)
-        md = AttnMetadata.decode(bt, (pos + 1).int(), slots, splits)
-        return self._tensor([r.last_token for r in reqs]), pos, md
-
     # ---- running
     # -----------------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -265,9 +256,8 @@ class ModelRunner:
                                                                  hidden[:, :0], L))
 
     def on_release(self, reqs, reason: str) -> None:
-        gone = {r.request_id for r in reqs}
-        keep = [i for i in self.decode_inputs.req_ids if i not in gone]
-        self.decode_inputs = self.decode_inputs.filter(keep)
+        gone, inp = {r.request_id for r in reqs}, self.decode_inputs
+        self.decode_inputs = inp.filter([i for i in inp.req_ids if i not in gone])
 
     @torch.inference_mode()
     def decode(self, reqs: list[Request]) -> StepOutput:

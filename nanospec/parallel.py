@@ -16,18 +16,16 @@ engine starts its own ranks, from a temporary file (no port to race for; the ran
 """
 import atexit
 import contextlib
-import datetime
 import os
 import sys
 import tempfile
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-TIMEOUT = datetime.timedelta(minutes=5)  # a collective whose peer died fails by then at the latest
-IDLE = datetime.timedelta(days=30)  # ranks > 0 wait this long for rank 0's next call
 rank, size = 0, 1  # this process's rank and the group size; read when a model is built
 _cpu = None  # the gloo group of the step messages
 _procs: list = []  # ranks 1..N-1 when this engine started them
@@ -45,10 +43,10 @@ def span(n: int, unit: int = 1) -> tuple[int, int]:
     return rank * n // size * unit, max(1, n // size) * unit
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum ``x`` over the ranks, in place."""
+def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Reduce ``x`` over the ranks in place (``op``: a ``dist.ReduceOp``, SUM by default)."""
     if size > 1:
-        dist.all_reduce(x)
+        dist.all_reduce(x, op)
     return x
 
 
@@ -61,20 +59,11 @@ def gather(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return torch.cat(parts, dim)
 
 
-def agree(*tensors) -> None:
+def agree(*tensors: torch.Tensor) -> None:
     """Overwrite each (contiguous) tensor with rank 0's values: what rank 0 decided (sampled tokens, the
-    draft tree, the accepted path) is what every rank uses. None entries are skipped."""
+    draft tree, the accepted path) is what every rank uses (DESIGN §4 rule 7)."""
     for t in tensors if size > 1 else ():
-        if t is not None:
-            dist.broadcast(t, 0)
-
-
-def agreed_min(n: int) -> int:
-    """The smallest ``n`` over the ranks (the KV pool's block count)."""
-    t = torch.tensor([n])
-    if size > 1:
-        dist.all_reduce(t, dist.ReduceOp.MIN, group=_cpu)
-    return int(t)
+        dist.broadcast(t, 0)
 
 
 class Linear(nn.Linear):
@@ -88,23 +77,19 @@ class ColumnLinear(Linear):
     """Column-parallel linear over packed parts ``[(n, unit), ...]`` (n heads of ``unit`` rows, or n rows of
     1): this rank's ``span`` of each part, concatenated; ``shard_sizes`` are the local part sizes."""
 
-    tp_dim = 0
-
     def __init__(self, in_features: int, parts: list[tuple[int, int]], bias: bool = False):
         spans = [span(n, unit) for n, unit in parts]
         super().__init__(in_features, sum(s for _, s in spans), bias)
-        self.tp_spans, self.shard_sizes = spans, [s for _, s in spans]
+        self.tp_spans, self.shard_sizes = [(0, *s) for s in spans], [s for _, s in spans]
 
 
 class RowLinear(Linear):
     """Row-parallel linear: this rank's ``span(n, unit)`` of the input features; one all-reduce sums the
     partial products (rank 0 adds the bias, once)."""
 
-    tp_dim = 1
-
     def __init__(self, n: int, unit: int, out_features: int, bias: bool = False):
-        self.tp_spans = [span(n, unit)]
-        super().__init__(self.tp_spans[0][1], out_features, bias)
+        super().__init__(span(n, unit)[1], out_features, bias)
+        self.tp_spans = [(1, *span(n, unit))]
 
     def forward(self, x):
         return all_reduce(linear(x, self.weight, self.bias if rank == 0 else None))
@@ -114,45 +99,42 @@ class VocabEmbedding(nn.Embedding):
     """Vocabulary-parallel embedding: this rank's ``span(num_embeddings)`` rows; tokens outside them embed as
     zeros and one all-reduce sums the ranks' rows."""
 
-    tp_dim = 0
-
     def __init__(self, num_embeddings: int, embedding_dim: int):
-        self.tp_spans = [span(num_embeddings)]
-        super().__init__(self.tp_spans[0][1], embedding_dim)
+        super().__init__(span(num_embeddings)[1], embedding_dim)
+        self.tp_spans = [(0, *span(num_embeddings))]
 
     def forward(self, ids):
-        if size == 1:
-            return F.embedding(ids, self.weight)
-        local = ids - self.tp_spans[0][0]
+        local = ids - self.tp_spans[0][1]
         ok = (local >= 0) & (local < self.num_embeddings)
-        e = F.embedding(torch.where(ok, local, 0), self.weight)
-        return all_reduce(e.masked_fill(~ok[..., None], 0))
+        return all_reduce(F.embedding(local * ok, self.weight) * ok[..., None])
 
 
 def shard_of(module, name: str, t: torch.Tensor, part: int = 0) -> torch.Tensor:
     """This rank's piece of checkpoint tensor ``t`` for parameter ``name`` of ``module`` (packed part
     ``part``): ``t`` itself for unsharded modules and row-parallel biases."""
     spans = getattr(module, "tp_spans", None)
-    if spans is None or (module.tp_dim == 1 and name.endswith("bias")):
-        return t
-    return t.narrow(module.tp_dim, *spans[part])
+    whole = spans is None or (spans[0][0] == 1 and name.endswith("bias"))
+    return t if whole else t.narrow(*spans[part])
 
 
-def check_sizes(n: int, target, assistant=None) -> None:
-    """ValueError naming the field unless ``n`` ranks split the HF configs of the target (and the assistant):
-    query heads, MLP and vocabulary sizes divisible by n; every layer's KV heads a multiple or a divisor of
-    n (replicated then). The allowed values are listed."""
+def check_sizes(config, target, assistant=None) -> None:
+    """ValueError naming the field unless n = ``config.tensor_parallel_size`` ranks fit: at most the visible
+    GPUs on CUDA (unless launched by torchrun, which may span machines), and splitting the HF configs of the
+    target (and the assistant): query heads, MLP and vocabulary sizes divisible by n, every layer's KV heads
+    a multiple or a divisor of n (replicated then); the allowed values are listed."""
     from .models.gemma4_assistant import _geometry
 
+    n, gpus = config.tensor_parallel_size, torch.cuda.device_count()
+    if config.torch_device().type == "cuda" and n > gpus and "WORLD_SIZE" not in os.environ:
+        raise ValueError(f"tensor_parallel_size must be in [1, {gpus}] (the visible GPUs), got {n}")
     t = target.get_text_config()
-    need = {f: getattr(t, f) for f in ("num_attention_heads", "intermediate_size", "vocab_size")}
-    if getattr(t, "hidden_size_per_layer_input", 0):
-        need["vocab_size_per_layer_input"] = t.vocab_size_per_layer_input
+    fields = ("num_attention_heads", "intermediate_size", "vocab_size", "vocab_size_per_layer_input")
+    need = {f: getattr(t, f) for f in fields if getattr(t, f, None)}
     if assistant is not None:
         need["assistant num_attention_heads"] = assistant.get_text_config().num_attention_heads
     need |= {f"num_key_value_heads of layer {i}": _geometry(t, i)[1] for i in range(t.num_hidden_layers)}
 
-    def bad(m):
+    def bad(m):  # KV heads may also divide m (replicated)
         return [f"{k} = {v}" for k, v in need.items() if v % m and ("key_value" not in k or m % v)]
 
     if bad(n):
@@ -174,8 +156,7 @@ def start(config, model_dir: str, kwargs: dict) -> None:
     if n == 1:
         return
     if "RANK" not in os.environ:
-        if sys.platform == "linux":
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo" if sys.platform == "linux" else "lo0")
         fd, _rdzv = tempfile.mkstemp(prefix="nanospec-tp-")
         os.close(fd)
         ctx = torch.multiprocessing.get_context("spawn")
@@ -188,38 +169,33 @@ def start(config, model_dir: str, kwargs: dict) -> None:
     r = int(os.environ.get("RANK", 0))
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", r)))
-    method = f"file://{_rdzv}" if _rdzv else "env://"
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", method, TIMEOUT, n, r)
-    _cpu = dist.new_group(backend="gloo", timeout=IDLE)
+    method = f"file://{_rdzv}" if _rdzv else os.environ.get("NANOSPEC_TP_INIT", "env://")
+    # a collective whose peer died fails within 5 minutes at the latest; ranks > 0 wait 30 days for a call
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", method, timedelta(minutes=5), n, r)
+    _cpu = dist.new_group(backend="gloo", timeout=timedelta(days=30))
     rank, size = r, n
 
 
 def _rank_main(r: int, n: int, rdzv: str, model_dir: str, kwargs: dict) -> None:
     """A started rank: the same ``LLM`` as rank 0, which serves rank 0's calls until it closes."""
-    global _rdzv
-    _rdzv = rdzv
-    os.environ.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n))
+    os.environ.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), NANOSPEC_TP_INIT=f"file://{rdzv}")
     from .llm import LLM
 
     LLM(model_dir, **kwargs)
 
 
-def send(msg) -> None:
-    """Rank 0: one message to every other rank (a call, or None to stop them)."""
-    dist.broadcast_object_list([msg], 0, group=_cpu)
-
-
-def recv():
-    """Ranks > 0: rank 0's next message."""
-    box = [None]
+def broadcast(msg=None):
+    """Rank 0's ``msg`` (a call, or None to stop) on every rank; ranks > 0 wait for it here."""
+    box = [msg]
     dist.broadcast_object_list(box, 0, group=_cpu)
     return box[0]
 
 
 def gather_objects(obj) -> list | None:
     """Every rank's ``obj`` in rank order, on rank 0 (None elsewhere)."""
-    out = [None] * size if rank == 0 else None
-    dist.gather_object(obj, out, group=_cpu)
+    out = [obj] * size if rank == 0 else None
+    if size > 1:
+        dist.gather_object(obj, out, group=_cpu)
     return out
 
 
@@ -241,7 +217,7 @@ def close() -> None:
         return
     if rank == 0 and all(p.is_alive() for p in _procs):
         with contextlib.suppress(RuntimeError):  # a rank is gone: the rest are killed below
-            send(None)
+            broadcast(None)
     for p in _procs:
         p.join(10)
         p.kill()
@@ -249,8 +225,7 @@ def close() -> None:
     dist.destroy_process_group()
     with contextlib.suppress(OSError, TypeError):
         os.remove(_rdzv)
-    rank, size, _cpu, _rdzv = 0, 1, None, None
-    _procs.clear()
+    rank, size, _cpu, _rdzv, _procs[:] = 0, 1, None, None, []
 
 
 atexit.register(close)

@@ -3,6 +3,9 @@
 import torch
 
 from nanospec import LLM, SamplingParams
+from nanospec.context import AttnMetadata
+from nanospec.kernels.attention import num_kv_splits
+from nanospec.kv_cache import block_table_tensor, slot_mapping
 from nanospec.loader import load_config
 from nanospec.model_runner import build_target
 
@@ -51,7 +54,18 @@ def next_inputs(llm):
 
 
 def rank_min(llm):
-    """``LLM.collective_rpc`` probe: ``parallel.agreed_min`` of a value that differs per rank."""
+    """``LLM.collective_rpc`` probe: ``parallel.all_reduce`` MIN (the KV pool's block count agreement) of a
+    value that differs per rank."""
     from nanospec import parallel
 
-    return parallel.agreed_min(100 - parallel.rank)
+    return int(parallel.all_reduce(torch.tensor([100 - parallel.rank]), parallel.dist.ReduceOp.MIN))
+
+
+def prepare_decode(runner, reqs):
+    """Decode inputs built on the host from the requests (the engine keeps them on the device): each one's
+    last token at position ``num_computed``; returns (ids, positions, AttnMetadata)."""
+    bt = block_table_tensor(reqs, runner.device)
+    pos = torch.tensor([r.num_computed for r in reqs], device=runner.device)
+    slots = slot_mapping(bt, torch.arange(len(reqs), device=runner.device), pos, runner.config.page_size)
+    md = AttnMetadata.decode(bt, (pos + 1).int(), slots, num_kv_splits(max(r.num_computed for r in reqs) + 1))
+    return torch.tensor([r.last_token for r in reqs], device=runner.device), pos, md

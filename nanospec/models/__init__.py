@@ -41,8 +41,7 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
             if f".{src}." in name:
                 target, shard = name.replace(f".{src}.", f".{dst}."), idx
                 break
-        module = modules.get(target.rsplit(".", 1)[0])
-        sizes = getattr(module, "shard_sizes", [])
+        sizes = getattr(module := modules.get(target.rsplit(".", 1)[0]), "shard_sizes", [])
         if target not in params or (shard is not None and shard >= len(sizes)):  # v_proj of a k_eq_v layer
             raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
         p, t = params[target], parallel.shard_of(module, target, t, shard or 0)

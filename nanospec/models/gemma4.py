@@ -17,13 +17,12 @@ What differs from llama.py, each as HF ``modeling_gemma4.py`` computes it:
 import torch
 from torch import nn
 
-from .. import parallel
 from ..context import get_attn_metadata
 from ..kernels.activation import gelu_and_mul
 from ..kernels.attention import decode_attention, extend_attention
 from ..kernels.norm import rms_norm
 from ..kernels.rope import apply_rope, rope_cos_sin, rope_store_kv
-from ..parallel import ColumnLinear, Linear, RowLinear, VocabEmbedding, gather, linear
+from ..parallel import ColumnLinear, Linear, RowLinear, VocabEmbedding, gather, linear, span
 from .llama import RMSNorm
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -104,8 +103,7 @@ class Gemma4Attention(nn.Module):
         k_eq_v = tc.attention_k_eq_v and self.layer_type == "full_attention"
         parts = [q] if self.is_kv_shared else [q, kv] if k_eq_v else [q, kv, kv]
         self.qkv_proj = ColumnLinear(tc.hidden_size, parts, tc.attention_bias)
-        self.num_heads = self.qkv_proj.shard_sizes[0] // d  # this rank's (parallel.span)
-        self.num_kv_heads = parallel.span(lc.num_key_value_heads)[1]
+        self.num_heads, self.num_kv_heads = span(tc.num_attention_heads)[1], span(lc.num_key_value_heads)[1]
         self.q_norm = _norm(self.head_dim, self.eps)
         if not self.is_kv_shared:
             self.k_norm = _norm(self.head_dim, self.eps)

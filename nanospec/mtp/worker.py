@@ -151,8 +151,7 @@ class FrozenKVMTPWorker:
         ``sampling`` = (temperature, top_k, top_p [B], noise [B, V + S*k]) or None for greedy.
         Returns (emitted [B, S+1] tokens padded with -1, accept_len [B], bonus [B], next seed hidden [B, Hb]).
         """
-        B, N = tree.tokens.shape
-        dev = tree.tokens.device
+        (B, N), dev = tree.tokens.shape, tree.tokens.device
         parallel.agree(tree.tokens, *(() if tree.is_chain else (tree.parents, tree.depth, tree.tree_mask)))
         rows = torch.arange(B, device=dev)[:, None]
         slots = slot_mapping(block_table, rows, L.long()[:, None] + torch.arange(N, device=dev),
