@@ -111,10 +111,11 @@ class VocabEmbedding(nn.Embedding):
 
 def shard_of(module, name: str, t: torch.Tensor, part: int = 0) -> torch.Tensor:
     """This rank's piece of checkpoint tensor ``t`` for parameter ``name`` of ``module`` (packed part
-    ``part``): ``t`` itself for unsharded modules and row-parallel biases."""
-    spans = getattr(module, "tp_spans", None)
+    ``part``): ``t`` itself at size 1, for unsharded modules, row-parallel biases and tensors too small (the
+    caller's shape check then names them)."""
+    spans = getattr(module, "tp_spans", None) if size > 1 else None
     whole = spans is None or (spans[0][0] == 1 and name.endswith("bias"))
-    return t if whole else t.narrow(*spans[part])
+    return t if whole or t.shape[spans[part][0]] < sum(spans[part][1:]) else t.narrow(*spans[part])
 
 
 def check_sizes(config, target, assistant=None) -> None:

@@ -20,6 +20,7 @@ from test_gemma4_spec import assistant_config
 from transformers import AutoConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM, LlamaConfig
 
 from nanospec import LLM, SamplingParams, parallel
+from nanospec.config import EngineConfig
 
 PARAMS = [
     SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
@@ -30,7 +31,7 @@ PARAMS = [
 TREE = dict(num_steps=3, topk=2, num_draft_tokens=5)
 CASES = {  # model, assistant (None, "dense", "centroid"), further LLM options
     "llama-off": ("llama", None, {}),
-    "llama-chain-preempt": ("llama", "dense", dict(num_steps=3, num_kv_blocks=10, max_model_len=64)),
+    "llama-chain-preempt": ("llama", "dense", dict(num_steps=3, num_kv_blocks=8, max_model_len=64)),
     "llama-tree": ("llama", "dense", TREE),
     "qwen3-chain": ("qwen3", "dense", dict(num_steps=2)),
     "kv1-tree-overlap": ("kv1", "dense", dict(TREE, overlap_schedule=True)),
@@ -145,7 +146,7 @@ def test_bad_sizes_named_for_assistant_and_kv_heads(models, tmp_path):
         hidden_size=48, num_attention_heads=12, num_key_value_heads=3, intermediate_size=96, vocab_size=48
     )
     with pytest.raises(ValueError, match=r"num_key_value_heads of layer 0 = 3 \(allowed: \[1, 3, 6, 12\]\)"):
-        parallel.check_sizes(4, cfg)
+        parallel.check_sizes(EngineConfig(device="cpu", tensor_parallel_size=4), cfg)
     assert not multiprocessing.active_children()
 
 
