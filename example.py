@@ -46,6 +46,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens", type=bounded(int, 1, 4096), default=128, help="new tokens per prompt")
     ap.add_argument("--temperature", type=bounded(float, 0), default=0.0, help="0 is greedy")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--tensor-parallel-size", type=bounded(int, 1), default=1, help="GPUs to split it across")
     ap.add_argument("--trace", action="store_true", help="print the Frozen-KV MTP lifecycle events per step")
     args = ap.parse_args(argv)
     if args.model is not None and not os.path.isdir(args.model):
@@ -82,7 +83,13 @@ def main(argv=None):
         assistant_kwargs["trace"] = True
     configure_cpu_threads()
     try:  # what the engine rejects (an assistant that does not fit the model, ...) is a usage error too
-        llm = LLM(args.model, device=args.device, max_model_len=args.max_tokens + 256, **assistant_kwargs)
+        llm = LLM(
+            args.model,
+            device=args.device,
+            max_model_len=args.max_tokens + 256,
+            tensor_parallel_size=args.tensor_parallel_size,
+            **assistant_kwargs,
+        )
     except ValueError as e:
         ap.error(str(e))
     chat = dict(tokenize=False, add_generation_prompt=True)
@@ -98,6 +105,7 @@ def main(argv=None):
     if assistant != "none":
         acc = [a for o in outputs for a in o["accept_lengths"]]
         print(f"mean acceptance length: {sum(acc) / max(len(acc), 1):.2f} tokens per verify step")
+    llm.close()
 
 
 if __name__ == "__main__":

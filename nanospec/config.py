@@ -29,6 +29,9 @@ class EngineConfig:
     draft_position_offset: RoPE position of every draft step is L + offset (-1 follows SGLang, 0 follows HF).
     adaptive_speculation: each step drafts the s in 0..num_steps that maximises expected tokens per second
     (``mtp.policy.DraftLength``; default True); False always drafts num_steps.
+    tensor_parallel_size: ranks the target and the drafter are split across (one process and device each;
+    DESIGN §9); at most the visible GPUs on CUDA, and it must split the heads (``parallel.check_sizes``, run
+    by ``LLM`` before any process starts).
     trace: None | True (print the Frozen-KV MTP lifecycle events per engine step) | a callable
     ``(step, event, fields)`` receiving them; needs an assistant.
     Raises ValueError / TypeError naming the field and the allowed range.
@@ -55,12 +58,13 @@ class EngineConfig:
     num_draft_tokens: int | None = None
     draft_position_offset: int = -1
     adaptive_speculation: bool = True
+    tensor_parallel_size: int = 1
     trace: object = None
 
     def __post_init__(self):
         for name, lo in (("max_model_len", 2), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
                          ("page_size", 1), ("seed", 0), ("num_kv_blocks", 2), ("num_steps", 1), ("topk", 1),
-                         ("num_draft_tokens", 2), ("draft_position_offset", -1)):
+                         ("num_draft_tokens", 2), ("draft_position_offset", -1), ("tensor_parallel_size", 1)):
             v = getattr(self, name)
             if v is None and name in ("num_kv_blocks", "num_steps", "topk", "num_draft_tokens"):
                 continue
@@ -100,8 +104,7 @@ class EngineConfig:
             given = [n for n in ("num_steps", "topk", "num_draft_tokens") if getattr(self, n) is not None]
             if given:
                 raise ValueError(f"options {', '.join(given)} only apply to speculative decoding: "
-                                 "pass assistant=DIR or "
-                                 f"'default', or drop them")
+                                 "pass assistant=DIR or 'default', or drop them")
             return
         if self.num_steps is None:  # per device, measured (README, "Where speculation pays")
             self.num_steps = 1 if self.torch_device().type == "cpu" else 5
@@ -116,8 +119,7 @@ class EngineConfig:
             raise ValueError(f"num_draft_tokens must be in [2, {hi}] (1 + num_steps * topk), "
                              f"got {self.num_draft_tokens}")
         if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1:
-            raise ValueError("with topk=1, num_draft_tokens must equal num_steps + 1 = "
-                             f"{self.num_steps + 1}, "
+            raise ValueError(f"with topk=1, num_draft_tokens must be num_steps + 1 = {self.num_steps + 1}, "
                              f"got {self.num_draft_tokens}")
 
     @classmethod

@@ -1,10 +1,12 @@
 """LLM: the user-facing engine (vLLM / nano-vllm style): add_request / step / generate."""
+import os
 import time
+from operator import attrgetter
 
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from . import cpu, loader
+from . import cpu, loader, parallel
 from .config import EngineConfig
 from .model_runner import ModelRunner
 from .models.assistant_io import read_config
@@ -27,11 +29,8 @@ def _eos_ids(model_dir, hf_config, tokenizer) -> set[int]:
     except OSError:
         gen = None
     ids = set()
-    for src in (hf_config, gen):
-        e = getattr(src, "eos_token_id", None)
+    for e in (getattr(src, "eos_token_id", None) for src in (hf_config, gen, tokenizer)):
         ids |= set(e if isinstance(e, (list, tuple)) else [] if e is None else [e])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
     return ids
 
 
@@ -53,10 +52,21 @@ class LLM:
         self.tokenizer = loader.load_tokenizer(model_dir)
         self.eos_token_ids = _eos_ids(model_dir, hf_config, self.tokenizer)
         # DESIGN §4 rule 2: check every option, then construct, then allocate, then bind
-        assistant = None
+        assistant = assistant_config = None
         if c.speculative:  # a bad or mismatched assistant fails from the configs, before any weights load
             assistant = resolve_assistant(c.assistant, loader.is_default_target(hf_config, self.tokenizer))
-            check_assistant_config(read_config(assistant), hf_config)
+            check_assistant_config(assistant_config := read_config(assistant), hf_config)
+        parallel.check_sizes(c, hf_config, assistant_config)
+        parallel.start(c, str(model_dir), kwargs)
+        try:  # a failure from here on closes the ranks already started
+            self._build(c, hf_config, model_dir, assistant)
+        except BaseException:
+            self.close()
+            raise
+        if parallel.rank > 0:  # a rank of a tensor-parallel engine: rank 0's calls, then exit
+            self._serve()
+
+    def _build(self, c, hf_config, model_dir, assistant) -> None:
         self.runner = ModelRunner(c, hf_config, model_dir)
         self.worker = None
         self.num_steps_run = 0
@@ -73,7 +83,8 @@ class LLM:
         graphs = self.runner.capture_graphs(self.worker)
         if self.worker is not None:
             self.worker.set_graphs(graphs)
-        release = self.worker.on_release if self.worker is not None else self.runner.on_release
+        self.owner = self.worker if self.worker is not None else self.runner  # the keeper of the next inputs
+        release = lambda reqs, reason: self._call("owner.on_release", reqs, reason)  # noqa: E731
         self.scheduler = Scheduler(c, allocator, self.runner.lookahead, on_release=release)
         on_cuda = self.runner.device.type == "cuda"
         self.overlap = c.overlap_schedule if c.overlap_schedule is not None else on_cuda
@@ -94,13 +105,10 @@ class LLM:
             raise TypeError("prompt must be a str or a list of int token ids")
         if not ids:
             raise ValueError("prompt is empty: give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.runner.vocab_size}), got {bad[:5]}")
-        bad = [t for t in params.stop_token_ids if t >= self.runner.vocab_size]
-        if bad:
-            raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {self.runner.vocab_size}), "
-                             f"got {bad[:5]}")
+        for field, toks in (("prompt token ids", ids), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in toks if not 0 <= t < self.runner.vocab_size]
+            if bad:
+                raise ValueError(f"{field} must be in [0, {self.runner.vocab_size}), got {bad[:5]}")
         if len(ids) + params.max_tokens > self.config.max_model_len:
             raise ValueError(f"prompt length {len(ids)} + max_tokens {params.max_tokens} exceeds "
                              f"max_model_len={self.config.max_model_len}")
@@ -129,7 +137,10 @@ class LLM:
         launched = None
         if batch is not None:
             self.num_steps_run += 1
-            launched = (batch, self._launch(batch))
+            # rank 0 picks the draft length, so every rank drafts the same s (DESIGN §4 rule 8)
+            spec = batch.kind == "decode" and self.worker is not None
+            plan = self.worker.policy.choose(len(batch.reqs)) if spec else None
+            launched = (batch, self._call("_launch", batch, plan))
             self.scheduler.on_launch(batch)
         finished = []
         if self._inflight is not None:
@@ -140,15 +151,54 @@ class LLM:
             self._inflight = None
         return stashed + finished
 
-    def _launch(self, batch):
-        """Queue a step's device work (no host sync): prefill, or one decode / speculative step."""
-        owner = self.worker if self.worker is not None else self.runner  # the keeper of the next inputs
+    def _launch(self, batch, plan=None):
+        """Queue a step's device work (no host sync): prefill, or one decode / speculative step (``plan``: the
+        draft length and its estimate, ``DraftLength.choose``)."""
         if batch.kind == "prefill":
             out = self.runner.prefill(batch)
             if out.done:
-                owner.on_prefill_done(out.done, out.bonus, out.hidden)
+                self.owner.on_prefill_done(out.done, out.bonus, out.hidden)
             return out
-        return owner.step(batch.reqs) if self.worker is not None else self.runner.decode(batch.reqs)
+        if self.worker is None:
+            return self.runner.decode(batch.reqs)
+        return self.worker.step(batch.reqs, plan)
+
+    # ---- tensor parallelism (nanospec/parallel.py): rank 0 sends each call, every rank runs it ------------
+    def _call(self, name: str, *args):
+        """Run the method at dotted path ``name`` on every rank, rank 0 first sending it; a rank's death
+        becomes a RuntimeError naming it (``parallel.raise_if_dead``)."""
+        try:
+            if parallel.size > 1:
+                parallel.broadcast((name, args))
+            return attrgetter(name)(self)(*args)
+        except Exception:
+            parallel.raise_if_dead()
+            raise
+
+    def _serve(self) -> None:
+        """Ranks > 0: rank 0's calls in its order until it closes (a None message), then exit."""
+        while (msg := parallel.broadcast()) is not None:
+            attrgetter(msg[0])(self)(*msg[1])
+        os._exit(0)  # nothing of this rank outlives the group: skip the interpreter's teardown
+
+    def collective_rpc(self, fn, *args) -> list:
+        """``fn(llm, *args)`` on every rank (``fn`` picklable: a module-level function); the results in rank
+        order."""
+        return self._call("_rpc", fn, args)
+
+    def _rpc(self, fn, args):
+        return parallel.gather_objects(fn(self, *args))
+
+    def close(self) -> None:
+        """Release the tensor-parallel ranks (idempotent; also run at interpreter exit)."""
+        if self.config.tensor_parallel_size > 1:
+            parallel.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _commit(self, batch, out) -> list[Request]:
         if batch.kind == "decode" and self.worker is not None:

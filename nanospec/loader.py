@@ -112,8 +112,7 @@ def resolve_model_dir(model: str | os.PathLike | None, need_weights: bool = True
         return _default_model_dir()
     d = pathlib.Path(model).expanduser()
     if not d.is_dir():
-        raise ValueError(f"model: {str(model)!r} is not an existing directory "
-                         "(expected an HF-format model dir)")
+        raise ValueError(f"model: {str(model)!r} is not an existing directory (expected an HF model dir)")
     missing = [w for w, ok in (("config.json", (d / "config.json").is_file()),
                                ("*.safetensors weights", not need_weights or any(d.glob("*.safetensors"))))
                if not ok]

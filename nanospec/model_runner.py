@@ -6,7 +6,7 @@ from functools import partial
 
 import torch
 
-from . import loader
+from . import loader, parallel
 from .config import EngineConfig
 from .context import AttnMetadata, attn_metadata
 from .cuda_graph import GraphRunner, graph_batch_sizes
@@ -110,6 +110,8 @@ class ModelRunner:
             n = min(int(budget // per_block), c.max_num_seqs * per_req + 1)
         else:
             n = min(int(c.cpu_kv_cache_gb * 2**30 // per_block), c.max_num_seqs * per_req + 1)
+        # every rank's pool has as many blocks (they share the block tables): the smallest any rank offers
+        n = int(parallel.all_reduce(torch.tensor([n], device=self.device), parallel.dist.ReduceOp.MIN))
         if n - 1 < per_req:
             raise ValueError(f"the KV budget holds {max(n - 1, 0)} blocks of {c.page_size} tokens, but one "
                              f"request of max_model_len={c.max_model_len} needs {per_req}: lower "
@@ -225,16 +227,6 @@ class ModelRunner:
                                   max(batch.num_new))
         return self._tensor(ids), positions, md, [c - 1 for c in cu[1:]]
 
-    def prepare_decode(self, reqs: list[Request]):
-        """One query per request: its last token at position ``num_computed``; returns (ids, positions,
-        md)."""
-        bt = block_table_tensor(reqs, self.device)
-        pos = self._tensor([r.num_computed for r in reqs])
-        slots = slot_mapping(bt, torch.arange(len(reqs), device=self.device), pos, self.config.page_size)
-        splits = num_kv_splits(max(r.num_computed for r in reqs) + 1)
-        md = AttnMetadata.decode(bt, (pos + 1).int(), slots, splits)
-        return self._tensor([r.last_token for r in reqs]), pos, md
-
     # ---- running
     # -----------------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -253,6 +245,7 @@ class ModelRunner:
         if new:
             reqs = [batch.reqs[i] for i in new]
             sampled = self.sampler.sample(reqs, self.model.compute_logits(hidden[[last[i] for i in new]]))
+            parallel.agree(sampled)  # rank 0's tokens (DESIGN §4 rule 8)
             bonus[[done.index(i) for i in new]] = sampled
         return PrefillOutput(len(batch.reqs), done, new, [batch.reqs[i] for i in done], bonus,
                              hidden[[last[i] for i in done]])
@@ -266,9 +259,8 @@ class ModelRunner:
                                                                  hidden[:, :0], L))
 
     def on_release(self, reqs, reason: str) -> None:
-        gone = {r.request_id for r in reqs}
-        keep = [i for i in self.decode_inputs.req_ids if i not in gone]
-        self.decode_inputs = self.decode_inputs.filter(keep)
+        gone, inp = {r.request_id for r in reqs}, self.decode_inputs
+        self.decode_inputs = inp.filter([i for i in inp.req_ids if i not in gone])
 
     @torch.inference_mode()
     def decode(self, reqs: list[Request]) -> StepOutput:
@@ -283,6 +275,7 @@ class ModelRunner:
         inputs = {"ids": inp.bonus_tokens, "pos": pos, "slots": slots, "block_table": bt,
                   "seq_lens": inp.seq_lens + 1}
         toks = self.sampler.sample(reqs, self.graphs.run("decode", inputs, num_kv_splits(bound)))
+        parallel.agree(toks)
         nxt = DraftInput(inp.req_ids, toks, inp.hidden, inp.seq_lens + 1)
         self.decode_inputs = self.decode_inputs.merge(nxt)
         return StepOutput(torch.stack([torch.ones_like(toks), toks], 1))

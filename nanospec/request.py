@@ -97,6 +97,12 @@ class Request:
         self.stop_str_index = min(hits)
         return True
 
+    def __getstate__(self) -> dict:
+        """The copy rank 0 sends to the other tensor-parallel ranks with each step: no tokenizer, no block
+        hashes, and token lists only while the request waits to prefill (a decode step reads none)."""
+        drop = {} if self.status is Status.WAITING else dict(prompt_token_ids=[], output_token_ids=[])
+        return self.__dict__ | dict(_tokenizer=None, block_hashes=[]) | drop
+
     def output_text(self) -> str:
         """The decoded output; cut before a matched stop string."""
         text = self._tokenizer.decode(self.output_token_ids, skip_special_tokens=True)

@@ -3,7 +3,9 @@
 #   bash scripts/gpu_check.sh [OUT_DIR]          (default: gpu_out; logs land there)
 # 1. every kernel test compiled for real on CUDA (no Triton interpreter), against its torch reference;
 # 2. CUDA graphs vs eager: identical tokens for plain decode, chain and tree speculation, fp32 and bf16;
-# 3. bench.py: attention-kernel bandwidth, then the nano-vllm workload with the shipped assistant.
+# 3. bench.py: attention-kernel bandwidth, then the nano-vllm workload with the shipped assistant;
+# 4. with 2+ GPUs, tensor parallelism (scripts/gpu_tp.py): tokens at TP=2 equal TP=1, decode tok/s TP2/TP1 on
+#    the Gemma 4 31B shape with random weights.
 # Steps 2 and 3 need the default model (fetched into the nanospec cache on first use; offline: README).
 # Exit status: non-zero if any step failed.
 set -uo pipefail
@@ -25,4 +27,7 @@ step kernel_tests env NANOSPEC_TEST_DEVICE=cuda python3 -m pytest -q -p no:cache
 step graphs python3 scripts/gpu_graphs.py
 step bench_kernels python3 scripts/kernel_bench.py
 step bench python3 bench.py
+if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  step tp python3 scripts/gpu_tp.py
+fi
 exit $rc

@@ -3,6 +3,9 @@
 import torch
 
 from nanospec import LLM, SamplingParams
+from nanospec.context import AttnMetadata
+from nanospec.kernels.attention import num_kv_splits
+from nanospec.kv_cache import block_table_tensor, slot_mapping
 from nanospec.loader import load_config
 from nanospec.model_runner import build_target
 
@@ -39,3 +42,34 @@ def chat_texts(tokenizer, questions):
     """Each question as a one-turn chat prompt (text, generation prompt added) in the tokenizer's template."""
     chat = dict(tokenize=False, add_generation_prompt=True)
     return [tokenizer.apply_chat_template([{"role": "user", "content": q}], **chat) for q in questions]
+
+
+def next_inputs(llm):
+    """``LLM.collective_rpc`` probe: this rank's next-step inputs (request ids, bonus tokens, committed
+    lengths, seed hiddens of the draft inputs, or the plain-decode rows) and its KV pool's block count."""
+    inp = llm.worker.draft_inputs if llm.worker is not None else llm.runner.decode_inputs
+    return (
+        inp.req_ids,
+        inp.bonus_tokens.tolist(),
+        inp.seq_lens.tolist(),
+        inp.hidden.tolist(),
+        [p.shape[2] for p in llm.runner.kv_pools],
+    )
+
+
+def rank_min(llm):
+    """``LLM.collective_rpc`` probe: ``parallel.all_reduce`` MIN (the KV pool's block count agreement) of a
+    value that differs per rank."""
+    from nanospec import parallel
+
+    return int(parallel.all_reduce(torch.tensor([100 - parallel.rank]), parallel.dist.ReduceOp.MIN))
+
+
+def prepare_decode(runner, reqs):
+    """Decode inputs built on the host from the requests (the engine keeps them on the device): each one's
+    last token at position ``num_computed``; returns (ids, positions, AttnMetadata)."""
+    bt = block_table_tensor(reqs, runner.device)
+    pos = torch.tensor([r.num_computed for r in reqs], device=runner.device)
+    slots = slot_mapping(bt, torch.arange(len(reqs), device=runner.device), pos, runner.config.page_size)
+    md = AttnMetadata.decode(bt, (pos + 1).int(), slots, num_kv_splits(max(r.num_computed for r in reqs) + 1))
+    return torch.tensor([r.last_token for r in reqs], device=runner.device), pos, md

@@ -6,6 +6,7 @@ what a graph replays on the GPU; so padding and static-shape logic are tested he
 
 import pytest
 import torch
+from helpers import prepare_decode
 
 from nanospec import LLM, SamplingParams
 from nanospec.cuda_graph import GraphRunner, StaticBuffers, graph_batch_sizes, select_bucket
@@ -66,7 +67,7 @@ def test_padding_rows_never_touch_live_blocks(tiny_llama_dir):
     with_buckets(llm, [8])  # 3 live rows + 5 padding rows
     batch = _decode_batch(llm)
     before = r.kv_pools[0].clone()
-    ids, pos, md = r.prepare_decode(batch.reqs)
+    ids, pos, md = prepare_decode(r, batch.reqs)
     inputs = {
         "ids": ids,
         "pos": pos,

@@ -1,15 +1,15 @@
 """nanospec's target model and engine against HF transformers (fp32, CPU).
 
-Logits parity drives the model runner directly (prepare_prefill / prepare_decode + attention metadata), so the
-paged cache, page boundaries, chunked extend over a cached prefix and decode are all checked against HF's own
-incremental (KV-cached) forward. Greedy parity goes through the public ``LLM.generate``.
+Logits parity drives the model runner directly (prepare_prefill / helpers.prepare_decode + attention
+metadata), so the paged cache, page boundaries, chunked extend over a cached prefix and decode are all checked
+against HF's own incremental (KV-cached) forward. Greedy parity goes through the public ``LLM.generate``.
 """
 
 import inspect
 
 import pytest
 import torch
-from helpers import chat_texts
+from helpers import chat_texts, prepare_decode
 from transformers import AutoModelForCausalLM
 
 from nanospec import LLM, SamplingParams
@@ -50,7 +50,7 @@ def _decode(llm, reqs, tokens):
     for r, t in zip(reqs, tokens):
         r.output_token_ids.append(t)
         llm.runner.allocator.allocate(r, r.num_computed + 1)
-    ids, pos, md = llm.runner.prepare_decode(reqs)
+    ids, pos, md = prepare_decode(llm.runner, reqs)
     assert ids.tolist() == list(tokens)
     with torch.inference_mode(), attn_metadata(md):
         logits = llm.runner.model.compute_logits(llm.runner.model(ids, pos))

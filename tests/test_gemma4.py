@@ -31,8 +31,8 @@ from nanospec.models.llama import LlamaForCausalLM
 
 S, F = "sliding_attention", "full_attention"
 PAGE, MAX_POS = 4, 96
-# HF's own fp32 logits are 7e-5 off its fp64 ones on the E2B-like model; the CPU's BLAS kernels move both sides
-# (3.5e-4 apart on an AMD EPYC, where 3e-4 had held on the machines before)
+# HF's own fp32 logits are 7e-5 off its fp64 ones on the E2B-like model; the CPU's BLAS kernels move both
+# sides (3.5e-4 apart on an AMD EPYC, where 3e-4 had held on the machines before)
 ATOL = 6e-4
 ROPE = {
     S: {"rope_type": "default", "rope_theta": 10000.0},

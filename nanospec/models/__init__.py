@@ -5,13 +5,16 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from .. import parallel
+
 logger = logging.getLogger(__name__)
 
 
 def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
                  skip: tuple[str, ...] = ()) -> None:
     """Copy checkpoint tensors into ``model`` by HF name, packing q/k/v and gate/up through the model's
-    ``packed_modules_mapping`` (a linear with ``shard_sizes`` takes shard i at its offset).
+    ``packed_modules_mapping`` (a linear with ``shard_sizes`` takes shard i at its offset); a tensor-parallel
+    layer takes this rank's piece (``parallel.shard_of``).
 
     A model's ``strip_prefix`` (e.g. "model.", or a tuple tried in order) is removed from checkpoint names.
     Names in ``skip`` (substrings) and rotary caches are ignored; so are names matching the model's
@@ -38,10 +41,10 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
             if f".{src}." in name:
                 target, shard = name.replace(f".{src}.", f".{dst}."), idx
                 break
-        sizes = getattr(modules.get(target.rsplit(".", 1)[0]), "shard_sizes", [])
+        sizes = getattr(module := modules.get(target.rsplit(".", 1)[0]), "shard_sizes", [])
         if target not in params or (shard is not None and shard >= len(sizes)):  # v_proj of a k_eq_v layer
             raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
-        p = params[target]
+        p, t = params[target], parallel.shard_of(module, target, t, shard or 0)
         if shard is not None:
             p = p.data.narrow(0, sum(sizes[:shard]), sizes[shard])
         if p.shape != t.shape:

@@ -11,6 +11,8 @@ import pathlib
 
 import torch
 
+from .. import parallel
+
 # Checkpoint tensors HF itself ignores for KV-shared layers (K/V come from the target).
 _IGNORED = ("self_attn.k_proj.", "self_attn.v_proj.", "self_attn.k_norm.", "self_attn.v_norm.", "rotary_emb.")
 _ORDER = "masked_embedding.token_ordering"
@@ -55,7 +57,7 @@ def load_checkpoint(model, tensors) -> None:
     checkpoint's ``token_ordering`` (which reorders the LM-head rows). Raises ValueError naming the tensor
     when one matches no parameter, has the wrong shape or is missing, or when ``token_ordering`` is not a
     permutation."""
-    slots = _slots(model)
+    slots, modules = _slots(model), dict(model.named_modules())
     tied = bool(getattr(model.config, "tie_word_embeddings", True))
     got, embed, order = set(), None, None
     for name, t in tensors:
@@ -71,7 +73,7 @@ def load_checkpoint(model, tensors) -> None:
         if name == _ORDER:  # applied last, to the rows loaded in token order (it moves them)
             order = t
         else:
-            _copy(name, slots[name], t)
+            _copy(name, slots[name], parallel.shard_of(modules.get(name.rsplit(".", 1)[0]), name, t))
         got.add(name)
     if model.lm_head is not None and "lm_head.weight" not in got and tied and embed is not None:
         _copy("model.embed_tokens.weight", slots["lm_head.weight"], embed)

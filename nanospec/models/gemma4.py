@@ -15,7 +15,6 @@ What differs from llama.py, each as HF ``modeling_gemma4.py`` computes it:
   final logit softcapping.
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..context import get_attn_metadata
@@ -23,6 +22,7 @@ from ..kernels.activation import gelu_and_mul
 from ..kernels.attention import decode_attention, extend_attention
 from ..kernels.norm import rms_norm
 from ..kernels.rope import apply_rope, rope_cos_sin, rope_store_kv
+from ..parallel import ColumnLinear, Linear, RowLinear, VocabEmbedding, gather, linear, span
 from .llama import RMSNorm
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -97,23 +97,22 @@ class Gemma4Attention(nn.Module):
         lc = tc.per_layer_config[layer_idx]
         self.layer_type = tc.layer_types[layer_idx]
         self.sliding_window = tc.sliding_window if self.layer_type == "sliding_attention" else None
-        self.num_heads, self.num_kv_heads = tc.num_attention_heads, lc.num_key_value_heads
-        self.head_dim = lc.head_dim
+        self.head_dim = d = lc.head_dim
         self.is_kv_shared, self.eps = owner != layer_idx, tc.rms_norm_eps
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, kv = (tc.num_attention_heads, d), (lc.num_key_value_heads, d)
         k_eq_v = tc.attention_k_eq_v and self.layer_type == "full_attention"
-        shards = [q] if self.is_kv_shared else [q, kv] if k_eq_v else [q, kv, kv]
-        self.qkv_proj = nn.Linear(tc.hidden_size, sum(shards), bias=tc.attention_bias)
-        self.qkv_proj.shard_sizes = shards
+        parts = [q] if self.is_kv_shared else [q, kv] if k_eq_v else [q, kv, kv]
+        self.qkv_proj = ColumnLinear(tc.hidden_size, parts, tc.attention_bias)
+        self.num_heads, self.num_kv_heads = span(tc.num_attention_heads)[1], span(lc.num_key_value_heads)[1]
         self.q_norm = _norm(self.head_dim, self.eps)
         if not self.is_kv_shared:
             self.k_norm = _norm(self.head_dim, self.eps)
-        self.o_proj = nn.Linear(q, tc.hidden_size, bias=tc.attention_bias)
+        self.o_proj = RowLinear(*q, tc.hidden_size, tc.attention_bias)
         self.k_cache = self.v_cache = None  # pool views (the owner's on KV-shared layers): bind_kv_cache
 
     def forward(self, positions, x, cos_sin):
         T, d = x.shape[0], self.head_dim
-        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).split(self.qkv_proj.shard_sizes, -1)
+        qkv = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, -1)
         q = self.q_norm(qkv[0].reshape(T, -1, d))
         md = get_attn_metadata()
         if self.is_kv_shared:
@@ -137,9 +136,8 @@ class Gemma4MLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.gate_up_proj.shard_sizes = [intermediate, intermediate]
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = ColumnLinear(hidden, [(intermediate, 1), (intermediate, 1)])
+        self.down_proj = RowLinear(intermediate, 1, hidden)
 
     def forward(self, x):
         return self.down_proj(gelu_and_mul(self.gate_up_proj(x)))
@@ -163,8 +161,8 @@ class Gemma4DecoderLayer(nn.Module):
         self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
         self.ple_dim = tc.hidden_size_per_layer_input
         if self.ple_dim:
-            self.per_layer_input_gate = nn.Linear(H, self.ple_dim, bias=False)
-            self.per_layer_projection = nn.Linear(self.ple_dim, H, bias=False)
+            self.per_layer_input_gate = Linear(H, self.ple_dim, bias=False)
+            self.per_layer_projection = Linear(self.ple_dim, H, bias=False)
             self.post_per_layer_input_norm = _norm(H, eps)
 
     def forward(self, positions, x, cos_sin, per_layer_input=None):
@@ -199,18 +197,18 @@ class Gemma4ForCausalLM(nn.Module):
         self.config, self.max_position = cfg, max_position
         L, H, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
         self.kv_owner = kv_owners(cfg)
-        self.embed_tokens = nn.Embedding(V, H)
+        self.embed_tokens = VocabEmbedding(V, H)
         self.embed_scale = H ** 0.5
         self.ple_dim = cfg.hidden_size_per_layer_input
         if self.ple_dim:
-            self.embed_tokens_per_layer = nn.Embedding(cfg.vocab_size_per_layer_input, L * self.ple_dim)
-            self.per_layer_model_projection = nn.Linear(H, L * self.ple_dim, bias=False)
+            self.embed_tokens_per_layer = VocabEmbedding(cfg.vocab_size_per_layer_input, L * self.ple_dim)
+            self.per_layer_model_projection = Linear(H, L * self.ple_dim, bias=False)
             self.per_layer_projection_norm = _norm(self.ple_dim, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(Gemma4DecoderLayer(cfg, i, o) for i, o in enumerate(self.kv_owner))
         self.norm = _norm(H, cfg.rms_norm_eps)
         self.tied = bool(cfg.tie_word_embeddings)
         if not self.tied:
-            self.lm_head = nn.Linear(H, V, bias=False)
+            self.lm_head = ColumnLinear(H, [(V, 1)])
         self.kv_layer_types = list(cfg.layer_types)
         self.kv_geometry = [None if layer.self_attn.is_kv_shared else
                             (layer.self_attn.num_kv_heads, layer.self_attn.head_dim) for layer in self.layers]
@@ -279,6 +277,6 @@ class Gemma4ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[T, V]``; ``tanh(z / c) * c`` with c = ``final_logit_softcapping`` when set (HF
         ``Gemma4ForCausalLM.forward``)."""
-        logits = F.linear(hidden, self.lm_head_weight).float()
+        logits = gather(linear(hidden, self.lm_head_weight), -1).float()
         c = self.config.final_logit_softcapping
         return logits if c is None else torch.tanh(logits / c) * c

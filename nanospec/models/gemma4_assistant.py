@@ -28,7 +28,6 @@ mass per cluster and the softmax of ``masked_embedding.centroids(hn)``; the cand
 passes no gradient.
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..context import get_attn_metadata
@@ -36,15 +35,14 @@ from ..kernels.activation import gelu_and_mul, silu_and_mul
 from ..kernels.attention import draft_attention
 from ..kernels.centroid import centroid_logits
 from ..kernels.rope import apply_rope, rope_cos_sin
+from ..parallel import ColumnLinear, Linear, RowLinear, gather, linear, span
 from . import assistant_io
-from .llama import RMSNorm
+from .gemma4 import _norm
 
 _ACTS = {"gelu_pytorch_tanh": gelu_and_mul, "silu": silu_and_mul}
 
 
-def Gemma4RMSNorm(dim: int, eps: float) -> RMSNorm:
-    """HF ``Gemma4RMSNorm``: weight-only, weight applied in fp32 before the cast."""
-    return RMSNorm(dim, eps, fp32_weight=True)
+Gemma4RMSNorm = _norm  # HF ``Gemma4RMSNorm``: weight-only, weight applied in fp32 before the cast
 
 
 class QOnlyAttention(nn.Module):
@@ -52,12 +50,13 @@ class QOnlyAttention(nn.Module):
 
     def __init__(self, tc, layer_idx: int):
         super().__init__()
-        self.num_heads, self.head_dim = tc.num_attention_heads, tc.per_layer_config[layer_idx].head_dim
-        self.layer_type = tc.layer_types[layer_idx]
+        H, d = tc.num_attention_heads, tc.per_layer_config[layer_idx].head_dim
+        # this rank's span of the heads: the query heads of the KV heads it holds of the target layer read
+        self.num_heads, self.head_dim, self.layer_type = span(H)[1], d, tc.layer_types[layer_idx]
         bias = bool(getattr(tc, "attention_bias", False))
-        self.q_proj = nn.Linear(tc.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.q_proj = ColumnLinear(tc.hidden_size, [(H, d)], bias)
         self.q_norm = Gemma4RMSNorm(self.head_dim, tc.rms_norm_eps)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, tc.hidden_size, bias=bias)
+        self.o_proj = RowLinear(H, d, tc.hidden_size, bias)
 
     def forward(self, x, positions, cos_sin, attn):
         R = x.shape[0]
@@ -70,9 +69,9 @@ class MLP(nn.Module):
     def __init__(self, tc):
         super().__init__()
         i = tc.intermediate_size
-        self.gate_up_proj = nn.Linear(tc.hidden_size, 2 * i, bias=False)  # packed gate_proj | up_proj
+        self.gate_up_proj = Linear(tc.hidden_size, 2 * i, bias=False)  # packed gate_proj | up_proj
         self.gate_up_proj.shard_sizes = [i, i]
-        self.down_proj = nn.Linear(i, tc.hidden_size, bias=False)
+        self.down_proj = Linear(i, tc.hidden_size, bias=False)
         self.act_and_mul = _ACTS[tc.hidden_activation]
 
     def forward(self, x):
@@ -108,7 +107,7 @@ class MaskedEmbedding(nn.Module):
     def __init__(self, config):
         super().__init__()
         tc = config.get_text_config()
-        self.centroids = nn.Linear(tc.hidden_size, config.num_centroids, bias=False)
+        self.centroids = Linear(tc.hidden_size, config.num_centroids, bias=False)
         self.register_buffer("token_ordering", torch.arange(tc.vocab_size))
 
 
@@ -165,6 +164,15 @@ def _rope_params(c, layer_type: str) -> dict:
     return rp or {"rope_type": "default", "rope_theta": getattr(c, "rope_theta", 10000.0)}
 
 
+def _layer_map(layer_types, target_kv_types) -> list[int]:
+    """Per assistant layer type, the last target KV-owning layer of that type; ValueError if there is none."""
+    for i, lt in enumerate(layer_types):
+        if lt not in target_kv_types:
+            _bad(f"layer_types[{i}]", f"= {lt!r} has no KV-owning target layer of that type (target KV layer "
+                 f"types: {sorted(set(target_kv_types))})")
+    return [len(target_kv_types) - 1 - list(target_kv_types)[::-1].index(lt) for lt in layer_types]
+
+
 def check_assistant_config(assistant_config, target_text_config) -> list[int]:
     """Check that an assistant fits a target from their HF configs alone (run it before any weights load).
 
@@ -188,14 +196,8 @@ def check_assistant_config(assistant_config, target_text_config) -> list[int]:
         _bad("backbone_hidden_size", f"{assistant_config.backbone_hidden_size} != target hidden_size "
              f"{t.hidden_size}")
     types = list(getattr(t, "layer_types", None) or ["full_attention"] * t.num_hidden_layers)
-    owners = types[: len(types) - (getattr(t, "num_kv_shared_layers", 0) or 0)]
-    layer_map = []
-    for i, lt in enumerate(ac.layer_types):
-        if lt not in owners:
-            _bad(f"layer_types[{i}]", f"= {lt!r} has no KV-owning target layer of that type (target KV layer "
-                 f"types: {sorted(set(owners))})")
-        j = len(owners) - 1 - owners[::-1].index(lt)
-        layer_map.append(j)
+    layer_map = _layer_map(ac.layer_types, types[: len(types) - (getattr(t, "num_kv_shared_layers", 0) or 0)])
+    for i, (lt, j) in enumerate(zip(ac.layer_types, layer_map)):
         (hd, kv), (t_hd, t_kv) = _geometry(ac, i), _geometry(t, j)
         full = lt == "full_attention"
         if hd != t_hd:
@@ -238,11 +240,11 @@ class Gemma4Assistant(nn.Module):
         self.vocab_size, self.hidden_size = tc.vocab_size, tc.hidden_size
         self.backbone_hidden_size = config.backbone_hidden_size
         self.use_target_lm_head = bool(getattr(config, "use_target_lm_head", False))
-        self.pre_projection = nn.Linear(2 * self.backbone_hidden_size, self.hidden_size, bias=False)
-        self.post_projection = nn.Linear(self.hidden_size, self.backbone_hidden_size, bias=False)
+        self.pre_projection = Linear(2 * self.backbone_hidden_size, self.hidden_size, bias=False)
+        self.post_projection = Linear(self.hidden_size, self.backbone_hidden_size, bias=False)
         self.model = Gemma4Model(tc)
         own_head = not self.use_target_lm_head
-        self.lm_head = nn.Linear(self.hidden_size, self.vocab_size, bias=False) if own_head else None
+        self.lm_head = Linear(self.hidden_size, self.vocab_size, bias=False) if own_head else None
         ordered = getattr(config, "use_ordered_embeddings", False)
         self.masked_embedding = MaskedEmbedding(config) if ordered else None
         if ordered and own_head:  # rows gathered per cluster, never multiplied whole: they stay row-major
@@ -295,14 +297,7 @@ class Gemma4Assistant(nn.Module):
     # ---- target compatibility ------------------------------------------------------------------------
     def layer_map(self, target_kv_layer_types) -> list[int]:
         """Target layer read by each assistant layer: the last target layer of the same layer type."""
-        types = list(target_kv_layer_types)
-        out = []
-        for i, lt in enumerate(self.text_config.layer_types):
-            if lt not in types:
-                _bad(f"layer_types[{i}]", f"= {lt!r} has no KV-owning target layer of that type (target "
-                     f"layer types: {sorted(set(types))})")
-            out.append(len(types) - 1 - types[::-1].index(lt))
-        return out
+        return _layer_map(self.text_config.layer_types, list(target_kv_layer_types))
 
     def check_target(self, target_config, *_unused) -> list[int]:
         """``check_assistant_config(self.config, target_config)``: returns the layer map, ValueError naming
@@ -326,8 +321,9 @@ class Gemma4Assistant(nn.Module):
                                "first)")
         self._embed = target.embed
         self._rope = ropes
-        # detached: a Parameter assigned here would register as the assistant's own (trained, saved) weight
-        self._target_lm_head = target.lm_head_weight.detach() if self.lm_head is None else None
+        # detached: a Parameter assigned here would register as the assistant's own (trained, saved) weight;
+        # a vocabulary-parallel target head is gathered whole once (the drafter's head is replicated)
+        self._target_lm_head = None if self.lm_head is not None else gather(target.lm_head_weight.detach())
         self._gather_target_rows()
         if not kv:
             return
@@ -393,7 +389,7 @@ class Gemma4Assistant(nn.Module):
         me = self.masked_embedding
         head = self.lm_head.weight if self.lm_head is not None else self._target_lm_head
         head = head if vocab is None else head[vocab]
-        logits = F.linear(hn, head.to(self.pre_projection.weight.dtype)).float()
+        logits = linear(hn, head.to(self.pre_projection.weight.dtype)).float()
         if me is not None and self.lm_head is not None:
             logits = torch.zeros_like(logits).index_copy(1, me.token_ordering, logits)
         return logits

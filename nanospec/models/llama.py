@@ -5,7 +5,6 @@ Parameter names follow HF except the packed ``qkv_proj`` and ``gate_up_proj`` (s
 ``packed_modules_mapping``).
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..context import get_attn_metadata
@@ -13,6 +12,7 @@ from ..kernels.activation import silu_and_mul
 from ..kernels.attention import decode_attention, extend_attention
 from ..kernels.norm import rms_norm
 from ..kernels.rope import rope_cos_sin, rope_store_kv
+from ..parallel import ColumnLinear, RowLinear, VocabEmbedding, gather, linear
 
 
 class RMSNorm(nn.Module):
@@ -34,13 +34,12 @@ class Attention(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = d = getattr(cfg, "head_dim", None) or cfg.hidden_size // Hq
         bias = getattr(cfg, "attention_bias", False)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=bias)
-        self.qkv_proj.shard_sizes = [q, kv, kv]
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=bias)
+        self.qkv_proj = ColumnLinear(cfg.hidden_size, [(Hq, d), (Hkv, d), (Hkv, d)], bias)
+        self.o_proj = RowLinear(Hq, d, cfg.hidden_size, bias)
+        self.num_heads, self.num_kv_heads = (s // d for s in self.qkv_proj.shard_sizes[:2])  # this rank's
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -51,7 +50,7 @@ class Attention(nn.Module):
 
     def forward(self, positions, x, cos_sin):
         T, d = x.shape[0], self.head_dim
-        q, k, v = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).split(self.qkv_proj.shard_sizes, -1)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, -1)
         q, k, v = q.reshape(T, -1, d), k.reshape(T, -1, d), v.reshape(T, -1, d)
         if self.qk_norm:
             q = self.q_norm(q.reshape(-1, d)).view(T, -1, d)
@@ -71,9 +70,8 @@ class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         i, bias = cfg.intermediate_size, getattr(cfg, "mlp_bias", False)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * i, bias=bias)
-        self.gate_up_proj.shard_sizes = [i, i]
-        self.down_proj = nn.Linear(i, cfg.hidden_size, bias=bias)
+        self.gate_up_proj = ColumnLinear(cfg.hidden_size, [(i, 1), (i, 1)], bias)
+        self.down_proj = RowLinear(i, 1, cfg.hidden_size, bias)
 
     def forward(self, x):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -109,12 +107,12 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg, max_position: int):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tied:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = ColumnLinear(cfg.hidden_size, [(cfg.vocab_size, 1)])
         attn = self.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.kv_layer_types = ["full_attention"] * cfg.num_hidden_layers
@@ -155,4 +153,4 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight).float()
+        return gather(linear(hidden, self.lm_head_weight), -1).float()

@@ -7,24 +7,26 @@ scheduler's release path calls 6; nothing else creates, updates, filters or rele
    exists yet, and the draft input is the idle 0-row one.                                          [rule 2]
 2. ``bind(kv_pools)``: after the target's pool is allocated and bound, attach the assistant's layers to the
    target layers they read.                                                                       [rule 2]
-3. ``set_graphs(graphs)``: the runner's graph runner, once the ``mtp`` phase (``draft_verify``) is captured.
+3. ``set_graphs(graphs)``: the runner's graph runner, once the ``mtp:{s}`` phases (``draft_verify``) are
+   captured.
 4. ``on_prefill_done(reqs, first_tokens, hidden)``: a request's prefill ends; its draft input is born from the
    token it emits first (the bonus token) and the target's hidden at its last prompt row.          [rule 1]
-5. ``step(reqs) -> StepOutput``: one speculative decode step for every running request: draft from exactly
-   KV rows [0, L), writing nothing [rule 3]; verify the tree, writing rows [L, L + N); accept per row
-   [rule 6]; the next draft input is each row's bonus token and the hidden of its last accepted node
-   [rule 1]. An empty batch does nothing [rule 4]. The scheduler then commits ``tokens`` and
-   ``accept_lens`` [rule 5].
+5. ``step(reqs, plan) -> StepOutput``: one speculative decode step for every running request, drafting the
+   ``plan``'s s steps (``policy.choose``) from exactly KV rows [0, L), writing nothing [rule 3]; verify the
+   tree, writing rows [L, L + N); accept per row [rule 6]; the next draft input is each row's bonus token
+   and the hidden of its last accepted node, also when s = 0 [rules 1, 7]. An empty batch does nothing
+   [rule 4]. The scheduler then commits ``tokens`` and ``accept_lens`` [rule 5].
 6. ``on_release(reqs, reason)``: a request leaves the running set (finished, aborted, preempted); its draft
    input goes in the same call that frees its KV blocks. When none is left, the idle input remains.   [rule 1]
 
 ``trace`` (a callable ``(event, fields)``, or None) receives one event per hook and request: "prefill_done",
-"draft", "verify", "release". With None nothing is computed for it.
+"draft", "verify", "release", and one "draft_len" per step. With None nothing is computed for it.
 """
 from pathlib import Path
 
 import torch
 
+from .. import parallel
 from ..context import AttnMetadata, attn_metadata
 from ..kernels.attention import num_kv_splits
 from ..kernels.sampling import filtered_probs
@@ -105,13 +107,13 @@ class FrozenKVMTPWorker:
 
     # ---- 5: one speculative step ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self, reqs) -> StepOutput:
+    def step(self, reqs, plan=None) -> StepOutput:
         """Draft, verify over the tree, accept, and keep the next draft inputs (see the module docstring).
-        The inputs, committed lengths included, are gathered on the device: no host sync until the output
-        is read."""
+        ``plan`` = (s, estimate) from ``policy.choose`` (None: ask it here). The inputs, committed lengths
+        included, are gathered on the device: no host sync until the output is read."""
         if not reqs:  # DESIGN §4 rule 4
             return StepOutput(torch.zeros(0, 2, dtype=torch.long), speculative=True)
-        s, estimate = self.policy.choose(len(reqs))
+        s, estimate = self.policy.choose(len(reqs)) if plan is None else plan
         timer = StepTimer(self.sampler.device)
         inp = self._inputs_for(reqs)
         L = inp.seq_lens
@@ -174,8 +176,8 @@ class FrozenKVMTPWorker:
         the tree's depth (default: all steps).
         Returns (emitted [B, S+1] tokens padded with -1, accept_len [B], bonus [B], next seed hidden [B, Hb]).
         """
-        B, N = tree.tokens.shape
-        dev = tree.tokens.device
+        (B, N), dev = tree.tokens.shape, tree.tokens.device
+        parallel.agree(tree.tokens, *(() if tree.is_chain else (tree.parents, tree.depth, tree.tree_mask)))
         rows = torch.arange(B, device=dev)[:, None]
         slots = slot_mapping(block_table, rows, L.long()[:, None] + torch.arange(N, device=dev),
                              self.page_size)
@@ -192,6 +194,7 @@ class FrozenKVMTPWorker:
             probs = filtered_probs(logits.view(B * N, V), *(x.repeat_interleave(N) for x in (t, k, p)))
             u_accept = u[:, V:V + s * self.topk].view(B, s, self.topk)
             path, acc, bonus = accept_sampling(tree, probs.view(B, N, V), u_accept, u[:, :V], s)
+        parallel.agree(path, acc, bonus)  # rank 0's walk (tensor parallelism: DESIGN §4 rule 8)
         if not tree.is_chain:
             compact_accepted_kv(self.kv_pools, block_table, L, path, acc, self.page_size)
         last = path.gather(1, (acc - 1)[:, None]).squeeze(1)

@@ -47,9 +47,10 @@ import torch
 from .. import LLM, SamplingParams, loader
 from ..models.shapes import GEMMA4, QWEN3_0_6B, gemma4_configs
 from ..mtp.worker import DEFAULT_ASSISTANT
-from .cli import HelpFormatter, number
+from .cli import HelpFormatter, add_tensor_parallel_size, number
 
 ENGINE = "dtype device max_model_len max_num_seqs max_num_batched_tokens enforce_eager seed".split()
+ENGINE += ["tensor_parallel_size"]
 SPEC = ["num_steps", "topk", "num_draft_tokens", "adaptive_speculation"]
 INT_OPTIONS = """max-model-len=4096 max-num-seqs=256 max-num-batched-tokens=8192 max-input-len=1024
     max-output-len=1024 prefix-len=512 stall-len=2000"""  # bench.py's int options >= 1 and their defaults
@@ -230,6 +231,7 @@ def measure(args, model_dir, assistant, prompts, params, label="", phases=False,
             llm.generate(prompts[i : i + 1], params[i : i + 1], use_tqdm=False)
         res.update({f"{k}_ms": sum(v) / len(v) if v else None for k, v in logs.items()})
         res.update({f"{k}_calls": len(v) for k, v in logs.items()})
+    llm.close()  # tensor parallelism: its ranks go with it
     del llm, outputs
     gc.collect()
     torch.cuda.empty_cache()  # no-op without CUDA: this engine's KV pool goes before the next engine (or HF)
@@ -288,6 +290,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         a(f"--{name}", type=number(int, 1), default=int(default))
     a("--seed", type=number(int, 0), default=0)
     a("--enforce-eager", action="store_true")
+    add_tensor_parallel_size(ap)
     a("--num-seqs", type=number(int, 1), help="requests (default 256; 16 with --batch-1)")
     a("--temperature", type=number(), help="default 0.6 (nanovllm), 0.0 (the others)")
     a("--ignore-eos", action="store_true", help="sharegpt: always generate output_len tokens")

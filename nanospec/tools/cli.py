@@ -32,6 +32,13 @@ def number(typ=float, lo: float = 0, gt: float | None = None):
     return parse
 
 
+def add_tensor_parallel_size(ap: argparse.ArgumentParser) -> None:
+    """``--tensor-parallel-size N`` (``LLM(tensor_parallel_size=N)``): the engine checks N against the model
+    (heads, visible GPUs) before it starts any process."""
+    ap.add_argument("--tensor-parallel-size", type=number(int, 1), default=1,
+                    help="ranks (GPUs) the target and its assistant are split across")
+
+
 def number_list(typ=float, lo: float = 0):
     """argparse ``type``: ``"0,0.7"`` -> ``[0.0, 0.7]``, every item a ``number(typ, lo)``."""
 

@@ -62,6 +62,7 @@ def measure(model, assistant, prompts, S, k, temperature, max_tokens, tree_token
         for o in llm.generate(prompts[i : i + batch], sp, use_tqdm=False):
             acc += o["accept_lengths"]
             ntok += len(o["token_ids"])
+    llm.close()
     per_pos = [sum(a >= i + 1 for a in acc) / len(acc) for i in range(1, S + 1)]
     return sum(acc) / len(acc), per_pos, ntok / (time.perf_counter() - t0), n or S + 1
 
@@ -83,6 +84,7 @@ def main(argv=None):
     add("--datasets", default="sharegpt,humaneval", help="of sharegpt (held out), sharegpt-train, humaneval")
     add("--tree-tokens", type=number(int, 2), help="num_draft_tokens for topk > 1")
     add("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    cli.add_tensor_parallel_size(ap)
     a = ap.parse_args(argv)
     if not set(datasets := a.datasets.split(",")) <= {"sharegpt", "sharegpt-train", "humaneval"}:
         ap.error(f"--datasets must name sharegpt, sharegpt-train and/or humaneval, got {a.datasets!r}")
@@ -91,6 +93,7 @@ def main(argv=None):
     configure_cpu_threads()
     sets = build_prompts(tok, datasets, a.num_prompts, a.max_prompt_tokens)
     engine = dict(dtype=a.dtype, max_model_len=max(map(len, sum(sets.values(), []))) + a.max_tokens + 16)
+    engine["tensor_parallel_size"] = a.tensor_parallel_size
     print(f"assistant={a.assistant} max_tokens={a.max_tokens} prompts:", {k: len(v) for k, v in sets.items()})
     head = ["dataset", "temp", "S", "k", "N", "mean acc len"] + [f"p{i}" for i in range(1, max(a.steps) + 1)]
     print("| " + " | ".join(head + ["tok/s"]) + " |\n|" + "---|" * (len(head) + 1), flush=True)

@@ -1,0 +1,232 @@
+"""Tensor parallelism (Megatron-style, as nano-vllm and vLLM): the process group, the sharded layers and the
+engine's ranks (docs/DESIGN.md §9).
+
+Layers: ``ColumnLinear`` keeps this rank's output rows of each packed part (q | k | v, gate | up);
+``RowLinear`` its input columns, summing the partial products with one all-reduce; ``VocabEmbedding`` and a
+column-parallel LM head this rank's vocabulary rows (``gather`` joins the logits where sampling happens).
+Heads are split evenly; KV heads fewer than the ranks are replicated (``span``: max(1, H / N) per rank, as
+vLLM and SGLang). ``Linear`` is the replicated layer; every GEMM of the engine goes through ``linear``.
+Models build these from ``rank`` / ``size`` and never branch on the rank themselves.
+
+Process model: rank 0 is the caller's process and owns the scheduler; it sends each step (and each release
+of a request's inputs) to the other ranks over a CPU (gloo) group, and every rank runs the same calls in the
+same order (``LLM._call``). Tokens are decided on rank 0 and broadcast (``agree``), so every rank ends a step
+with the same inputs for the next one. The group comes from ``env://`` settings (torchrun) or, when the
+engine starts its own ranks, from a temporary file (no port to race for; the ranks' sockets on loopback).
+"""
+import atexit
+import contextlib
+import os
+import sys
+import tempfile
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+rank, size = 0, 1  # this process's rank and the group size; read when a model is built
+_cpu = None  # the gloo group of the step messages
+_procs: list = []  # ranks 1..N-1 when this engine started them
+_rdzv = None  # the rendezvous file when this engine started its ranks
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``: the engine's one GEMM call (x [T, K] @ weight [N, K].T + bias [N] -> [T, N])."""
+    return F.linear(x, weight, bias)
+
+
+def span(n: int, unit: int = 1) -> tuple[int, int]:
+    """(first row, rows) of this rank's share of ``n`` heads (or rows) of ``unit`` rows each: n / size of
+    them, or one shared with the neighbouring ranks when size > n (replication)."""
+    return rank * n // size * unit, max(1, n // size) * unit
+
+
+def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Reduce ``x`` over the ranks in place (``op``: a ``dist.ReduceOp``, SUM by default)."""
+    if size > 1:
+        dist.all_reduce(x, op)
+    return x
+
+
+def gather(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in rank order (``x`` itself at size 1)."""
+    if size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim)
+
+
+def agree(*tensors: torch.Tensor) -> None:
+    """Overwrite each (contiguous) tensor with rank 0's values: what rank 0 decided (sampled tokens, the
+    draft tree, the accepted path) is what every rank uses (DESIGN §4 rule 8)."""
+    for t in tensors if size > 1 else ():
+        dist.broadcast(t, 0)
+
+
+class Linear(nn.Linear):
+    """A replicated linear layer: every rank holds the whole weight."""
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias)
+
+
+class ColumnLinear(Linear):
+    """Column-parallel linear over packed parts ``[(n, unit), ...]`` (n heads of ``unit`` rows, or n rows of
+    1): this rank's ``span`` of each part, concatenated; ``shard_sizes`` are the local part sizes."""
+
+    def __init__(self, in_features: int, parts: list[tuple[int, int]], bias: bool = False):
+        spans = [span(n, unit) for n, unit in parts]
+        super().__init__(in_features, sum(s for _, s in spans), bias)
+        self.tp_spans, self.shard_sizes = [(0, *s) for s in spans], [s for _, s in spans]
+
+
+class RowLinear(Linear):
+    """Row-parallel linear: this rank's ``span(n, unit)`` of the input features; one all-reduce sums the
+    partial products (rank 0 adds the bias, once)."""
+
+    def __init__(self, n: int, unit: int, out_features: int, bias: bool = False):
+        super().__init__(span(n, unit)[1], out_features, bias)
+        self.tp_spans = [(1, *span(n, unit))]
+
+    def forward(self, x):
+        return all_reduce(linear(x, self.weight, self.bias if rank == 0 else None))
+
+
+class VocabEmbedding(nn.Embedding):
+    """Vocabulary-parallel embedding: this rank's ``span(num_embeddings)`` rows; tokens outside them embed as
+    zeros and one all-reduce sums the ranks' rows."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__(span(num_embeddings)[1], embedding_dim)
+        self.tp_spans = [(0, *span(num_embeddings))]
+
+    def forward(self, ids):
+        local = ids - self.tp_spans[0][1]
+        ok = (local >= 0) & (local < self.num_embeddings)
+        return all_reduce(F.embedding(local * ok, self.weight) * ok[..., None])
+
+
+def shard_of(module, name: str, t: torch.Tensor, part: int = 0) -> torch.Tensor:
+    """This rank's piece of checkpoint tensor ``t`` for parameter ``name`` of ``module`` (packed part
+    ``part``): ``t`` itself at size 1, for unsharded modules, row-parallel biases and tensors too small (the
+    caller's shape check then names them)."""
+    spans = getattr(module, "tp_spans", None) if size > 1 else None
+    whole = spans is None or (spans[0][0] == 1 and name.endswith("bias"))
+    return t if whole or t.shape[spans[part][0]] < sum(spans[part][1:]) else t.narrow(*spans[part])
+
+
+def check_sizes(config, target, assistant=None) -> None:
+    """ValueError naming the field unless n = ``config.tensor_parallel_size`` ranks fit: at most the visible
+    GPUs on CUDA (unless launched by torchrun, which may span machines), and splitting the HF configs of the
+    target (and the assistant): query heads, MLP and vocabulary sizes divisible by n, every layer's KV heads
+    a multiple or a divisor of n (replicated then); the allowed values are listed."""
+    from .models.gemma4_assistant import _geometry
+
+    n, gpus = config.tensor_parallel_size, torch.cuda.device_count()
+    if config.torch_device().type == "cuda" and n > gpus and "WORLD_SIZE" not in os.environ:
+        raise ValueError(f"tensor_parallel_size must be in [1, {gpus}] (the visible GPUs), got {n}")
+    t = target.get_text_config()
+    fields = ("num_attention_heads", "intermediate_size", "vocab_size", "vocab_size_per_layer_input")
+    need = {f: getattr(t, f) for f in fields if getattr(t, f, None)}
+    if assistant is not None:
+        need["assistant num_attention_heads"] = assistant.get_text_config().num_attention_heads
+    need |= {f"num_key_value_heads of layer {i}": _geometry(t, i)[1] for i in range(t.num_hidden_layers)}
+
+    def bad(m):  # KV heads may also divide m (replicated)
+        return [f"{k} = {v}" for k, v in need.items() if v % m and ("key_value" not in k or m % v)]
+
+    if bad(n):
+        ok = [m for m in range(1, 65) if not bad(m)]
+        raise ValueError(f"tensor_parallel_size={n} does not split {bad(n)[0]} (allowed: {ok})")
+
+
+def start(config, model_dir: str, kwargs: dict) -> None:
+    """Before a model is built, join the group of n = ``config.tensor_parallel_size`` ranks: torchrun's
+    (``env://``), the one this rank was started into, or as rank 0 start ranks 1..n-1 (torch.multiprocessing
+    spawn, each building ``LLM(model_dir, **kwargs)`` without a trace; rendezvous through a temporary file,
+    the ranks' sockets on loopback).
+    ValueError while another tensor-parallel LLM is open in this process, or when ``n`` is not the
+    launcher's WORLD_SIZE."""
+    global rank, size, _cpu, _rdzv
+    n, device_type = config.tensor_parallel_size, config.torch_device().type
+    if size > 1:
+        raise ValueError("a tensor-parallel LLM is open in this process: close() it before building another")
+    if n == 1:
+        return
+    if "RANK" not in os.environ:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo" if sys.platform == "linux" else "lo0")
+        fd, _rdzv = tempfile.mkstemp(prefix="nanospec-tp-")
+        os.close(fd)
+        ctx = torch.multiprocessing.get_context("spawn")
+        args = (n, _rdzv, model_dir, kwargs | dict(trace=None))
+        _procs[:] = [ctx.Process(target=_rank_main, args=(r, *args), daemon=True) for r in range(1, n)]
+        for p in _procs:
+            p.start()
+    elif os.environ["WORLD_SIZE"] != str(n):
+        raise ValueError(f"tensor_parallel_size={n} != WORLD_SIZE {os.environ['WORLD_SIZE']} of the launcher")
+    r = int(os.environ.get("RANK", 0))
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", r)))
+    method = f"file://{_rdzv}" if _rdzv else os.environ.get("NANOSPEC_TP_INIT", "env://")
+    # a collective whose peer died fails within 5 minutes at the latest; ranks > 0 wait 30 days for a call
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", method, timedelta(minutes=5), n, r)
+    _cpu = dist.new_group(backend="gloo", timeout=timedelta(days=30))
+    rank, size = r, n
+
+
+def _rank_main(r: int, n: int, rdzv: str, model_dir: str, kwargs: dict) -> None:
+    """A started rank: the same ``LLM`` as rank 0, which serves rank 0's calls until it closes."""
+    os.environ.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), NANOSPEC_TP_INIT=f"file://{rdzv}")
+    from .llm import LLM
+
+    LLM(model_dir, **kwargs)
+
+
+def broadcast(msg=None):
+    """Rank 0's ``msg`` (a call, or None to stop) on every rank; ranks > 0 wait for it here."""
+    box = [msg]
+    dist.broadcast_object_list(box, 0, group=_cpu)
+    return box[0]
+
+
+def gather_objects(obj) -> list | None:
+    """Every rank's ``obj`` in rank order, on rank 0 (None elsewhere)."""
+    out = [obj] * size if rank == 0 else None
+    if size > 1:
+        dist.gather_object(obj, out, group=_cpu)
+    return out
+
+
+def raise_if_dead() -> None:
+    """After a failed step: if ranks this engine started have died (a second's grace to exit), close the
+    engine and raise RuntimeError naming them; else return (the caller re-raises its own error)."""
+    dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(_procs, 1)
+            if p.join(1) or p.exitcode is not None]
+    if dead:
+        close()
+        raise RuntimeError(f"tensor parallelism: {', '.join(dead)} died; the engine is closed")
+
+
+def close() -> None:
+    """Stop the other ranks (rank 0), wait for them (10 s each, then kill), leave the group, remove the
+    rendezvous file. Idempotent; runs at interpreter exit too."""
+    global rank, size, _cpu, _rdzv
+    if size == 1:
+        return
+    if rank == 0 and all(p.is_alive() for p in _procs):
+        with contextlib.suppress(RuntimeError):  # a rank is gone: the rest are killed below
+            broadcast(None)
+    for p in _procs:
+        p.join(10)
+        p.kill()
+        p.join()
+    dist.destroy_process_group()
+    with contextlib.suppress(OSError, TypeError):
+        os.remove(_rdzv)
+    rank, size, _cpu, _rdzv, _procs[:] = 0, 1, None, None, []
+
+
+atexit.register(close)
