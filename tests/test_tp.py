@@ -173,3 +173,15 @@ def test_dead_rank_named(models):
 
 def _listening(proc):
     return {c.laddr for c in proc.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+
+
+def test_tp2_adaptive_draft_length_ranks_agree(models):
+    """With the draft length chosen per step from measured times, rank 0 chooses and sends it: every rank
+    holds rank 0's inputs after every step, and the greedy requests' tokens equal TP = 1's."""
+    kw = dict(assistant=models["llama"].parent / "llama-dense", num_steps=3, adaptive_speculation=True)
+    ref = scenario(make_llm(models["llama"], **kw), 4000)
+    with make_llm(models["llama"], tensor_parallel_size=2, **kw) as llm:
+        got = scenario(llm, 4000, check_ranks=True)
+        counts = llm.worker.policy.counts
+    assert [got[i][0] for i in (0, 4)] == [ref[i][0] for i in (0, 4)]  # greedy rows of both rounds
+    assert len(counts) > 1  # the policy did switch draft lengths
