@@ -33,8 +33,8 @@ class Request:
         self.stop_str_index: int | None = None  # where the text is cut, when a stop string matched
         self.accept_lengths: list[int] = []
         self.num_cached_tokens: int | None = None  # prompt tokens whose KV came from the prefix cache
-        # chained hashes of the full blocks of all_token_ids (prefix caching)
-        self.block_hashes: list[int] = []
+        # chained sha256 keys of the full blocks of all_token_ids (prefix caching)
+        self.block_hashes: list[bytes] = []
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self._tokenizer = tokenizer
 
