@@ -32,13 +32,13 @@ class BlockAllocator:
     A request owns ``req.block_table`` (block ids in order); ``slot_mapping`` turns token indices into slots.
 
     Prefix caching (``enable_prefix_caching``): a full block written by a prefill is keyed by a hash of every
-    token up to and including the block (chained, so equal keys mean equal prefixes) and can be shared. The key
-    is sha256(parent key || the block's token ids as int64), as vLLM's sha256 option: a crafted prompt cannot
-    collide with another's key and read its KV (Python's 64-bit ``hash`` could). The first block's parent is
-    sha256 of the request's ``cache_salt`` (empty when None), so different salts never share a block. Blocks
-    are ref-counted; a block whose last owner leaves stays cached (free, evictable) and is evicted least
-    recently freed first, only when the allocator needs blocks. Blocks that a decode or verify writes into
-    (draft rows, rejected rows, the partial last block) are never registered, so they stay private.
+    token up to and including the block (chained, so equal keys mean equal prefixes) and can be shared. The
+    key is sha256(parent key || the block's token ids as int64), as vLLM's sha256 option: a crafted prompt
+    cannot collide with another's key and read its KV (Python's 64-bit ``hash`` could). The first block's
+    parent is sha256 of the request's ``cache_salt`` ("" when None): different salts never share a block.
+    Blocks are ref-counted; a block whose last owner leaves stays cached (free, evictable) and is evicted
+    least recently freed first, only when the allocator needs blocks. Blocks that a decode or verify writes
+    into (draft rows, rejected rows, the partial last block) are never registered, so they stay private.
     """
 
     def __init__(self, num_blocks: int, page_size: int, enable_prefix_caching: bool = False):

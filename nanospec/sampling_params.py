@@ -57,7 +57,8 @@ class SamplingParams:
             raise ValueError("SamplingParams.stop_token_ids must be non-negative ints, "
                              f"got {self.stop_token_ids!r}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
-            raise TypeError(f"SamplingParams.cache_salt must be a non-empty str or None, got {self.cache_salt!r}")
+            raise TypeError("SamplingParams.cache_salt must be a non-empty str or None, "
+                            f"got {self.cache_salt!r}")
 
     @property
     def greedy(self) -> bool:

@@ -146,7 +146,8 @@ def test_keys_are_chained_sha256_and_cache_salt_isolates(tiny_llama_dir):
     k1 = hashlib.sha256(k0 + array("q", prompt[PAGE : 2 * PAGE]).tobytes()).digest()
     a = llm.runner.allocator
     assert k0 in a.cached and k1 in a.cached and len(a.cached) == 2
-    outs = [llm.generate([prompt], greedy(4, cache_salt=s), use_tqdm=False)[0] for s in ("bob", None, "alice")]
+    salts = ("bob", None, "alice")
+    outs = [llm.generate([prompt], greedy(4, cache_salt=s), use_tqdm=False)[0] for s in salts]
     assert [o["num_cached_tokens"] for o in [first, *outs]] == [0, 0, 0, 32]
     assert all(o["token_ids"] == first["token_ids"] for o in outs)
     for bad in ("", 5, b"x"):
