@@ -83,8 +83,9 @@ class Request:
 
     def _match_stop_string(self) -> bool:
         # A stop string first appears in full at the token that completes it, so decoding a tail window that
-        # holds it is enough (each token adds >= 1 char, except partial UTF-8 pieces: hence the slack).
-        longest = max(map(len, self.params.stop))
+        # holds it is enough: each token adds >= 1 byte (byte-level tokens: a character can take 4), hence
+        # the window in UTF-8 bytes, plus slack.
+        longest = max(len(s.encode()) for s in self.params.stop)
         tail = self._tokenizer.decode(self.output_token_ids[-(longest + 8):], skip_special_tokens=True)
         if not any(s in tail for s in self.params.stop):
             return False
