@@ -1,0 +1,522 @@
+"""nanospec-serve: the OpenAI API over one nanospec engine (FastAPI + uvicorn, Prometheus metrics).
+
+    nanospec-serve [MODEL_DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--assistant DIR|default|none]
+    python -m nanospec.serve ...           # the same; every LLM option is a --kebab-case flag (--help)
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (200; 503 once the
+engine thread has died), GET /metrics (vLLM's metric names). With --api-key (or NANOSPEC_API_KEY) every
+endpoint but /health needs `Authorization: Bearer KEY`.
+
+One engine thread owns the LLM and loops ``step()``; HTTP handlers never call the engine: they put work on a
+thread-safe queue and read their request's updates from an asyncio queue that the engine thread fills through
+``loop.call_soon_threadsafe``. A client that goes away (streaming or not) is aborted before the next engine
+step, which releases its KV blocks and draft input. Every option is checked before any weights load.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import queue
+import re
+import secrets
+import socket
+import sys
+import threading
+import time
+import uuid
+from dataclasses import fields
+
+from ..config import EngineConfig
+from ..sampling_params import SamplingParams
+
+MAX_STOP, MAX_STOP_LEN = 16, 256  # stop strings per request, characters per stop string
+# fields that would change the output and that nanospec does not implement, with the values that mean "off"
+OFF = dict(logprobs=(None, False, 0), top_logprobs=(None, 0), prompt_logprobs=(None, 0), echo=(None, False),
+           suffix=(None, ""), tools=(None, []), functions=(None, []), logit_bias=(None, {}),
+           min_tokens=(None, 0), presence_penalty=(None, 0), frequency_penalty=(None, 0),
+           use_beam_search=(None, False), response_format=(None, {"type": "text"}))
+# vLLM's histogram buckets (s): time to first token, then per-token latencies
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40,
+                80, 160, 640, 2560]
+TOKEN_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40,
+                 80]
+
+
+class ApiError(Exception):
+    """An error for the client: HTTP ``status``, the message, and the request field it is about."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """The OpenAI error schema."""
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(status, "APIError")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+class Metrics:
+    """vLLM's Prometheus metrics, by its names and meanings (vllm/v1/metrics/loggers.py and
+    vllm/v1/spec_decode/metrics.py), labelled ``model_name`` and ``engine``; the spec-decode counters exist
+    only with an assistant (``num_positions`` = num_steps). Plus ``nanospec:num_draft_inputs`` (requests
+    holding a draft input: 0 whenever the engine is idle)."""
+
+    def __init__(self, model_name: str, num_positions: int):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+        disable_created_metrics()  # as vLLM: no *_created series
+        self.registry, labels = CollectorRegistry(), {"model_name": model_name, "engine": "0"}
+
+        def make(cls, name, doc, extra=(), **kw):
+            name = name if ":" in name else f"vllm:{name}"
+            m = cls(name, doc, [*labels, *extra], registry=self.registry, **kw)
+            return m if extra else m.labels(**labels)
+
+        self.running = make(Gauge, "num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = make(Gauge, "num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = make(Gauge, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.draft_inputs = make(Gauge, "nanospec:num_draft_inputs", "Requests holding a draft input.")
+        self.prompt_tokens = make(Counter, "prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = make(Counter, "generation_tokens", "Number of generation tokens processed.")
+        self.queries = make(Counter, "prefix_cache_queries", "Prefix cache queries, in queried tokens.")
+        self.hits = make(Counter, "prefix_cache_hits", "Prefix cache hits, in cached tokens.")
+        success = make(Counter, "request_success", "Count of processed requests.", ["finished_reason"])
+        self.success = {r: success.labels(**labels, finished_reason=r) for r in ("stop", "length", "abort")}
+        self.ttft = make(Histogram, "time_to_first_token_seconds", "Time to 1st token.", buckets=TTFT_BUCKETS)
+        self.itl = make(Histogram, "inter_token_latency_seconds", "Inter-token gaps.", buckets=TOKEN_BUCKETS)
+        self.tpot = make(Histogram, "request_time_per_output_token_seconds", "(last token time - first) / "
+                         "(output tokens - 1), per request.", buckets=TOKEN_BUCKETS)  # fmt: skip
+        if num_positions:
+            self.drafts = make(Counter, "spec_decode_num_drafts", "Number of spec decoding drafts.")
+            self.draft_tokens = make(Counter, "spec_decode_num_draft_tokens", "Number of draft tokens.")
+            self.accepted = make(Counter, "spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+            doc = "Accepted tokens per draft position."
+            per_pos = make(Counter, "spec_decode_num_accepted_tokens_per_pos", doc, ["position"])
+            self.per_pos = [per_pos.labels(**labels, position=str(i)) for i in range(num_positions)]
+
+
+class Choice:
+    """One choice of one HTTP request (its own engine request): the handler's asyncio queue, and what the
+    engine thread has sent of it."""
+
+    def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, q: asyncio.Queue, loop):
+        self.index, self.prompt_ids, self.params, self.q, self.loop = index, prompt_ids, params, q, loop
+        self.req, self.sent, self.num_accept, self.t_first, self.t_last = None, 0, 0, 0.0, 0.0
+        self.t0 = time.perf_counter()
+
+    def post(self, kind: str, payload=None) -> None:
+        """From the engine thread: "ok" (accepted), "bad" / "fault" (a 400 / 500 message) or "tokens"
+        (new token ids, the final dict or None)."""
+        self.loop.call_soon_threadsafe(self.q.put_nowait, (self.index, kind, payload))
+
+
+class Engine:
+    """The thread that owns the ``LLM``: takes the adds and aborts from ``inbox`` (blocking there when idle),
+    runs one ``step()``, sends every live choice its new tokens and updates the metrics, again."""
+
+    def __init__(self, llm, metrics: Metrics):
+        self.llm, self.metrics, self.live = llm, metrics, {}
+        self.inbox, self.lock, self.dead = queue.SimpleQueue(), threading.Lock(), None
+        self.thread = threading.Thread(target=self._run, name="nanospec-engine", daemon=True)
+
+    def alive(self) -> bool:
+        return self.dead is None and self.thread.is_alive()
+
+    def put(self, kind: str, choices: list[Choice]) -> None:
+        """Queue "add" or "abort" for ``choices``; ApiError 500 once the engine thread has died."""
+        with self.lock:
+            if self.dead is not None:
+                raise ApiError(500, f"the engine stopped: {self.dead!r}")
+            self.inbox.put((kind, choices))
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._drain(block=not self.llm.has_unfinished())
+                self.llm.step()
+                self._publish()
+        except BaseException as e:
+            with self.lock:  # nothing can be queued after this: every waiting handler hears of it
+                self.dead, waiting = e, list(self.live.values())
+                while not self.inbox.empty():
+                    kind, choices = self.inbox.get()
+                    waiting += choices if kind == "add" else []
+            for c in waiting:
+                c.post("fault", f"the engine failed: {e!r}")
+            raise
+
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                kind, choices = self.inbox.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if kind == "abort":
+                for c in choices:
+                    if c.req is not None and self.live.pop(c.req.request_id, None) is not None:
+                        self.llm.abort_request(c.req.request_id)
+                        self.metrics.success["abort"].inc()
+                continue
+            try:  # the choices differ only in their seeds (checked by the handler): one fails, the first does
+                for c in choices:
+                    self.llm.add_request(c.prompt_ids, c.params)
+                    c.req = self.llm.scheduler.waiting[-1]
+                    self.live[c.req.request_id] = c
+            except (ValueError, TypeError) as e:
+                choices[0].post("bad", str(e))
+                continue
+            choices[0].post("ok")
+
+    def _publish(self) -> None:
+        llm, m, now = self.llm, self.metrics, time.perf_counter()
+        for rid, c in list(self.live.items()):
+            r = c.req
+            new = r.output_token_ids[c.sent :]
+            if not new and not r.is_finished:
+                continue
+            if c.sent == 0:  # its prefill is done: vLLM counts the prompt and the prefix-cache lookup here
+                c.t_first = now
+                m.ttft.observe(now - c.t0)
+                m.prompt_tokens.inc(len(r.prompt_token_ids))
+                m.queries.inc(len(r.prompt_token_ids))
+                m.hits.inc(r.num_cached_tokens or 0)
+            else:
+                m.itl.observe(now - c.t_last)
+            c.sent, c.t_last = c.sent + len(new), now
+            m.generation_tokens.inc(len(new))
+            for a in r.accept_lengths[c.num_accept :]:  # a draft per verify step, a - 1 of its tokens kept
+                m.drafts.inc()
+                m.draft_tokens.inc(llm.config.num_draft_tokens - 1)
+                m.accepted.inc(a - 1)
+                for pos in range(a - 1):
+                    m.per_pos[pos].inc()
+            c.num_accept, final = len(r.accept_lengths), None
+            if r.is_finished:
+                del self.live[rid]
+                m.success[r.finish_reason].inc()
+                if c.sent > 1:
+                    m.tpot.observe((now - c.t_first) / (c.sent - 1))
+                accept = list(r.accept_lengths) if llm.worker is not None else None
+                final = dict(text=r.output_text(), finish_reason=r.finish_reason, accept_lengths=accept)
+                final["cached"] = r.num_cached_tokens or 0
+            c.post("tokens", (new, final))
+        alloc = llm.scheduler.allocator
+        m.waiting.set(len(llm.scheduler.waiting))
+        m.kv_usage.set(1 - alloc.num_free / alloc.num_usable)
+        m.draft_inputs.set(len(llm.worker.draft_inputs) if llm.worker is not None else 0)
+        m.running.set(len(llm.scheduler.running))  # last: a reader that sees it sees this step's other gauges
+
+
+class Detokenizer:
+    """Incremental detokenization for streaming (vLLM's prefix / read offsets): an update decodes only the
+    tokens since the last emitted text plus the window before them; text that ends in a partial UTF-8
+    character waits, and so do the last ``max(len(stop)) - 1`` characters while a stop string could still cut
+    them. At the end the engine's final text is sent on from where the deltas stopped: they add up to it."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tok, self.ids, self.prefix, self.read, self.text, self.sent = tokenizer, [], 0, 0, "", 0
+        self.hold = max(map(len, stop), default=1) - 1
+
+    def push(self, new_ids: list[int], final_text: str | None) -> str:
+        """Add tokens; returns the text that is safe to send now (all the rest once ``final_text`` is set)."""
+        self.ids += new_ids
+        if final_text is None:
+            before = self.tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
+            text = self.tok.decode(self.ids[self.prefix :], skip_special_tokens=True)
+            if len(text) > len(before) and not text.endswith("\ufffd"):
+                self.text += text[len(before) :]
+                self.prefix, self.read = self.read, len(self.ids)
+        text = self.text if final_text is None else final_text
+        end = len(text) - self.hold if final_text is None else len(text)
+        delta = text[self.sent : end] if end > self.sent else ""
+        self.sent += len(delta)
+        return delta
+
+
+def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n: int = 16,
+              max_body_bytes: int = 1 << 22):  # fmt: skip
+    """The FastAPI app over an ``Engine`` (its thread started by the caller): the module docstring's
+    endpoints; README "Serving over HTTP" lists the fields, limits and metrics."""
+    from fastapi import APIRouter, Depends, FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from starlette.exceptions import HTTPException
+
+    tok, max_len, created = engine.llm.tokenizer, engine.llm.config.max_model_len, int(time.time())
+    app = FastAPI(title="nanospec", openapi_url=None)
+    fail = lambda status, msg, param=None: JSONResponse(error_body(status, msg, param), status)  # noqa: E731
+    app.add_exception_handler(ApiError, lambda _, e: fail(e.status, str(e), e.param))
+    app.add_exception_handler(RequestValidationError, lambda _, e: fail(400, str(e)))  # FastAPI's 422: a 400
+    app.add_exception_handler(HTTPException, lambda _, e: fail(e.status_code, str(e.detail)))
+    app.add_exception_handler(Exception, lambda _, e: fail(500, f"internal error: {e!r}"))
+
+    def auth(request: Request):
+        given = request.headers.get("authorization", "").encode()
+        if api_key and not secrets.compare_digest(given, f"Bearer {api_key}".encode()):
+            raise ApiError(401, "a valid API key is required: send the header 'Authorization: Bearer KEY'")
+
+    api = APIRouter(dependencies=[Depends(auth)])
+    app.get("/health")(lambda: Response(status_code=200 if engine.alive() else 503))
+    metrics = lambda: Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)  # noqa: E731
+    api.get("/metrics")(metrics)
+    card = dict(id=model_name, object="model", created=created, owned_by="nanospec", max_model_len=max_len)
+    api.get("/v1/models")(lambda: {"object": "list", "data": [card]})
+
+    async def read_json(request: Request) -> dict:
+        body = bytearray()
+        async for chunk in request.stream():  # counted as it arrives: a huge body is refused, not buffered
+            body += chunk
+            if len(body) > max_body_bytes:
+                raise ApiError(400, f"the request body is over {max_body_bytes} bytes (--max-body-bytes)")
+        try:
+            body = json.loads(body)
+        except ValueError as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        return body
+
+    def prompt_ids(prompt, chat: bool) -> list[int]:
+        if chat:
+            ok = isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)
+            ok = ok and all(type(m.get("role")) is str and type(m.get("content")) is str for m in prompt)
+            if not ok:
+                raise ApiError(400, "messages must be a list of {role: str, content: str}", "messages")
+            if not tok.chat_template:
+                raise ApiError(400, "this model has no chat template: use /v1/completions", "messages")
+            try:
+                prompt = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            except Exception as e:  # the template refuses the conversation (a Jinja error)
+                raise ApiError(400, f"messages: the chat template refused them: {e}", "messages") from None
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one prompt
+        if isinstance(prompt, str) and prompt:  # as LLM.generate; a chat template holds its special tokens
+            return tok.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            return prompt
+        raise ApiError(400, "prompt must be a non-empty string or a non-empty list of token ids", "prompt")
+
+    def field_of(message: str, max_tokens_key: str) -> str | None:
+        """The request field an engine message names ("SamplingParams.top_p must ..." -> "top_p")."""
+        m = re.search(r"SamplingParams\.(\w+)|^(prompt)", message)
+        return max_tokens_key if m and m[1] == "max_tokens" else m and (m[1] or m[2])
+
+    def parse(body: dict, chat: bool):
+        """(prompt ids, one SamplingParams per choice, stream, include_usage); ApiError naming a bad field
+        (the engine's own checks and messages)."""
+        if body.get("model") not in (None, model_name):
+            msg = f"the model {body['model']!r} does not exist; this server has {model_name!r}"
+            raise ApiError(404, msg, "model")
+        n = 1 if body.get("n") is None else body["n"]
+        bad = [k for k, off in OFF.items() if body.get(k) not in off]
+        bad += ["best_of"] * (body.get("best_of") not in (None, n))
+        if bad:
+            raise ApiError(400, f"not supported by nanospec (they would change the output): {bad}", bad[0])
+        if type(n) is not int or not 1 <= n <= max_n:
+            raise ApiError(400, f"n must be an int in [1, {max_n}] (--max-n), got {n!r}", "n")
+        stream, opts = body.get("stream") or False, body.get("stream_options") or {}
+        if not isinstance(stream, bool) or not isinstance(opts, dict):
+            raise ApiError(400, "stream must be a bool and stream_options an object", "stream")
+        ids = prompt_ids(body.get("messages") if chat else body.get("prompt"), chat)
+        if len(ids) >= max_len:
+            msg = f"the prompt has {len(ids)} tokens; max_model_len is {max_len}"
+            raise ApiError(400, msg, "messages" if chat else "prompt")
+        key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+        max_tokens = max_len - len(ids) if body.get(key) is None else body[key]
+        if type(max_tokens) is int and len(ids) + max_tokens > max_len:
+            raise ApiError(400, f"the prompt's {len(ids)} tokens + {key} {max_tokens} exceed max_model_len "
+                           f"{max_len}", key)  # fmt: skip
+        stop = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []
+        if type(stop) is not list or len(stop) > MAX_STOP or any(len(str(x)) > MAX_STOP_LEN for x in stop):
+            msg = f"stop must be a string or at most {MAX_STOP} strings of at most {MAX_STOP_LEN} characters"
+            raise ApiError(400, msg, "stop")
+        get = lambda k, default=None: default if body.get(k) is None else body[k]  # noqa: E731
+        kw = dict(temperature=get("temperature", 1.0), top_p=get("top_p", 1.0), top_k=get("top_k", -1) or -1,
+                  ignore_eos=get("ignore_eos", False), stop=stop, stop_token_ids=get("stop_token_ids"),
+                  cache_salt=get("cache_salt"), max_tokens=max_tokens)  # OpenAI's defaults; top_k 0 is off
+        seed = get("seed")
+        try:  # choice i samples with seed + i: n different samples, each reproducible alone
+            params = [SamplingParams(**kw, seed=seed + i if type(seed) is int else seed) for i in range(n)]
+        except (TypeError, ValueError) as e:
+            raise ApiError(400, str(e), field_of(str(e), key)) from None
+        return ids, params, stream, opts.get("include_usage") is True
+
+    async def serve(request: Request, chat: bool):
+        ids, params, stream, include_usage = parse(await read_json(request), chat)
+        q, n, loop = asyncio.Queue(), len(params), asyncio.get_running_loop()
+        choices = [Choice(i, ids, p, q, loop) for i, p in enumerate(params)]
+        finals, tokens = [None] * n, [0] * n
+        engine.put("add", choices)
+        _, kind, message = await q.get()
+        if kind != "ok":
+            raise ApiError(400 if kind == "bad" else 500, message, field_of(message, "max_tokens"))
+        obj = ("chat.completion" if chat else "text_completion") + (".chunk" if stream and chat else "")
+        head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", object=obj)
+        head |= dict(created=int(time.time()), model=model_name)
+
+        def close():  # every way out: abort what has not finished (its KV blocks and draft input go)
+            if None in finals and engine.alive():
+                engine.put("abort", choices)
+
+        async def updates():
+            while None in finals:
+                i, kind, payload = await q.get()
+                if kind == "fault":
+                    raise ApiError(500, payload)
+                new, finals[i] = payload
+                tokens[i] += len(new)
+                yield i, new, finals[i]
+
+        def usage():
+            out = dict(prompt_tokens=len(ids), completion_tokens=sum(tokens))
+            out["total_tokens"] = len(ids) + sum(tokens)
+            return out | {"prompt_tokens_details": {"cached_tokens": finals[0]["cached"]}}
+
+        def choice(i, text, final):
+            c = {"index": i, "finish_reason": final and final["finish_reason"]}
+            if chat:
+                message = {"role": "assistant", "content": text}
+                c |= {"delta": {"content": text} if text else {}} if stream else {"message": message}
+            else:
+                c |= {"text": text, "logprobs": None}
+            if final and final["accept_lengths"] is not None:
+                c["accept_lengths"] = final["accept_lengths"]  # nanospec's extension: per verify step
+            return c
+
+        if not stream:
+
+            async def disconnect():  # with the body read, receive() returns only once the client has gone
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+
+            async def collect():
+                async for _ in updates():
+                    pass
+
+            work, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnect())
+            try:
+                await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+                work.cancel()
+                close()
+            if None in finals:  # a fault (raised here), or the client has gone
+                _ = work.done() and not work.cancelled() and work.result()
+                return Response(status_code=499)
+            return head | dict(choices=[choice(i, f["text"], f) for i, f in enumerate(finals)], usage=usage())
+
+        def event(data: dict) -> str:
+            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        async def sse():
+            detoks = [Detokenizer(tok, p.stop) for p in params]
+            extra = {"usage": None} if include_usage else {}
+            try:
+                for i in range(n) if chat else []:
+                    c = {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                    yield event(head | {"choices": [c]} | extra)
+                async for i, new, final in updates():
+                    text = detoks[i].push(new, final and final["text"])
+                    if text or final:
+                        yield event(head | {"choices": [choice(i, text, final)]} | extra)
+                if include_usage:
+                    yield event(head | {"choices": [], "usage": usage()})
+            except ApiError as e:  # after the stream started: one error event, then [DONE]
+                yield event(error_body(e.status, str(e), e.param))
+            yield "data: [DONE]\n\n"
+
+        class Stream(StreamingResponse):
+            async def __call__(self, scope, receive, send):
+                try:  # Starlette cancels the stream when the client disconnects
+                    await super().__call__(scope, receive, send)
+                finally:
+                    close()
+
+        return Stream(sse(), media_type="text/event-stream")
+
+    @api.post("/v1/completions")
+    async def completions(request: Request):
+        return await serve(request, chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await serve(request, chat=True)
+
+    app.include_router(api)
+    return app
+
+
+def parse_args(argv=None):
+    """``nanospec-serve``'s options; the engine's go through ``EngineConfig``'s own checks here, before any
+    weights load. Returns (parser, args, LLM keyword arguments)."""
+    from ..mtp.worker import DEFAULT_ASSISTANT
+    from ..tools.cli import HelpFormatter, number
+
+    ap = argparse.ArgumentParser("nanospec-serve", description=__doc__, formatter_class=HelpFormatter)
+    a = ap.add_argument
+    a("model", nargs="?", help="HF-format model dir (default: SmolLM2-135M-Instruct)")
+    a("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    a("--port", type=number(int, 0), default=8000, help="0: any free port (printed once listening)")
+    a("--api-key", default=os.environ.get("NANOSPEC_API_KEY"), help="bearer key (env NANOSPEC_API_KEY)")
+    a("--served-model-name", help="the `model` clients send (default: MODEL_DIR or the default's name)")
+    a("--max-n", type=number(int, 1), default=16, help="largest `n` of a request")
+    a("--max-body-bytes", type=number(int, 1), default=1 << 22, help="largest request body")
+    engine_fields = [f for f in fields(EngineConfig) if f.name not in ("model", "trace")]
+    for f in engine_fields:  # every LLM option, as --kebab-case
+        flag, kind, doc = "--" + f.name.replace("_", "-"), f.type, f"LLM({f.name}=...)"
+        if f.name == "assistant":
+            a(flag, default="auto", help="DIR | default | none | auto (the shipped one on the default model)")
+        elif kind in (bool, bool | None):
+            a(flag, action=argparse.BooleanOptionalAction, default=f.default, help=doc)
+        else:
+            typ = int if kind in (int, int | None) else float if kind is float else str
+            a(flag, type=typ, default=f.default, help=doc)
+    args = ap.parse_args(argv)
+    kw = {f.name: getattr(args, f.name) for f in engine_fields}
+    shipped = args.model is None and (DEFAULT_ASSISTANT / "config.json").exists()
+    kw["assistant"] = dict(auto="default" if shipped else None, none=None).get(args.assistant, args.assistant)
+    if args.port > 65535:
+        ap.error(f"--port must be in [0, 65535], got {args.port}")
+    if args.model is not None and not os.path.isdir(args.model):
+        ap.error(f"MODEL_DIR must be an HF-format model dir, got {args.model!r} (no such dir)")
+    try:
+        EngineConfig(model=args.model, **kw)
+    except (TypeError, ValueError) as e:
+        ap.error(str(e))
+    return ap, args, kw
+
+
+def main(argv=None) -> None:
+    """Check the options, bind the port, load the engine, then listen and print ``listening on URL``."""
+    ap, args, kw = parse_args(argv)
+    import uvicorn
+
+    from .. import LLM, loader
+
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:  # bound before the weights load (a taken port fails at once), listening once the engine is ready
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        ap.error(f"cannot listen on --host {args.host} --port {args.port}: {e.strerror}")
+    loader.configure_cpu_threads()
+    try:
+        llm = LLM(args.model, **kw)
+    except ValueError as e:
+        ap.error(str(e))
+    name = args.served_model_name or args.model or loader.DEFAULT_MODEL_NAME
+    engine = Engine(llm, Metrics(name, llm.config.num_steps if llm.worker is not None else 0))
+    app = build_app(engine, name, args.api_key, args.max_n, args.max_body_bytes)
+    engine.thread.start()
+    sock.listen(2048)
+    host, port = sock.getsockname()[:2]
+    if not args.api_key and host not in ("127.0.0.1", "::1"):
+        print(f"nanospec-serve: warning: {host} is open to others and no --api-key is set", file=sys.stderr)
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    print(f"nanospec-serve: {name} listening on {url}", flush=True)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
