@@ -21,7 +21,6 @@ import queue
 import re
 import secrets
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -30,7 +29,7 @@ from dataclasses import fields
 from ..config import EngineConfig
 from ..sampling_params import SamplingParams
 
-MAX_STOP, MAX_STOP_LEN = 16, 256  # stop strings per request, characters per stop string
+MAX_BODY, MAX_STOP, MAX_STOP_LEN = 1 << 22, 16, 256  # request body bytes, stop strings, characters per stop
 # fields that would change the output and that nanospec does not implement, with the values that mean "off"
 OFF = dict(logprobs=(None, False, 0), top_logprobs=(None, 0), prompt_logprobs=(None, 0), echo=(None, False),
            suffix=(None, ""), tools=(None, []), functions=(None, []), logit_bias=(None, {}),
@@ -50,11 +49,10 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.param = status, param
 
-
-def error_body(status: int, message: str, param: str | None = None) -> dict:
-    """The OpenAI error schema."""
-    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(status, "APIError")
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    def body(self) -> dict:
+        """The OpenAI error schema."""
+        kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(self.status)
+        return {"error": dict(message=str(self), type=kind or "APIError", param=self.param, code=self.status)}
 
 
 class Metrics:
@@ -99,7 +97,8 @@ class Metrics:
 
 class Choice:
     """One choice of one HTTP request (its own engine request): the handler's asyncio queue, and what the
-    engine thread has sent of it."""
+    engine thread has sent of it. ``post`` (engine thread): "ok" (accepted), "bad" / "fault" (a 400 / 500
+    message) or "tokens" (new token ids, the final dict or None)."""
 
     def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, q: asyncio.Queue, loop):
         self.index, self.prompt_ids, self.params, self.q, self.loop = index, prompt_ids, params, q, loop
@@ -107,8 +106,6 @@ class Choice:
         self.t0 = time.perf_counter()
 
     def post(self, kind: str, payload=None) -> None:
-        """From the engine thread: "ok" (accepted), "bad" / "fault" (a 400 / 500 message) or "tokens"
-        (new token ids, the final dict or None)."""
         self.loop.call_soon_threadsafe(self.q.put_nowait, (self.index, kind, payload))
 
 
@@ -148,12 +145,8 @@ class Engine:
             raise
 
     def _drain(self, block: bool) -> None:
-        while True:
-            try:
-                kind, choices = self.inbox.get(block=block)
-            except queue.Empty:
-                return
-            block = False
+        while block or not self.inbox.empty():  # waits for the first message only when idle
+            (kind, choices), block = self.inbox.get(), False
             if kind == "abort":
                 for c in choices:
                     if c.req is not None and self.live.pop(c.req.request_id, None) is not None:
@@ -167,13 +160,13 @@ class Engine:
                     self.live[c.req.request_id] = c
             except (ValueError, TypeError) as e:
                 choices[0].post("bad", str(e))
-                continue
-            choices[0].post("ok")
+            else:
+                choices[0].post("ok")
 
     def _publish(self) -> None:
         llm, m, now = self.llm, self.metrics, time.perf_counter()
         for rid, c in list(self.live.items()):
-            r = c.req
+            r, final = c.req, None
             new = r.output_token_ids[c.sent :]
             if not new and not r.is_finished:
                 continue
@@ -193,15 +186,15 @@ class Engine:
                 m.accepted.inc(a - 1)
                 for pos in range(a - 1):
                     m.per_pos[pos].inc()
-            c.num_accept, final = len(r.accept_lengths), None
+            c.num_accept = len(r.accept_lengths)
             if r.is_finished:
                 del self.live[rid]
                 m.success[r.finish_reason].inc()
                 if c.sent > 1:
                     m.tpot.observe((now - c.t_first) / (c.sent - 1))
                 accept = list(r.accept_lengths) if llm.worker is not None else None
-                final = dict(text=r.output_text(), finish_reason=r.finish_reason, accept_lengths=accept)
-                final["cached"] = r.num_cached_tokens or 0
+                final = dict(text=r.output_text(), finish_reason=r.finish_reason, accept_lengths=accept,
+                             cached=r.num_cached_tokens or 0)  # fmt: skip
             c.post("tokens", (new, final))
         alloc = llm.scheduler.allocator
         m.waiting.set(len(llm.scheduler.waiting))
@@ -230,14 +223,12 @@ class Detokenizer:
                 self.text += text[len(before) :]
                 self.prefix, self.read = self.read, len(self.ids)
         text = self.text if final_text is None else final_text
-        end = len(text) - self.hold if final_text is None else len(text)
-        delta = text[self.sent : end] if end > self.sent else ""
+        delta = text[self.sent : max(len(text) - (self.hold if final_text is None else 0), 0)]
         self.sent += len(delta)
         return delta
 
 
-def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n: int = 16,
-              max_body_bytes: int = 1 << 22):  # fmt: skip
+def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n: int = 16):
     """The FastAPI app over an ``Engine`` (its thread started by the caller): the module docstring's
     endpoints; README "Serving over HTTP" lists the fields, limits and metrics."""
     from fastapi import APIRouter, Depends, FastAPI, Request
@@ -248,11 +239,11 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
 
     tok, max_len, created = engine.llm.tokenizer, engine.llm.config.max_model_len, int(time.time())
     app = FastAPI(title="nanospec", openapi_url=None)
-    fail = lambda status, msg, param=None: JSONResponse(error_body(status, msg, param), status)  # noqa: E731
-    app.add_exception_handler(ApiError, lambda _, e: fail(e.status, str(e), e.param))
-    app.add_exception_handler(RequestValidationError, lambda _, e: fail(400, str(e)))  # FastAPI's 422: a 400
-    app.add_exception_handler(HTTPException, lambda _, e: fail(e.status_code, str(e.detail)))
-    app.add_exception_handler(Exception, lambda _, e: fail(500, f"internal error: {e!r}"))
+    fail = lambda e: JSONResponse(e.body(), e.status)  # noqa: E731
+    app.add_exception_handler(ApiError, lambda _, e: fail(e))
+    app.add_exception_handler(RequestValidationError, lambda _, e: fail(ApiError(400, str(e))))  # not a 422
+    app.add_exception_handler(HTTPException, lambda _, e: fail(ApiError(e.status_code, str(e.detail))))
+    app.add_exception_handler(Exception, lambda _, e: fail(ApiError(500, f"internal error: {e!r}")))
 
     def auth(request: Request):
         given = request.headers.get("authorization", "").encode()
@@ -261,30 +252,15 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
 
     api = APIRouter(dependencies=[Depends(auth)])
     app.get("/health")(lambda: Response(status_code=200 if engine.alive() else 503))
-    metrics = lambda: Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)  # noqa: E731
-    api.get("/metrics")(metrics)
+    prometheus = lambda: Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)  # noqa: E731
+    api.get("/metrics")(prometheus)
     card = dict(id=model_name, object="model", created=created, owned_by="nanospec", max_model_len=max_len)
     api.get("/v1/models")(lambda: {"object": "list", "data": [card]})
-
-    async def read_json(request: Request) -> dict:
-        body = bytearray()
-        async for chunk in request.stream():  # counted as it arrives: a huge body is refused, not buffered
-            body += chunk
-            if len(body) > max_body_bytes:
-                raise ApiError(400, f"the request body is over {max_body_bytes} bytes (--max-body-bytes)")
-        try:
-            body = json.loads(body)
-        except ValueError as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        return body
 
     def prompt_ids(prompt, chat: bool) -> list[int]:
         if chat:
             ok = isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)
-            ok = ok and all(type(m.get("role")) is str and type(m.get("content")) is str for m in prompt)
-            if not ok:
+            if not ok or not all(type(m.get("role")) is type(m.get("content")) is str for m in prompt):
                 raise ApiError(400, "messages must be a list of {role: str, content: str}", "messages")
             if not tok.chat_template:
                 raise ApiError(400, "this model has no chat template: use /v1/completions", "messages")
@@ -292,8 +268,8 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
                 prompt = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
             except Exception as e:  # the template refuses the conversation (a Jinja error)
                 raise ApiError(400, f"messages: the chat template refused them: {e}", "messages") from None
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one prompt
+        if isinstance(prompt, list) and len(prompt) == 1 and type(prompt[0]) in (str, list):
+            prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str) and prompt:  # as LLM.generate; a chat template holds its special tokens
             return tok.encode(prompt, add_special_tokens=False)
         if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
@@ -305,36 +281,36 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
         m = re.search(r"SamplingParams\.(\w+)|^(prompt)", message)
         return max_tokens_key if m and m[1] == "max_tokens" else m and (m[1] or m[2])
 
-    def parse(body: dict, chat: bool):
+    def parse(body, chat: bool):
         """(prompt ids, one SamplingParams per choice, stream, include_usage); ApiError naming a bad field
         (the engine's own checks and messages)."""
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
         if body.get("model") not in (None, model_name):
             msg = f"the model {body['model']!r} does not exist; this server has {model_name!r}"
             raise ApiError(404, msg, "model")
-        n = 1 if body.get("n") is None else body["n"]
-        bad = [k for k, off in OFF.items() if body.get(k) not in off]
-        bad += ["best_of"] * (body.get("best_of") not in (None, n))
+        get = lambda k, default=None: default if body.get(k) is None else body[k]  # noqa: E731
+        n = get("n", 1)
+        bad = [k for k, off in OFF.items() if body.get(k) not in off] + ["best_of"] * (get("best_of", n) != n)
         if bad:
             raise ApiError(400, f"not supported by nanospec (they would change the output): {bad}", bad[0])
         if type(n) is not int or not 1 <= n <= max_n:
             raise ApiError(400, f"n must be an int in [1, {max_n}] (--max-n), got {n!r}", "n")
-        stream, opts = body.get("stream") or False, body.get("stream_options") or {}
-        if not isinstance(stream, bool) or not isinstance(opts, dict):
+        stream, opts = get("stream", False), get("stream_options", {})
+        if type(stream) is not bool or not isinstance(opts, dict):
             raise ApiError(400, "stream must be a bool and stream_options an object", "stream")
         ids = prompt_ids(body.get("messages") if chat else body.get("prompt"), chat)
         if len(ids) >= max_len:
-            msg = f"the prompt has {len(ids)} tokens; max_model_len is {max_len}"
-            raise ApiError(400, msg, "messages" if chat else "prompt")
+            raise ApiError(400, f"the prompt has {len(ids)} tokens; max_model_len is {max_len}", "prompt")
         key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-        max_tokens = max_len - len(ids) if body.get(key) is None else body[key]
+        max_tokens = get(key, max_len - len(ids))
         if type(max_tokens) is int and len(ids) + max_tokens > max_len:
             raise ApiError(400, f"the prompt's {len(ids)} tokens + {key} {max_tokens} exceed max_model_len "
                            f"{max_len}", key)  # fmt: skip
-        stop = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []
+        stop = [body["stop"]] if isinstance(body.get("stop"), str) else get("stop", [])
         if type(stop) is not list or len(stop) > MAX_STOP or any(len(str(x)) > MAX_STOP_LEN for x in stop):
             msg = f"stop must be a string or at most {MAX_STOP} strings of at most {MAX_STOP_LEN} characters"
             raise ApiError(400, msg, "stop")
-        get = lambda k, default=None: default if body.get(k) is None else body[k]  # noqa: E731
         kw = dict(temperature=get("temperature", 1.0), top_p=get("top_p", 1.0), top_k=get("top_k", -1) or -1,
                   ignore_eos=get("ignore_eos", False), stop=stop, stop_token_ids=get("stop_token_ids"),
                   cache_salt=get("cache_salt"), max_tokens=max_tokens)  # OpenAI's defaults; top_k 0 is off
@@ -346,7 +322,16 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
         return ids, params, stream, opts.get("include_usage") is True
 
     async def serve(request: Request, chat: bool):
-        ids, params, stream, include_usage = parse(await read_json(request), chat)
+        body = bytearray()
+        async for chunk in request.stream():  # counted as it arrives: a huge body is refused, not buffered
+            body += chunk
+            if len(body) > MAX_BODY:
+                raise ApiError(400, f"the request body is over the limit of {MAX_BODY} bytes")
+        try:
+            body = json.loads(body)
+        except ValueError as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        ids, params, stream, include_usage = parse(body, chat)
         q, n, loop = asyncio.Queue(), len(params), asyncio.get_running_loop()
         choices = [Choice(i, ids, p, q, loop) for i, p in enumerate(params)]
         finals, tokens = [None] * n, [0] * n
@@ -358,10 +343,6 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
         head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", object=obj)
         head |= dict(created=int(time.time()), model=model_name)
 
-        def close():  # every way out: abort what has not finished (its KV blocks and draft input go)
-            if None in finals and engine.alive():
-                engine.put("abort", choices)
-
         async def updates():
             while None in finals:
                 i, kind, payload = await q.get()
@@ -370,11 +351,6 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
                 new, finals[i] = payload
                 tokens[i] += len(new)
                 yield i, new, finals[i]
-
-        def usage():
-            out = dict(prompt_tokens=len(ids), completion_tokens=sum(tokens))
-            out["total_tokens"] = len(ids) + sum(tokens)
-            return out | {"prompt_tokens_details": {"cached_tokens": finals[0]["cached"]}}
 
         def choice(i, text, final):
             c = {"index": i, "finish_reason": final and final["finish_reason"]}
@@ -387,56 +363,58 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
                 c["accept_lengths"] = final["accept_lengths"]  # nanospec's extension: per verify step
             return c
 
-        if not stream:
+        def usage():
+            out = dict(prompt_tokens=len(ids), completion_tokens=sum(tokens))
+            out["total_tokens"] = len(ids) + sum(tokens)
+            return out | {"prompt_tokens_details": {"cached_tokens": finals[0]["cached"]}}
 
-            async def disconnect():  # with the body read, receive() returns only once the client has gone
-                while (await request.receive())["type"] != "http.disconnect":
-                    pass
+        def event(data: dict) -> dict:
+            data = f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+            return {"type": "http.response.body", "body": data, "more_body": True}
 
-            async def collect():
-                async for _ in updates():
-                    pass
+        class Reply(StreamingResponse):
+            """Streamed: SSE events (an error after the start as one more event), then [DONE]. Not streamed:
+            one JSON body, its status known once the answer is. Either way Starlette cancels the reply when
+            the client disconnects, and what has not finished is aborted (its KV blocks and draft input go)
+            before the next engine step."""
 
-            work, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnect())
-            try:
-                await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                gone.cancel()
-                work.cancel()
-                close()
-            if None in finals:  # a fault (raised here), or the client has gone
-                _ = work.done() and not work.cancelled() and work.result()
-                return Response(status_code=499)
-            return head | dict(choices=[choice(i, f["text"], f) for i, f in enumerate(finals)], usage=usage())
-
-        def event(data: dict) -> str:
-            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-        async def sse():
-            detoks = [Detokenizer(tok, p.stop) for p in params]
-            extra = {"usage": None} if include_usage else {}
-            try:
-                for i in range(n) if chat else []:
-                    c = {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                    yield event(head | {"choices": [c]} | extra)
-                async for i, new, final in updates():
-                    text = detoks[i].push(new, final and final["text"])
-                    if text or final:
-                        yield event(head | {"choices": [choice(i, text, final)]} | extra)
-                if include_usage:
-                    yield event(head | {"choices": [], "usage": usage()})
-            except ApiError as e:  # after the stream started: one error event, then [DONE]
-                yield event(error_body(e.status, str(e), e.param))
-            yield "data: [DONE]\n\n"
-
-        class Stream(StreamingResponse):
             async def __call__(self, scope, receive, send):
-                try:  # Starlette cancels the stream when the client disconnects
+                try:
                     await super().__call__(scope, receive, send)
                 finally:
-                    close()
+                    if None in finals and engine.alive():
+                        engine.put("abort", choices)
 
-        return Stream(sse(), media_type="text/event-stream")
+            async def stream_response(self, send):
+                if not stream:
+                    try:
+                        async for _ in updates():
+                            pass
+                        out = [choice(i, f["text"], f) for i, f in enumerate(finals)]
+                        status, out = 200, head | {"choices": out, "usage": usage()}
+                    except ApiError as e:
+                        status, out = e.status, e.body()
+                    data = json.dumps(out).encode()
+                    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
+                    await send({"type": "http.response.start", "status": status, "headers": headers})
+                    return await send({"type": "http.response.body", "body": data})
+                await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+                detoks = [Detokenizer(tok, p.stop) for p in params]
+                extra = {"usage": None} if include_usage else {}
+                try:
+                    for i in range(n) if chat else []:
+                        c = {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                        await send(event(head | {"choices": [c]} | extra))
+                    async for i, new, final in updates():
+                        if (text := detoks[i].push(new, final and final["text"])) or final:
+                            await send(event(head | {"choices": [choice(i, text, final)]} | extra))
+                    if include_usage:
+                        await send(event(head | {"choices": [], "usage": usage()}))
+                except ApiError as e:
+                    await send(event(e.body()))
+                await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+        return Reply((), media_type="text/event-stream")
 
     @api.post("/v1/completions")
     async def completions(request: Request):
@@ -464,9 +442,8 @@ def parse_args(argv=None):
     a("--api-key", default=os.environ.get("NANOSPEC_API_KEY"), help="bearer key (env NANOSPEC_API_KEY)")
     a("--served-model-name", help="the `model` clients send (default: MODEL_DIR or the default's name)")
     a("--max-n", type=number(int, 1), default=16, help="largest `n` of a request")
-    a("--max-body-bytes", type=number(int, 1), default=1 << 22, help="largest request body")
     engine_fields = [f for f in fields(EngineConfig) if f.name not in ("model", "trace")]
-    for f in engine_fields:  # every LLM option, as --kebab-case
+    for f in engine_fields:  # every LLM option, as --kebab-case; EngineConfig checks the values below
         flag, kind, doc = "--" + f.name.replace("_", "-"), f.type, f"LLM({f.name}=...)"
         if f.name == "assistant":
             a(flag, default="auto", help="DIR | default | none | auto (the shipped one on the default model)")
@@ -498,24 +475,20 @@ def main(argv=None) -> None:
     from .. import LLM, loader
 
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:  # bound before the weights load (a taken port fails at once), listening once the engine is ready
         sock.bind((args.host, args.port))
+        loader.configure_cpu_threads()
+        llm = LLM(args.model, **kw)
     except OSError as e:
         ap.error(f"cannot listen on --host {args.host} --port {args.port}: {e.strerror}")
-    loader.configure_cpu_threads()
-    try:
-        llm = LLM(args.model, **kw)
     except ValueError as e:
         ap.error(str(e))
     name = args.served_model_name or args.model or loader.DEFAULT_MODEL_NAME
     engine = Engine(llm, Metrics(name, llm.config.num_steps if llm.worker is not None else 0))
-    app = build_app(engine, name, args.api_key, args.max_n, args.max_body_bytes)
+    app = build_app(engine, name, args.api_key, args.max_n)
     engine.thread.start()
     sock.listen(2048)
     host, port = sock.getsockname()[:2]
-    if not args.api_key and host not in ("127.0.0.1", "::1"):
-        print(f"nanospec-serve: warning: {host} is open to others and no --api-key is set", file=sys.stderr)
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     print(f"nanospec-serve: {name} listening on {url}", flush=True)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
