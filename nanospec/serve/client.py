@@ -10,10 +10,8 @@ speculation), E2E latency, each as mean / median / p99 in ms, plus request throu
 
 import asyncio
 import json
-import math
-import queue
+import os
 import random
-import re
 import subprocess
 import sys
 import threading
@@ -24,25 +22,20 @@ import numpy as np
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")  # sent per request
 
 
-def launch(argv: list[str], timeout: float = 600.0, **popen):
+def launch(argv: list[str], timeout: float = 3600, **popen):
     """Start ``python -m nanospec.serve *argv`` on a free loopback port (``--port 0``: the server prints its
     URL once it listens, so there is no port race; ``popen``: more Popen arguments). Returns (process, base
-    URL); RuntimeError, the process stopped, if it exits or ``timeout`` s pass first."""
+    URL); RuntimeError if it exits, or is killed after ``timeout`` s, before listening."""
     cmd = [sys.executable, "-m", "nanospec.serve", *argv, "--host", "127.0.0.1", "--port", "0"]
-    proc, lines = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, **popen), queue.SimpleQueue()
-    threading.Thread(target=lambda: [*map(lines.put, proc.stdout), lines.put("")], daemon=True).start()
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            line = lines.get(timeout=max(deadline - time.monotonic(), 0))
-        except queue.Empty:
-            line = ""
-        if m := re.search(r"listening on (http://\S+)", line):
-            return proc, m[1]
-        if not line:
-            stop(proc)
-            raise RuntimeError(f"nanospec-serve did not start in {timeout:.0f} s (exit {proc.returncode})")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, **popen)
+    (watchdog := threading.Timer(timeout, proc.kill)).start()
+    for line in proc.stdout:  # its start-up output, passed on, up to the URL (nothing follows on stdout)
+        if url := line.partition(" listening on ")[2].strip():
+            watchdog.cancel()
+            return proc, url
         print(line, end="")
+    watchdog.cancel()
+    raise RuntimeError(f"nanospec-serve exited with code {proc.wait()} before listening")
 
 
 def stop(proc) -> None:
@@ -55,102 +48,77 @@ def stop(proc) -> None:
         proc.wait()
 
 
-async def one_request(client, body: dict) -> dict:
-    """One streamed completion: TTFT, ITLs and E2E in s, output tokens (RuntimeError on an error)."""
-    t0 = last = time.perf_counter()
-    ttft, itl, tokens = None, [], 0
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data, now = json.loads(line[6:]), time.perf_counter()
-            if "error" in data:
-                raise RuntimeError(data["error"]["message"])
-            if data.get("choices"):
-                ttft, itl = (now - t0, itl) if ttft is None else (ttft, itl + [now - last])
-                last = now
-            tokens = (data.get("usage") or {}).get("completion_tokens", tokens)
-    return dict(ttft=ttft, itl=itl, e2e=time.perf_counter() - t0, tokens=tokens)
+async def one_request(client, body: dict, slots=None) -> dict:
+    """One streamed completion (once one of ``slots`` is free): TTFT, ITLs and E2E in s, output tokens
+    (RuntimeError on an error)."""
+    async with slots or asyncio.Semaphore():
+        t0 = last = time.perf_counter()
+        ttft, itl, tokens = None, [], 0
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                data, now = json.loads(line[6:]) if line.startswith("data: {") else {}, time.perf_counter()
+                if "error" in data:
+                    raise RuntimeError(data["error"]["message"])
+                if data.get("choices"):  # as vLLM's client: TTFT at the first chunk with choices, then gaps
+                    itl += [] if ttft is None else [now - last]
+                    ttft, last = now - t0 if ttft is None else ttft, now
+                tokens = (data.get("usage") or {}).get("completion_tokens", tokens)
+        return dict(ttft=ttft, itl=itl, e2e=time.perf_counter() - t0, tokens=tokens)
 
 
-async def run_load(base_url, prompts, params, request_rate=math.inf, max_concurrency=0, seed=0, api_key=None):
+async def run_load(base_url, prompts, params, request_rate=None, max_concurrency=None, seed=0, api_key=None):
     """Send every request (token ids, SamplingParams) after a warm-up one; returns (results, duration s)."""
     import httpx
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    headers, limits = {"Authorization": f"Bearer {api_key}"}, httpx.Limits(max_connections=None)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=None, limits=limits) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         base, keys = dict(model=model, stream=True, stream_options={"include_usage": True}), SAMPLING_KEYS
         bodies = [base | {k: getattr(sp, k) for k in keys} | {"prompt": p} for p, sp in zip(prompts, params)]
         await one_request(client, bodies[0] | {"max_tokens": min(8, params[0].max_tokens)})
         slots, rng, tasks = asyncio.Semaphore(max_concurrency or len(bodies)), random.Random(seed), []
-
-        async def limited(body):
-            async with slots:
-                return await one_request(client, body)
-
         t0 = time.perf_counter()
-        for body in bodies:
-            tasks.append(asyncio.ensure_future(limited(body)))
-            if math.isfinite(request_rate):
-                await asyncio.sleep(rng.expovariate(request_rate))
+        for body in bodies:  # Poisson arrivals: exponential gaps (vLLM's burstiness 1)
+            tasks.append(asyncio.ensure_future(one_request(client, body, slots)))
+            await asyncio.sleep(rng.expovariate(request_rate) if request_rate else 0)
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - t0
 
 
-def summarize(results: list[dict], duration: float) -> dict:
-    """vLLM's serving figures (module docstring) from ``run_load``'s results."""
+def summarize(results: list[dict], duration: float, label: str = "") -> dict:
+    """vLLM's serving figures (module docstring) from ``run_load``'s results, printed after ``label``."""
     total = sum(r["tokens"] for r in results)
     res = dict(completed=len(results), duration_s=duration, total_output_tokens=total)
     res.update(request_throughput=len(results) / duration, output_throughput=total / duration)
     tpot = [(r["e2e"] - r["ttft"]) / (r["tokens"] - 1) for r in results if r["tokens"] > 1]
     series = dict(ttft=[r["ttft"] for r in results], tpot=tpot, itl=sum((r["itl"] for r in results), []))
     for name, vals in (series | {"e2el": [r["e2e"] for r in results]}).items():
-        vals = np.asarray(vals or [math.nan]) * 1000
-        res.update({f"mean_{name}_ms": vals.mean(), f"median_{name}_ms": np.median(vals)})
+        vals = np.asarray(vals or [float("nan")]) * 1000
+        res |= {f"mean_{name}_ms": vals.mean(), f"median_{name}_ms": np.median(vals)}
         res[f"p99_{name}_ms"] = np.percentile(vals, 99)
+    print(f"{label}Serving: " + ", ".join(f"{k} {v:.6g}" for k, v in res.items()))
     return res
 
 
-def report(res: dict, label: str = "") -> None:
-    print(f"{f' Serving Benchmark Result {label}':=^60}")
-    for k, v in res.items():
-        print(f"{k:<40}{v:>20.2f}" if isinstance(v, float) else f"{k:<40}{v:>20}")
+def measure(args, model_dir, assistant, prompts, params, label="", phases=False, **option) -> dict:
+    """bench.py's ``measure`` over HTTP: the workload against ``--base-url``, or against nanospec-serve
+    started with bench.py's engine options, ``assistant`` (DIR or None) and the LLM ``option``s (stopped
+    after), so ``--compare`` runs each round on a fresh server; ``phases`` is for the in-process engine
+    only. Prints the figures after ``label``; returns them (``throughput_tok_s``: output tokens/s)."""
+    from ..tools.bench import ENGINE, SPEC
 
-
-def run(args, model_dir, assistant, prompts, params) -> dict:
-    """``bench.py --serve`` (start the server with bench.py's engine options, assistant DIR or None) or
-    ``--base-url URL``; ``--compare-spec`` with ``--serve``: servers with and without the assistant, rounds
-    on, off, on, off, and the spec/plain ratios of the best round (by output tokens/s) of each side."""
+    given = {k: getattr(args, k) for k in ENGINE + SPEC * bool(assistant)} | option
+    argv = [str(model_dir), "--assistant", assistant or "none", *["--load-format=dummy"] * bool(args.shape)]
+    for k, v in given.items():  # a bool as --name / --no-name; None: the server's default
+        flag = f"--{'no-' * (v is False)}{k.replace('_', '-')}"
+        argv += [] if v is None else [flag] if isinstance(v, bool) else [flag, str(v)]
+    proc, url = launch(argv) if args.base_url is None else (None, args.base_url)
     load = dict(request_rate=args.request_rate, max_concurrency=args.max_concurrency, seed=args.seed)
-    load["api_key"] = args.api_key
-    if args.base_url:
-        res = summarize(*asyncio.run(run_load(args.base_url, prompts, params, **load)))
-        report(res)
-        return res
-    engine = [str(model_dir), "--device", args.device, "--dtype", args.dtype, "--seed", str(args.seed)]
-    spec = ["num_steps", "topk", "num_draft_tokens"] if assistant else []
-    for k in ["max_model_len", "max_num_seqs", "max_num_batched_tokens", *spec]:
-        engine += [f"--{k.replace('_', '-')}", str(getattr(args, k))] if getattr(args, k) is not None else []
-    engine += ["--enforce-eager"] * args.enforce_eager + ["--load-format", "dummy"] * bool(args.shape)
-    sides = [assistant, None] if args.compare == "assistant" else [assistant]
-    servers = [launch(engine + ["--assistant", side or "none"]) for side in sides]
+    load["api_key"] = os.environ.get("NANOSPEC_API_KEY")  # the bearer key, as for nanospec-serve
     try:
-        rounds = [[], []]
-        for _ in range(len(sides)):  # --compare-spec: on, off, on, off
-            for side, (_, url) in enumerate(servers):
-                rounds[side].append(summarize(*asyncio.run(run_load(url, prompts, params, **load))))
-                report(rounds[side][-1], f"(assistant {'on' if side == 0 and assistant else 'off'}) ")
+        results, duration = asyncio.run(run_load(url, prompts, params, **load))
     finally:
-        for proc, _ in servers:
-            stop(proc)
-    best = [max(r, key=lambda x: x["output_throughput"]) for r in rounds if r]
-    res = best[0] | dict(rounds=rounds)
-    if len(best) == 2:
-        keys = ("output_throughput", "mean_tpot_ms", "mean_ttft_ms", "mean_itl_ms", "mean_e2el_ms")
-        res["spec_over_plain"] = {k: best[0][k] / best[1][k] for k in keys}
-        print("spec / plain: " + ", ".join(f"{k} {v:.2f}x" for k, v in res["spec_over_plain"].items()))
-    return res
+        _ = proc and stop(proc)
+    res = summarize(results, duration, label)
+    return res | dict(throughput_tok_s=res["output_throughput"], total_tokens=res["total_output_tokens"])

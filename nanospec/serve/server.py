@@ -10,20 +10,21 @@ endpoint but /health needs `Authorization: Bearer KEY`.
 One engine thread owns the LLM and loops ``step()``; HTTP handlers never call the engine: they put work on a
 thread-safe queue and read their request's updates from an asyncio queue that the engine thread fills through
 ``loop.call_soon_threadsafe``. A client that goes away (streaming or not) is aborted before the next engine
-step, which releases its KV blocks and draft input. Every option is checked before any weights load.
+step, which releases its KV blocks and draft input. Every option is checked before any weights load. The
+handlers check the JSON themselves with the engine's own checks, so bad input is a 400 (FastAPI's 422 never
+comes up).
 """
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import queue
-import re
 import secrets
 import socket
 import threading
 import time
-import uuid
 from dataclasses import fields
 
 from ..config import EngineConfig
@@ -31,15 +32,13 @@ from ..sampling_params import SamplingParams
 
 MAX_BODY, MAX_STOP, MAX_STOP_LEN = 1 << 22, 16, 256  # request body bytes, stop strings, characters per stop
 # fields that would change the output and that nanospec does not implement, with the values that mean "off"
-OFF = dict(logprobs=(None, False, 0), top_logprobs=(None, 0), prompt_logprobs=(None, 0), echo=(None, False),
-           suffix=(None, ""), tools=(None, []), functions=(None, []), logit_bias=(None, {}),
-           min_tokens=(None, 0), presence_penalty=(None, 0), frequency_penalty=(None, 0),
-           use_beam_search=(None, False), response_format=(None, {"type": "text"}))
+OFF = dict.fromkeys("logprobs top_logprobs prompt_logprobs echo suffix tools functions logit_bias min_tokens "
+                    "presence_penalty frequency_penalty use_beam_search".split(), (None, 0, "", [], {}))
+OFF["response_format"] = (None, {"type": "text"})
 # vLLM's histogram buckets (s): time to first token, then per-token latencies
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40,
                 80, 160, 640, 2560]
-TOKEN_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40,
-                 80]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80]
 
 
 class ApiError(Exception):
@@ -58,18 +57,19 @@ class ApiError(Exception):
 class Metrics:
     """vLLM's Prometheus metrics, by its names and meanings (vllm/v1/metrics/loggers.py and
     vllm/v1/spec_decode/metrics.py), labelled ``model_name`` and ``engine``; the spec-decode counters exist
-    only with an assistant (``num_positions`` = num_steps). Plus ``nanospec:num_draft_inputs`` (requests
-    holding a draft input: 0 whenever the engine is idle)."""
+    only with an assistant (``num_positions`` = num_steps). The time-per-output-token histogram is
+    ``inter_token_latency_seconds``, vLLM's name for it since 0.11 (one observation per engine step that
+    delivers tokens). Plus ``nanospec:num_draft_inputs`` (requests holding a draft input: 0 when idle)."""
 
     def __init__(self, model_name: str, num_positions: int):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
         disable_created_metrics()  # as vLLM: no *_created series
-        self.registry, labels = CollectorRegistry(), {"model_name": model_name, "engine": "0"}
+        self.registry = reg = CollectorRegistry()
+        labels = {"model_name": model_name, "engine": "0"}
 
         def make(cls, name, doc, extra=(), **kw):
-            name = name if ":" in name else f"vllm:{name}"
-            m = cls(name, doc, [*labels, *extra], registry=self.registry, **kw)
+            m = cls(name if ":" in name else "vllm:" + name, doc, [*labels, *extra], registry=reg, **kw)
             return m if extra else m.labels(**labels)
 
         self.running = make(Gauge, "num_requests_running", "Number of requests in model execution batches.")
@@ -83,15 +83,13 @@ class Metrics:
         success = make(Counter, "request_success", "Count of processed requests.", ["finished_reason"])
         self.success = {r: success.labels(**labels, finished_reason=r) for r in ("stop", "length", "abort")}
         self.ttft = make(Histogram, "time_to_first_token_seconds", "Time to 1st token.", buckets=TTFT_BUCKETS)
-        self.itl = make(Histogram, "inter_token_latency_seconds", "Inter-token gaps.", buckets=TOKEN_BUCKETS)
-        self.tpot = make(Histogram, "request_time_per_output_token_seconds", "(last token time - first) / "
-                         "(output tokens - 1), per request.", buckets=TOKEN_BUCKETS)  # fmt: skip
+        self.itl = make(Histogram, "inter_token_latency_seconds", "Inter-token latency.", buckets=ITL_BUCKETS)
         if num_positions:
             self.drafts = make(Counter, "spec_decode_num_drafts", "Number of spec decoding drafts.")
             self.draft_tokens = make(Counter, "spec_decode_num_draft_tokens", "Number of draft tokens.")
             self.accepted = make(Counter, "spec_decode_num_accepted_tokens", "Number of accepted tokens.")
-            doc = "Accepted tokens per draft position."
-            per_pos = make(Counter, "spec_decode_num_accepted_tokens_per_pos", doc, ["position"])
+            name, doc = "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position."
+            per_pos = make(Counter, name, doc, ["position"])
             self.per_pos = [per_pos.labels(**labels, position=str(i)) for i in range(num_positions)]
 
 
@@ -101,32 +99,25 @@ class Choice:
     message) or "tokens" (new token ids, the final dict or None)."""
 
     def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, q: asyncio.Queue, loop):
-        self.index, self.prompt_ids, self.params, self.q, self.loop = index, prompt_ids, params, q, loop
-        self.req, self.sent, self.num_accept, self.t_first, self.t_last = None, 0, 0, 0.0, 0.0
-        self.t0 = time.perf_counter()
-
-    def post(self, kind: str, payload=None) -> None:
-        self.loop.call_soon_threadsafe(self.q.put_nowait, (self.index, kind, payload))
+        self.index, self.prompt_ids, self.params, self.t0 = index, prompt_ids, params, time.perf_counter()
+        self.req, self.sent, self.num_accept = None, 0, 0
+        self.post = lambda kind, payload=None: loop.call_soon_threadsafe(q.put_nowait, (index, kind, payload))
 
 
 class Engine:
-    """The thread that owns the ``LLM``: takes the adds and aborts from ``inbox`` (blocking there when idle),
-    runs one ``step()``, sends every live choice its new tokens and updates the metrics, again."""
+    """The thread (started here) that owns the ``LLM``: takes the adds and aborts from ``inbox`` (blocking
+    there when idle), runs one ``step()``, sends every live choice its new tokens, updates the metrics, again.
+    ``dead``: the exception that ended it, or None."""
 
     def __init__(self, llm, metrics: Metrics):
-        self.llm, self.metrics, self.live = llm, metrics, {}
-        self.inbox, self.lock, self.dead = queue.SimpleQueue(), threading.Lock(), None
-        self.thread = threading.Thread(target=self._run, name="nanospec-engine", daemon=True)
-
-    def alive(self) -> bool:
-        return self.dead is None and self.thread.is_alive()
+        self.llm, self.metrics, self.live, self.inbox, self.dead = llm, metrics, {}, queue.SimpleQueue(), None
+        threading.Thread(target=self._run, name="nanospec-engine", daemon=True).start()
 
     def put(self, kind: str, choices: list[Choice]) -> None:
         """Queue "add" or "abort" for ``choices``; ApiError 500 once the engine thread has died."""
-        with self.lock:
-            if self.dead is not None:
-                raise ApiError(500, f"the engine stopped: {self.dead!r}")
-            self.inbox.put((kind, choices))
+        self.inbox.put((kind, choices))
+        if self.dead is not None:  # the dying thread sets ``dead`` before its last look at the inbox
+            raise ApiError(500, f"the engine stopped: {self.dead!r}")
 
     def _run(self) -> None:
         try:
@@ -135,11 +126,10 @@ class Engine:
                 self.llm.step()
                 self._publish()
         except BaseException as e:
-            with self.lock:  # nothing can be queued after this: every waiting handler hears of it
-                self.dead, waiting = e, list(self.live.values())
-                while not self.inbox.empty():
-                    kind, choices = self.inbox.get()
-                    waiting += choices if kind == "add" else []
+            self.dead, waiting = e, list(self.live.values())  # a put after this raises: each waiter is told
+            while not self.inbox.empty():
+                kind, choices = self.inbox.get()
+                waiting += choices if kind == "add" else []
             for c in waiting:
                 c.post("fault", f"the engine failed: {e!r}")
             raise
@@ -147,11 +137,9 @@ class Engine:
     def _drain(self, block: bool) -> None:
         while block or not self.inbox.empty():  # waits for the first message only when idle
             (kind, choices), block = self.inbox.get(), False
-            if kind == "abort":
-                for c in choices:
-                    if c.req is not None and self.live.pop(c.req.request_id, None) is not None:
-                        self.llm.abort_request(c.req.request_id)
-                        self.metrics.success["abort"].inc()
+            if kind == "abort":  # those still running: finished ones have left ``live``
+                aborted = [c.req.request_id for c in choices if c.req and self.live.pop(c.req.request_id, 0)]
+                self.metrics.success["abort"].inc(sum(map(self.llm.abort_request, aborted)))
                 continue
             try:  # the choices differ only in their seeds (checked by the handler): one fails, the first does
                 for c in choices:
@@ -171,7 +159,6 @@ class Engine:
             if not new and not r.is_finished:
                 continue
             if c.sent == 0:  # its prefill is done: vLLM counts the prompt and the prefix-cache lookup here
-                c.t_first = now
                 m.ttft.observe(now - c.t0)
                 m.prompt_tokens.inc(len(r.prompt_token_ids))
                 m.queries.inc(len(r.prompt_token_ids))
@@ -180,21 +167,19 @@ class Engine:
                 m.itl.observe(now - c.t_last)
             c.sent, c.t_last = c.sent + len(new), now
             m.generation_tokens.inc(len(new))
-            for a in r.accept_lengths[c.num_accept :]:  # a draft per verify step, a - 1 of its tokens kept
-                m.drafts.inc()
-                m.draft_tokens.inc(llm.config.num_draft_tokens - 1)
-                m.accepted.inc(a - 1)
-                for pos in range(a - 1):
-                    m.per_pos[pos].inc()
-            c.num_accept = len(r.accept_lengths)
+            if llm.worker is not None:  # a draft per verify step, a - 1 of its tokens accepted
+                acc, c.num_accept = r.accept_lengths[c.num_accept :], len(r.accept_lengths)
+                m.drafts.inc(len(acc))
+                m.draft_tokens.inc(len(acc) * (llm.config.num_draft_tokens - 1))
+                m.accepted.inc(sum(acc) - len(acc))
+                for pos, counter in enumerate(m.per_pos):
+                    counter.inc(sum(a - 1 > pos for a in acc))
             if r.is_finished:
                 del self.live[rid]
                 m.success[r.finish_reason].inc()
-                if c.sent > 1:
-                    m.tpot.observe((now - c.t_first) / (c.sent - 1))
                 accept = list(r.accept_lengths) if llm.worker is not None else None
-                final = dict(text=r.output_text(), finish_reason=r.finish_reason, accept_lengths=accept,
-                             cached=r.num_cached_tokens or 0)  # fmt: skip
+                final = dict(text=r.output_text(), finish_reason=r.finish_reason, accept_lengths=accept)
+                final |= dict(cached=r.num_cached_tokens or 0, tokens=c.sent)  # the tokens delivered
             c.post("tokens", (new, final))
         alloc = llm.scheduler.allocator
         m.waiting.set(len(llm.scheduler.waiting))
@@ -232,7 +217,6 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
     """The FastAPI app over an ``Engine`` (its thread started by the caller): the module docstring's
     endpoints; README "Serving over HTTP" lists the fields, limits and metrics."""
     from fastapi import APIRouter, Depends, FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
     from starlette.exceptions import HTTPException
@@ -241,7 +225,6 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
     app = FastAPI(title="nanospec", openapi_url=None)
     fail = lambda e: JSONResponse(e.body(), e.status)  # noqa: E731
     app.add_exception_handler(ApiError, lambda _, e: fail(e))
-    app.add_exception_handler(RequestValidationError, lambda _, e: fail(ApiError(400, str(e))))  # not a 422
     app.add_exception_handler(HTTPException, lambda _, e: fail(ApiError(e.status_code, str(e.detail))))
     app.add_exception_handler(Exception, lambda _, e: fail(ApiError(500, f"internal error: {e!r}")))
 
@@ -251,26 +234,24 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
             raise ApiError(401, "a valid API key is required: send the header 'Authorization: Bearer KEY'")
 
     api = APIRouter(dependencies=[Depends(auth)])
-    app.get("/health")(lambda: Response(status_code=200 if engine.alive() else 503))
-    prometheus = lambda: Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)  # noqa: E731
-    api.get("/metrics")(prometheus)
+    app.get("/health")(lambda: Response(status_code=503 if engine.dead else 200))
+    prom = lambda: Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)  # noqa: E731
+    api.get("/metrics")(prom)
     card = dict(id=model_name, object="model", created=created, owned_by="nanospec", max_model_len=max_len)
     api.get("/v1/models")(lambda: {"object": "list", "data": [card]})
 
     def prompt_ids(prompt, chat: bool) -> list[int]:
         if chat:
-            ok = isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)
-            if not ok or not all(type(m.get("role")) is type(m.get("content")) is str for m in prompt):
+            ok = isinstance(prompt, list) and prompt and all(type(m) is dict for m in prompt)
+            if not (ok and all(type(m.get("role")) is type(m.get("content")) is str for m in prompt)):
                 raise ApiError(400, "messages must be a list of {role: str, content: str}", "messages")
             if not tok.chat_template:
                 raise ApiError(400, "this model has no chat template: use /v1/completions", "messages")
-            try:
+            try:  # the template holds its special tokens: encoded below as LLM.generate encodes a string
                 prompt = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
             except Exception as e:  # the template refuses the conversation (a Jinja error)
                 raise ApiError(400, f"messages: the chat template refused them: {e}", "messages") from None
-        if isinstance(prompt, list) and len(prompt) == 1 and type(prompt[0]) in (str, list):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str) and prompt:  # as LLM.generate; a chat template holds its special tokens
+        if isinstance(prompt, str) and prompt:
             return tok.encode(prompt, add_special_tokens=False)
         if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
             return prompt
@@ -278,8 +259,9 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
 
     def field_of(message: str, max_tokens_key: str) -> str | None:
         """The request field an engine message names ("SamplingParams.top_p must ..." -> "top_p")."""
-        m = re.search(r"SamplingParams\.(\w+)|^(prompt)", message)
-        return max_tokens_key if m and m[1] == "max_tokens" else m and (m[1] or m[2])
+        name = message.partition("SamplingParams.")[2].partition(" ")[0]
+        name = name or ("prompt" if message.startswith("prompt") else None)
+        return (max_tokens_key if name == "max_tokens" else name) or None
 
     def parse(body, chat: bool):
         """(prompt ids, one SamplingParams per choice, stream, include_usage); ApiError naming a bad field
@@ -287,61 +269,55 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         if body.get("model") not in (None, model_name):
-            msg = f"the model {body['model']!r} does not exist; this server has {model_name!r}"
-            raise ApiError(404, msg, "model")
+            raise ApiError(404, f"the model {body['model']!r} does not exist (here: {model_name})", "model")
         get = lambda k, default=None: default if body.get(k) is None else body[k]  # noqa: E731
-        n = get("n", 1)
+        n, stream, opts = get("n", 1), get("stream", False), get("stream_options", {})
         bad = [k for k, off in OFF.items() if body.get(k) not in off] + ["best_of"] * (get("best_of", n) != n)
         if bad:
             raise ApiError(400, f"not supported by nanospec (they would change the output): {bad}", bad[0])
         if type(n) is not int or not 1 <= n <= max_n:
             raise ApiError(400, f"n must be an int in [1, {max_n}] (--max-n), got {n!r}", "n")
-        stream, opts = get("stream", False), get("stream_options", {})
         if type(stream) is not bool or not isinstance(opts, dict):
             raise ApiError(400, "stream must be a bool and stream_options an object", "stream")
         ids = prompt_ids(body.get("messages") if chat else body.get("prompt"), chat)
-        if len(ids) >= max_len:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens; max_model_len is {max_len}", "prompt")
         key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
         max_tokens = get(key, max_len - len(ids))
+        if len(ids) >= max_len:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens; max_model_len is {max_len}", "prompt")
         if type(max_tokens) is int and len(ids) + max_tokens > max_len:
             raise ApiError(400, f"the prompt's {len(ids)} tokens + {key} {max_tokens} exceed max_model_len "
                            f"{max_len}", key)  # fmt: skip
         stop = [body["stop"]] if isinstance(body.get("stop"), str) else get("stop", [])
         if type(stop) is not list or len(stop) > MAX_STOP or any(len(str(x)) > MAX_STOP_LEN for x in stop):
-            msg = f"stop must be a string or at most {MAX_STOP} strings of at most {MAX_STOP_LEN} characters"
-            raise ApiError(400, msg, "stop")
+            raise ApiError(400, f"stop: a string or <= {MAX_STOP} strings of <= {MAX_STOP_LEN} chars", "stop")
         kw = dict(temperature=get("temperature", 1.0), top_p=get("top_p", 1.0), top_k=get("top_k", -1) or -1,
                   ignore_eos=get("ignore_eos", False), stop=stop, stop_token_ids=get("stop_token_ids"),
                   cache_salt=get("cache_salt"), max_tokens=max_tokens)  # OpenAI's defaults; top_k 0 is off
-        seed = get("seed")
         try:  # choice i samples with seed + i: n different samples, each reproducible alone
-            params = [SamplingParams(**kw, seed=seed + i if type(seed) is int else seed) for i in range(n)]
+            seeds = [get("seed") + i if type(get("seed")) is int else get("seed") for i in range(n)]
+            params = [SamplingParams(**kw, seed=s) for s in seeds]
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e), field_of(str(e), key)) from None
         return ids, params, stream, opts.get("include_usage") is True
 
     async def serve(request: Request, chat: bool):
-        body = bytearray()
-        async for chunk in request.stream():  # counted as it arrives: a huge body is refused, not buffered
-            body += chunk
-            if len(body) > MAX_BODY:
-                raise ApiError(400, f"the request body is over the limit of {MAX_BODY} bytes")
+        if int(request.headers.get("content-length") or MAX_BODY + 1) > MAX_BODY:  # and h11 reads no more
+            raise ApiError(400, f"the request body must have a Content-Length of at most {MAX_BODY} bytes")
         try:
-            body = json.loads(body)
+            body = json.loads(await request.body())
         except ValueError as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
         ids, params, stream, include_usage = parse(body, chat)
         q, n, loop = asyncio.Queue(), len(params), asyncio.get_running_loop()
         choices = [Choice(i, ids, p, q, loop) for i, p in enumerate(params)]
-        finals, tokens = [None] * n, [0] * n
+        finals = [None] * n
         engine.put("add", choices)
         _, kind, message = await q.get()
         if kind != "ok":
             raise ApiError(400 if kind == "bad" else 500, message, field_of(message, "max_tokens"))
         obj = ("chat.completion" if chat else "text_completion") + (".chunk" if stream and chat else "")
-        head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", object=obj)
-        head |= dict(created=int(time.time()), model=model_name)
+        head = dict(id=f"{'chat' * chat}cmpl-{secrets.token_hex(16)}", object=obj, created=int(time.time()))
+        head["model"] = model_name
 
         async def updates():
             while None in finals:
@@ -349,14 +325,14 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
                 if kind == "fault":
                     raise ApiError(500, payload)
                 new, finals[i] = payload
-                tokens[i] += len(new)
                 yield i, new, finals[i]
 
         def choice(i, text, final):
             c = {"index": i, "finish_reason": final and final["finish_reason"]}
-            if chat:
-                message = {"role": "assistant", "content": text}
-                c |= {"delta": {"content": text} if text else {}} if stream else {"message": message}
+            if chat and stream:
+                c["delta"] = {"content": text} if text else {}
+            elif chat:
+                c["message"] = {"role": "assistant", "content": text}
             else:
                 c |= {"text": text, "logprobs": None}
             if final and final["accept_lengths"] is not None:
@@ -364,8 +340,8 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
             return c
 
         def usage():
-            out = dict(prompt_tokens=len(ids), completion_tokens=sum(tokens))
-            out["total_tokens"] = len(ids) + sum(tokens)
+            out = dict(prompt_tokens=len(ids), completion_tokens=(done := sum(f["tokens"] for f in finals)))
+            out["total_tokens"] = len(ids) + done
             return out | {"prompt_tokens_details": {"cached_tokens": finals[0]["cached"]}}
 
         def event(data: dict) -> dict:
@@ -382,7 +358,7 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
                 try:
                     await super().__call__(scope, receive, send)
                 finally:
-                    if None in finals and engine.alive():
+                    if None in finals and engine.dead is None:
                         engine.put("abort", choices)
 
             async def stream_response(self, send):
@@ -416,14 +392,8 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
 
         return Reply((), media_type="text/event-stream")
 
-    @api.post("/v1/completions")
-    async def completions(request: Request):
-        return await serve(request, chat=False)
-
-    @api.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await serve(request, chat=True)
-
+    for path, chat in (("/v1/completions", False), ("/v1/chat/completions", True)):
+        api.post(path)(functools.partial(serve, chat=chat))
     app.include_router(api)
     return app
 
@@ -440,7 +410,6 @@ def parse_args(argv=None):
     a("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     a("--port", type=number(int, 0), default=8000, help="0: any free port (printed once listening)")
     a("--api-key", default=os.environ.get("NANOSPEC_API_KEY"), help="bearer key (env NANOSPEC_API_KEY)")
-    a("--served-model-name", help="the `model` clients send (default: MODEL_DIR or the default's name)")
     a("--max-n", type=number(int, 1), default=16, help="largest `n` of a request")
     engine_fields = [f for f in fields(EngineConfig) if f.name not in ("model", "trace")]
     for f in engine_fields:  # every LLM option, as --kebab-case; EngineConfig checks the values below
@@ -450,16 +419,12 @@ def parse_args(argv=None):
         elif kind in (bool, bool | None):
             a(flag, action=argparse.BooleanOptionalAction, default=f.default, help=doc)
         else:
-            typ = int if kind in (int, int | None) else float if kind is float else str
+            typ = {int: int, int | None: int, float: float}.get(kind, str)
             a(flag, type=typ, default=f.default, help=doc)
     args = ap.parse_args(argv)
     kw = {f.name: getattr(args, f.name) for f in engine_fields}
     shipped = args.model is None and (DEFAULT_ASSISTANT / "config.json").exists()
     kw["assistant"] = dict(auto="default" if shipped else None, none=None).get(args.assistant, args.assistant)
-    if args.port > 65535:
-        ap.error(f"--port must be in [0, 65535], got {args.port}")
-    if args.model is not None and not os.path.isdir(args.model):
-        ap.error(f"MODEL_DIR must be an HF-format model dir, got {args.model!r} (no such dir)")
     try:
         EngineConfig(model=args.model, **kw)
     except (TypeError, ValueError) as e:
@@ -477,16 +442,16 @@ def main(argv=None) -> None:
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     try:  # bound before the weights load (a taken port fails at once), listening once the engine is ready
         sock.bind((args.host, args.port))
-        loader.configure_cpu_threads()
+    except (OSError, OverflowError) as e:  # a port over 65535: OverflowError
+        ap.error(f"cannot listen on --host {args.host} --port {args.port}: {e}")
+    loader.configure_cpu_threads()
+    try:
         llm = LLM(args.model, **kw)
-    except OSError as e:
-        ap.error(f"cannot listen on --host {args.host} --port {args.port}: {e.strerror}")
     except ValueError as e:
         ap.error(str(e))
-    name = args.served_model_name or args.model or loader.DEFAULT_MODEL_NAME
+    name = args.model or loader.DEFAULT_MODEL_NAME  # what clients send as `model`
     engine = Engine(llm, Metrics(name, llm.config.num_steps if llm.worker is not None else 0))
     app = build_app(engine, name, args.api_key, args.max_n)
-    engine.thread.start()
     sock.listen(2048)
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"

@@ -43,7 +43,6 @@ workload (default sharegpt) over HTTP with Poisson arrivals: vLLM's serving figu
 import argparse
 import gc
 import json
-import math
 import random
 import tempfile
 import time
@@ -306,15 +305,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     http = ap.add_mutually_exclusive_group().add_argument
     http("--serve", action="store_true", help="benchmark nanospec-serve over HTTP (started here)")
     http("--base-url", help="benchmark the OpenAI-compatible server at this URL")
-    a("--request-rate", type=float, default=math.inf, help="HTTP: Poisson arrivals/s (inf: all at once)")
+    a("--request-rate", type=number(gt=0), help="HTTP: Poisson arrivals per second (default: all at once)")
     a("--max-concurrency", type=number(int, 1), help="HTTP: most requests in flight (default: all)")
-    a("--api-key", help="HTTP: the server's bearer key")
     args = ap.parse_args(argv)
-    if not args.request_rate > 0:
-        ap.error(f"--request-rate must be > 0 (inf: all at once), got {args.request_rate}")
-    serving, ok = args.serve or args.base_url, args.compare in (None, "assistant" if args.serve else None)
-    if serving and (args.batch_1 or args.compare_hf or not ok):
-        ap.error("--serve / --base-url: no --batch-1 or --compare-hf; --compare-spec only with --serve")
+    serving = args.serve or args.base_url
+    if serving and (args.batch_1 or args.compare_hf or args.base_url and args.compare):
+        ap.error("--serve / --base-url: no --batch-1 or --compare-hf (nor --compare with --base-url)")
     args.workload = args.workload or ("sharegpt" if serving else "nanovllm")
     if args.assistant not in ("auto", "default", "random", "none") and not Path(args.assistant).is_dir():
         ap.error(f"--assistant must be auto, default, random, none or a dir, got {args.assistant!r}")
@@ -339,28 +335,29 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
         assistant = str(write_random_assistant(model_dir, tmp / "assistant", args.seed, args.shape))
     prompts, params = workload(args, loader.load_tokenizer(model_dir))
     res = vars(args) | dict(model=None if args.shape else str(model_dir), num_seqs=len(prompts))
-    if args.serve or args.base_url:
-        from ..serve import client
-
-        return res | client.run(args, model_dir, assistant, prompts, params)
     res.update(input_tokens=sum(map(len, prompts)))
+    meas = measure
+    if args.serve or args.base_url:  # the same runs over HTTP: vLLM's serving figures
+        from ..serve.client import measure as meas
     if args.compare:
         opt, spec, rounds = args.compare, args.compare == "assistant", []
         for on in (True, False) * 2:
             kw = dict(label=f"[{opt} {'on' if on else 'off'}] ", phases=spec) | ({} if spec else {opt: on})
             asst = None if spec and not on else assistant
-            rounds.append(measure(args, model_dir, asst, prompts, params, **kw))
+            rounds.append(meas(args, model_dir, asst, prompts, params, **kw))
         on, off = (max(rounds[i::2], key=lambda r: r["throughput_tok_s"]) for i in (0, 1))
         ratio = on["throughput_tok_s"] / off["throughput_tok_s"]
         res.update(on, compare=dict(option=opt, best_of=2, on=on, off=off, ratio=ratio))
         res["compare"]["rounds_tok_s"] = [r["throughput_tok_s"] for r in rounds]
         print(f"{opt} on/off throughput = {ratio:.2f}x")
-        if spec:
+        if "mean_tpot_ms" in on:  # over HTTP
+            print(", ".join(f"{k} on/off {on[k] / off[k]:.2f}x" for k in ("mean_ttft_ms", "mean_tpot_ms")))
+        elif spec:
             figs = {k: on[k] for k in ("mean_accept_length", "draft_ms", "verify_ms", "step_ms")}
             figs["plain_decode_ms"] = off["decode_ms"]
             print(", ".join(f"{k} {v:.3f}" for k, v in figs.items() if v is not None))
     else:
-        res.update(measure(args, model_dir, assistant, prompts, params))
+        res.update(meas(args, model_dir, assistant, prompts, params))
     if args.compare_hf:
         n, bs = min(args.hf_num_seqs or len(prompts), len(prompts)), 1 if args.batch_1 else args.hf_batch_size
         dev, dtype, eos = torch.device(res["device"]), getattr(torch, res["dtype"]), set(res["eos_token_ids"])
