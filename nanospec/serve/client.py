@@ -52,8 +52,7 @@ async def one_request(client, body: dict, slots=None) -> dict:
     """One streamed completion (once one of ``slots`` is free): TTFT, ITLs and E2E in s, output tokens
     (RuntimeError on an error)."""
     async with slots or asyncio.Semaphore():
-        t0 = last = time.perf_counter()
-        ttft, itl, tokens = None, [], 0
+        stamps, tokens, t0 = [], 0, time.perf_counter()
         async with client.stream("POST", "/v1/completions", json=body) as r:
             r.raise_for_status()
             async for line in r.aiter_lines():
@@ -61,10 +60,10 @@ async def one_request(client, body: dict, slots=None) -> dict:
                 if "error" in data:
                     raise RuntimeError(data["error"]["message"])
                 if data.get("choices"):  # as vLLM's client: TTFT at the first chunk with choices, then gaps
-                    itl += [] if ttft is None else [now - last]
-                    ttft, last = now - t0 if ttft is None else ttft, now
+                    stamps.append(now)
                 tokens = (data.get("usage") or {}).get("completion_tokens", tokens)
-        return dict(ttft=ttft, itl=itl, e2e=time.perf_counter() - t0, tokens=tokens)
+        e2e = time.perf_counter() - t0
+        return dict(ttft=stamps[0] - t0, itl=np.diff(stamps).tolist(), e2e=e2e, tokens=tokens)
 
 
 async def run_load(base_url, prompts, params, request_rate=None, max_concurrency=None, seed=0, api_key=None):

@@ -3,6 +3,8 @@
     nanospec-serve [MODEL_DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--assistant DIR|default|none]
     python -m nanospec.serve ...           # the same; every LLM option is a --kebab-case flag (--help)
 
+--assistant auto (the default) is the shipped assistant on the default model and none on any other.
+
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (200; 503 once the
 engine thread has died), GET /metrics (vLLM's metric names). With --api-key (or NANOSPEC_API_KEY) every
 endpoint but /health needs `Authorization: Bearer KEY`.
@@ -33,8 +35,8 @@ from ..sampling_params import SamplingParams
 MAX_BODY, MAX_STOP, MAX_STOP_LEN = 1 << 22, 16, 256  # request body bytes, stop strings, characters per stop
 # fields that would change the output and that nanospec does not implement, with the values that mean "off"
 OFF = dict.fromkeys("logprobs top_logprobs prompt_logprobs echo suffix tools functions logit_bias min_tokens "
-                    "presence_penalty frequency_penalty use_beam_search".split(), (None, 0, "", [], {}))
-OFF["response_format"] = (None, {"type": "text"})
+                    "presence_penalty frequency_penalty use_beam_search response_format".split(),
+                    (None, 0, "", [], {}, {"type": "text"}))  # fmt: skip
 # vLLM's histogram buckets (s): time to first token, then per-token latencies
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40,
                 80, 160, 640, 2560]
@@ -62,9 +64,7 @@ class Metrics:
     delivers tokens). Plus ``nanospec:num_draft_inputs`` (requests holding a draft input: 0 when idle)."""
 
     def __init__(self, model_name: str, num_positions: int):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
-
-        disable_created_metrics()  # as vLLM: no *_created series
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
         self.registry = reg = CollectorRegistry()
         labels = {"model_name": model_name, "engine": "0"}
 
@@ -177,9 +177,8 @@ class Engine:
             if r.is_finished:
                 del self.live[rid]
                 m.success[r.finish_reason].inc()
-                accept = list(r.accept_lengths) if llm.worker is not None else None
-                final = dict(text=r.output_text(), finish_reason=r.finish_reason, accept_lengths=accept)
-                final |= dict(cached=r.num_cached_tokens or 0, tokens=c.sent)  # the tokens delivered
+                final = dict(text=r.output_text(), finish_reason=r.finish_reason, tokens=c.sent)  # delivered
+                final |= dict(cached=r.num_cached_tokens or 0, accept_lengths=[*r.accept_lengths])
             c.post("tokens", (new, final))
         alloc = llm.scheduler.allocator
         m.waiting.set(len(llm.scheduler.waiting))
@@ -259,15 +258,12 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
 
     def field_of(message: str, max_tokens_key: str) -> str | None:
         """The request field an engine message names ("SamplingParams.top_p must ..." -> "top_p")."""
-        name = message.partition("SamplingParams.")[2].partition(" ")[0]
-        name = name or ("prompt" if message.startswith("prompt") else None)
-        return (max_tokens_key if name == "max_tokens" else name) or None
+        name = message.partition("SamplingParams.")[2] or message  # the engine's: "prompt ..." or this
+        return max_tokens_key if name.startswith("max_tokens") else name.partition(" ")[0]
 
     def parse(body, chat: bool):
         """(prompt ids, one SamplingParams per choice, stream, include_usage); ApiError naming a bad field
         (the engine's own checks and messages)."""
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
         if body.get("model") not in (None, model_name):
             raise ApiError(404, f"the model {body['model']!r} does not exist (here: {model_name})", "model")
         get = lambda k, default=None: default if body.get(k) is None else body[k]  # noqa: E731
@@ -307,6 +303,8 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
             body = json.loads(await request.body())
         except ValueError as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
         ids, params, stream, include_usage = parse(body, chat)
         q, n, loop = asyncio.Queue(), len(params), asyncio.get_running_loop()
         choices = [Choice(i, ids, p, q, loop) for i, p in enumerate(params)]
@@ -316,8 +314,7 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
         if kind != "ok":
             raise ApiError(400 if kind == "bad" else 500, message, field_of(message, "max_tokens"))
         obj = ("chat.completion" if chat else "text_completion") + (".chunk" if stream and chat else "")
-        head = dict(id=f"{'chat' * chat}cmpl-{secrets.token_hex(16)}", object=obj, created=int(time.time()))
-        head["model"] = model_name
+        head = dict(id=f"cmpl-{secrets.token_hex(8)}", object=obj, created=int(time.time()), model=model_name)
 
         async def updates():
             while None in finals:
@@ -335,7 +332,7 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
                 c["message"] = {"role": "assistant", "content": text}
             else:
                 c |= {"text": text, "logprobs": None}
-            if final and final["accept_lengths"] is not None:
+            if final and engine.llm.worker is not None:
                 c["accept_lengths"] = final["accept_lengths"]  # nanospec's extension: per verify step
             return c
 
@@ -370,10 +367,7 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
                         status, out = 200, head | {"choices": out, "usage": usage()}
                     except ApiError as e:
                         status, out = e.status, e.body()
-                    data = json.dumps(out).encode()
-                    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
-                    await send({"type": "http.response.start", "status": status, "headers": headers})
-                    return await send({"type": "http.response.body", "body": data})
+                    return await JSONResponse(out, status)({"type": "http"}, None, send)
                 await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
                 detoks = [Detokenizer(tok, p.stop) for p in params]
                 extra = {"usage": None} if include_usage else {}
@@ -414,13 +408,11 @@ def parse_args(argv=None):
     engine_fields = [f for f in fields(EngineConfig) if f.name not in ("model", "trace")]
     for f in engine_fields:  # every LLM option, as --kebab-case; EngineConfig checks the values below
         flag, kind, doc = "--" + f.name.replace("_", "-"), f.type, f"LLM({f.name}=...)"
-        if f.name == "assistant":
-            a(flag, default="auto", help="DIR | default | none | auto (the shipped one on the default model)")
-        elif kind in (bool, bool | None):
+        if kind in (bool, bool | None):
             a(flag, action=argparse.BooleanOptionalAction, default=f.default, help=doc)
         else:
             typ = {int: int, int | None: int, float: float}.get(kind, str)
-            a(flag, type=typ, default=f.default, help=doc)
+            a(flag, type=typ, default="auto" if f.name == "assistant" else f.default, help=doc)
     args = ap.parse_args(argv)
     kw = {f.name: getattr(args, f.name) for f in engine_fields}
     shipped = args.model is None and (DEFAULT_ASSISTANT / "config.json").exists()
@@ -439,7 +431,7 @@ def main(argv=None) -> None:
 
     from .. import LLM, loader
 
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock = socket.socket()  # IPv4
     try:  # bound before the weights load (a taken port fails at once), listening once the engine is ready
         sock.bind((args.host, args.port))
     except (OSError, OverflowError) as e:  # a port over 65535: OverflowError
@@ -453,8 +445,7 @@ def main(argv=None) -> None:
     engine = Engine(llm, Metrics(name, llm.config.num_steps if llm.worker is not None else 0))
     app = build_app(engine, name, args.api_key, args.max_n)
     sock.listen(2048)
-    host, port = sock.getsockname()[:2]
-    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-    print(f"nanospec-serve: {name} listening on {url}", flush=True)
+    host, port = sock.getsockname()
+    print(f"nanospec-serve: {name} listening on http://{host}:{port}", flush=True)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])

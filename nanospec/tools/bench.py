@@ -308,10 +308,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--request-rate", type=number(gt=0), help="HTTP: Poisson arrivals per second (default: all at once)")
     a("--max-concurrency", type=number(int, 1), help="HTTP: most requests in flight (default: all)")
     args = ap.parse_args(argv)
-    serving = args.serve or args.base_url
-    if serving and (args.batch_1 or args.compare_hf or args.base_url and args.compare):
+    if (args.serve or args.base_url) and (args.batch_1 or args.compare_hf or args.base_url and args.compare):
         ap.error("--serve / --base-url: no --batch-1 or --compare-hf (nor --compare with --base-url)")
-    args.workload = args.workload or ("sharegpt" if serving else "nanovllm")
+    args.workload = args.workload or ("sharegpt" if args.serve or args.base_url else "nanovllm")
     if args.assistant not in ("auto", "default", "random", "none") and not Path(args.assistant).is_dir():
         ap.error(f"--assistant must be auto, default, random, none or a dir, got {args.assistant!r}")
     if args.assistant == "auto":  # as example.py: speculation is what nanospec is for
