@@ -488,3 +488,22 @@ def test_engine_failure_is_a_500_and_health_503(smollm2_tokenizer):
     events = [line for line in r.text.split("\n\n") if line]
     assert r.status_code == 200 and len(events) == 2 and events[1] == "data: [DONE]"
     assert json.loads(events[0].removeprefix("data: "))["error"]["code"] == 500
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--max-num-seqs", "0"], "max_num_seqs must be >= 1, got 0"),
+        (["--num-steps", "2", "--assistant", "none"], "options num_steps only apply to speculative decoding"),
+        (["--dtype", "fp8"], "dtype must be one of 'auto'"),
+        (["--port", "-1"], "argument --port: must be an int >= 0"),
+        (["--max-n", "0"], "argument --max-n: must be an int >= 1"),
+    ],
+)
+def test_options_are_checked_before_any_weights_load(argv, message, capsys):
+    """nanospec-serve's flags go through EngineConfig's checks (or argparse's) at parse time."""
+    from nanospec.serve.server import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err

@@ -2,7 +2,8 @@
 the tests.
 
 Requests go to ``/v1/completions`` as token-id prompts with ``stream`` and ``include_usage``, arriving as a
-Poisson process at ``--request-rate`` (inf: all at once), at most ``--max-concurrency`` in flight. The figures
+Poisson process at ``--request-rate`` (unset: all at once), at most ``--max-concurrency`` in flight, after one
+warm-up request. The figures
 follow vLLM's serving benchmark: TTFT (request sent -> first chunk with choices), ITL (gaps between chunks),
 TPOT ((E2E - TTFT) / (output tokens - 1) per request, output tokens from ``usage``; the per-token figure under
 speculation), E2E latency, each as mean / median / p99 in ms, plus request throughput and output tokens/s.
