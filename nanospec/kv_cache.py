@@ -1,4 +1,6 @@
 """Paged KV pool: block allocator, per-request block tables and the slot mapping."""
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 
 import torch
@@ -30,10 +32,13 @@ class BlockAllocator:
     A request owns ``req.block_table`` (block ids in order); ``slot_mapping`` turns token indices into slots.
 
     Prefix caching (``enable_prefix_caching``): a full block written by a prefill is keyed by a hash of every
-    token up to and including the block (chained, so equal keys mean equal prefixes) and can be shared. Blocks
-    are ref-counted; a block whose last owner leaves stays cached (free, evictable) and is evicted least
-    recently freed first, only when the allocator needs blocks. Blocks that a decode or verify writes into
-    (draft rows, rejected rows, the partial last block) are never registered, so they stay private.
+    token up to and including the block (chained, so equal keys mean equal prefixes) and can be shared. The
+    key is sha256(parent key || the block's token ids as int64), as vLLM's sha256 option: a crafted prompt
+    cannot collide with another's key and read its KV (Python's 64-bit ``hash`` could). The first block's
+    parent is sha256 of the request's ``cache_salt`` ("" when None): different salts never share a block.
+    Blocks are ref-counted; a block whose last owner leaves stays cached (free, evictable) and is evicted
+    least recently freed first, only when the allocator needs blocks. Blocks that a decode or verify writes
+    into (draft rows, rejected rows, the partial last block) are never registered, so they stay private.
     """
 
     def __init__(self, num_blocks: int, page_size: int, enable_prefix_caching: bool = False):
@@ -44,8 +49,8 @@ class BlockAllocator:
         self.enable_prefix_caching = enable_prefix_caching
         self.free_blocks = deque(range(1, num_blocks))
         self.ref_count = [0] * num_blocks
-        self.cached: dict[int, int] = {}  # prefix hash -> block
-        self.block_hash: dict[int, int] = {}  # block -> prefix hash (registered blocks only)
+        self.cached: dict[bytes, int] = {}  # prefix key -> block
+        self.block_hash: dict[int, bytes] = {}  # block -> prefix key (registered blocks only)
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks with no owner, LRU first
 
     @property
@@ -94,15 +99,16 @@ class BlockAllocator:
     # ---- prefix caching
     # ------------------------------------------------------------------------------------------
     def _hashes(self, req: Request, num_tokens: int) -> list[int]:
-        """Chained hashes of the first ``num_tokens // page_size`` full blocks of ``req``'s tokens (kept on
-        the request: its token prefix never changes, so each block is hashed once)."""
+        """Chained 32-byte sha256 keys of the first ``num_tokens // page_size`` full blocks of ``req``'s
+        tokens (kept on the request: its token prefix never changes, so each block is hashed once)."""
         ps = self.page_size
         out = req.block_hashes
         n = num_tokens // ps
         if len(out) < n:
             ids = req.all_token_ids
             for i in range(len(out), n):
-                out.append(hash((out[-1] if out else 0, tuple(ids[i * ps:(i + 1) * ps]))))
+                parent = out[-1] if out else hashlib.sha256((req.params.cache_salt or "").encode()).digest()
+                out.append(hashlib.sha256(parent + array("q", ids[i * ps:(i + 1) * ps]).tobytes()).digest())
         return out[:n]
 
     def match_prefix(self, req: Request) -> int:

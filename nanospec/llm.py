@@ -201,10 +201,12 @@ class LLM:
         self.close()
 
     def _commit(self, batch, out) -> list[Request]:
-        if batch.kind == "decode" and self.worker is not None:
+        if batch.kind == "prefill":
+            return self.scheduler.commit(batch, out.tokens)
+        if self.worker is not None:
             self.worker.observe(out)
-        accept = out.accept_lens if batch.kind == "decode" and out.speculative else None
-        return self.scheduler.commit(batch, out.tokens, accept)
+        accept = out.accept_lens if out.speculative else None
+        return self.scheduler.commit(batch, out.tokens, accept, out.num_drafted)
 
     def abort_request(self, request_id: int) -> bool:
         """Stop a queued or running request now (finish_reason "abort"; the next ``step`` returns it). Its KV

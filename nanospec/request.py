@@ -36,9 +36,10 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_str_index: int | None = None  # where the text is cut, when a stop string matched
         self.accept_lengths: list[int] = []
+        self.draft_lengths: list[int] = []  # draft tokens verified in each of those steps
         self.num_cached_tokens: int | None = None  # prompt tokens whose KV came from the prefix cache
-        # chained hashes of the full blocks of all_token_ids (prefix caching)
-        self.block_hashes: list[int] = []
+        # chained sha256 keys of the full blocks of all_token_ids (prefix caching)
+        self.block_hashes: list[bytes] = []
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self._tokenizer = tokenizer
 
@@ -87,8 +88,9 @@ class Request:
 
     def _match_stop_string(self) -> bool:
         # A stop string first appears in full at the token that completes it, so decoding a tail window that
-        # holds it is enough (each token adds >= 1 char, except partial UTF-8 pieces: hence the slack).
-        longest = max(map(len, self.params.stop))
+        # holds it is enough: each token adds >= 1 byte (byte-level tokens: a character can take 4), hence
+        # the window in UTF-8 bytes, plus slack.
+        longest = max(len(s.encode()) for s in self.params.stop)
         tail = self._tokenizer.decode(self.output_token_ids[-(longest + 8):], skip_special_tokens=True)
         if not any(s in tail for s in self.params.stop):
             return False

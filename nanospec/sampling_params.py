@@ -10,7 +10,9 @@ class SamplingParams:
     temperature: 0 is exact greedy (argmax); > 0 samples. top_p in (0, 1]; top_k = -1 (off) or >= 1.
     max_tokens >= 1 output tokens. ignore_eos keeps generating past EOS. stop: strings that end the output
     (the text is cut before the match); stop_token_ids: extra ids that end it (the id is kept in token_ids).
-    seed: per-request seed; the same seed gives the same samples whatever the batch.
+    seed: per-request seed; the same seed gives the same samples whatever the batch. cache_salt: a non-empty
+    str mixed into the prefix-cache key of the first KV block (vLLM's field): requests share cached KV only
+    when their salts are equal (None: the unsalted cache).
     Raises ValueError / TypeError naming the field when a value is out of range.
     """
 
@@ -22,6 +24,7 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self):
         def num(name, kinds):
@@ -53,6 +56,9 @@ class SamplingParams:
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("SamplingParams.stop_token_ids must be non-negative ints, "
                              f"got {self.stop_token_ids!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise TypeError("SamplingParams.cache_salt must be a non-empty str or None, "
+                            f"got {self.cache_salt!r}")
 
     @property
     def greedy(self) -> bool:

@@ -58,6 +58,7 @@ class StepOutput:
     rows: torch.Tensor
     speculative: bool = False
     draft_len: int = 0  # draft steps of a speculative step (0: it verified the bonus token alone)
+    num_drafted: int = 0  # draft tokens it verified per request (tree nodes but the root)
     timer: object = None  # the step's StepTimer (speculation), read when the step commits
     _host: list | None = None
 
@@ -214,11 +215,13 @@ class Scheduler:
                 req.status = Status.RUNNING
                 self.running.append(req)
 
-    def commit(self, batch: Batch, new_tokens: list[list[int]], accept_lens: list[int] | None = None):
+    def commit(self, batch: Batch, new_tokens: list[list[int]], accept_lens: list[int] | None = None,
+               num_drafted: int = 0):
         """Commit a launched step's results; returns the requests that finished. ``new_tokens[i]`` are request
         i's sampled tokens (empty for an unfinished prefill chunk or a resumed request); under speculation the
         accepted drafts plus the bonus token, whose K/V rows (all but the bonus) the verify step committed,
-        and ``accept_lens[i]`` is recorded in ``accept_lengths`` (before any cut by a stop rule). The one
+        and ``accept_lens[i]`` is recorded in ``accept_lengths`` (before any cut by a stop rule), with the
+        ``num_drafted`` draft tokens verified in ``draft_lengths``. The one
         place tokens are committed; every token is checked for a stop (DESIGN §4 rule 5)."""
         finished = []
         for i, (req, toks) in enumerate(zip(batch.reqs, new_tokens)):
@@ -229,6 +232,7 @@ class Scheduler:
                 req.num_computed += len(toks)
                 if accept_lens is not None:
                     req.accept_lengths.append(accept_lens[i])
+                    req.draft_lengths.append(num_drafted)
             elif not batch.done[i]:
                 continue
             req.num_samples += bool(toks)

@@ -131,3 +131,26 @@ def test_preempted_request_keeps_its_prefix_cached(tiny_llama_dir, asst_dir):
     assert [o["token_ids"] for o in got] == [o["token_ids"] for o in ref]
     a = on.runner.allocator
     assert not any(a.ref_count) and a.num_free == a.num_usable
+
+
+def test_keys_are_chained_sha256_and_cache_salt_isolates(tiny_llama_dir):
+    """Block keys are sha256(parent key || int64 token ids), the first parent sha256(cache_salt); a request
+    shares cached blocks only with requests of the same salt, and a bad salt is refused before any work."""
+    import hashlib
+    from array import array
+
+    llm = make_llm(tiny_llama_dir, max_model_len=128)
+    prompt = tokens(40, 7)  # 2 full blocks (32 tokens) can be cached
+    first = llm.generate([prompt], greedy(4, cache_salt="alice"), use_tqdm=False)[0]
+    k0 = hashlib.sha256(hashlib.sha256(b"alice").digest() + array("q", prompt[:PAGE]).tobytes()).digest()
+    k1 = hashlib.sha256(k0 + array("q", prompt[PAGE : 2 * PAGE]).tobytes()).digest()
+    a = llm.runner.allocator
+    assert k0 in a.cached and k1 in a.cached and len(a.cached) == 2
+    salts = ("bob", None, "alice")
+    outs = [llm.generate([prompt], greedy(4, cache_salt=s), use_tqdm=False)[0] for s in salts]
+    assert [o["num_cached_tokens"] for o in [first, *outs]] == [0, 0, 0, 32]
+    assert all(o["token_ids"] == first["token_ids"] for o in outs)
+    for bad in ("", 5, b"x"):
+        with pytest.raises(TypeError, match="SamplingParams.cache_salt must be a non-empty str"):
+            greedy(4, cache_salt=bad)
+    idle_exact(llm)

@@ -330,6 +330,17 @@ def test_finish_stop_string_cuts_text_and_tokens(tok):
     assert "Done" not in r.output_text()
 
 
+def test_finish_stop_string_of_multi_byte_characters_one_byte_token_each(tok):
+    """A stop string of 6 characters in 16 byte-level tokens (one token per UTF-8 byte) is still found."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    text, stop = "x中é🙂!中é🙂!", "é🙂!中é🙂"
+    ids = [tok.convert_tokens_to_ids(bytes_to_unicode()[b]) for b in text.encode()]
+    r = _request(tok, max_tokens=100, stop=stop)
+    assert r.append_tokens(ids) == len(ids) - 1 and r.finish_reason == "stop"  # the last "!" is dropped
+    assert r.output_text() == "x中" and len(stop.encode()) == 16
+
+
 def test_finish_stop_string_spanning_two_commits(tok):
     ids = _ids(tok, "alpha beta gamma delta")
     # stop string "beta gam" starts in the first commit and is completed by the second

@@ -132,7 +132,7 @@ class FrozenKVMTPWorker:
         # a step that drafts nothing (s = 0) verifies the bonus token alone: the draft input stays fresh
         self.draft_inputs = self.draft_inputs.merge(DraftInput(inp.req_ids, bonus, hidden, L + acc.int()))
         result = StepOutput(torch.cat([acc[:, None], out], 1), speculative=s > 0, draft_len=s,
-                            timer=timer.stop())
+                            num_drafted=self._num_nodes(s) - 1, timer=timer.stop())
         if self.trace is not None:
             fields = {"s": s, "batch": len(reqs), "expected_accept": round(self.policy.expected_accept(s), 3),
                       "tok_per_s": None if estimate is None else round(estimate, 1)}

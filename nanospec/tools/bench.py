@@ -9,6 +9,8 @@ batch-1 latency, a long prompt stalling decoders, engine options on vs off, spec
     python bench.py --workload stall --compare overlap_schedule       # decoders' max inter-token gap
     python bench.py --shape gemma4-e2b --assistant random --batch-1   # Gemma 4 shapes (for a GPU)
     python bench.py --shape smollm2-135m --num-seqs 4 --max-input-len 64 --max-output-len 16 --device cpu
+    python bench.py --serve --compare-spec --max-concurrency 4       # over HTTP: nanospec-serve, spec on/off
+    python bench.py --base-url http://127.0.0.1:8000 --request-rate 2 # any running OpenAI-compatible server
 
 Prints the nano-vllm line `Total: Ntok, Time: ts, Throughput: xtok/s` (N = generated tokens), the HF line with
 the ratio under --compare-hf, then one JSON line with every figure (batch-1: ms/token = wall time / generated
@@ -32,7 +34,11 @@ Workloads: nanovllm (random ids, nano-vllm's bench.py), sharegpt (held-out Share
 --shape runs random ids in front of the nano-vllm prompts), stall (7 requests of 16 random tokens decode
 --max-output-len tokens; once each has its first token, one --stall-len-token prompt arrives, prefilled in
 --max-num-batched-tokens chunks; prints and reports max_gap_s, the decoders' largest wall time between two
-steps that gave one of them tokens, and the total time)."""
+steps that gave one of them tokens, and the total time).
+
+--serve starts nanospec-serve with these engine options (--base-url URL uses a running server) and sends the
+workload (default sharegpt) over HTTP with Poisson arrivals: vLLM's serving figures, nanospec/serve/client.py.
+"""
 
 import argparse
 import gc
@@ -52,6 +58,7 @@ from .cli import HelpFormatter, add_tensor_parallel_size, number
 ENGINE = "dtype device max_model_len max_num_seqs max_num_batched_tokens enforce_eager seed".split()
 ENGINE += ["tensor_parallel_size"]
 SPEC = ["num_steps", "topk", "num_draft_tokens", "adaptive_speculation"]
+WORKLOADS = ["nanovllm", "sharegpt", "shared-prefix", "stall"]  # default nanovllm; over HTTP sharegpt
 INT_OPTIONS = """max-model-len=4096 max-num-seqs=256 max-num-batched-tokens=8192 max-input-len=1024
     max-output-len=1024 prefix-len=512 stall-len=2000"""  # bench.py's int options >= 1 and their defaults
 
@@ -279,7 +286,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     """bench.py's options (``--help``); bad values are argparse errors. Fills the workload's defaults in."""
     ap = argparse.ArgumentParser("bench.py", description=__doc__, formatter_class=HelpFormatter)
     a = ap.add_argument
-    a("--workload", choices=["nanovllm", "sharegpt", "shared-prefix", "stall"], default="nanovllm")
+    a("--workload", choices=WORKLOADS, help="HTTP: sharegpt")
     a("--batch-1", action="store_true", help="latency mode: one request at a time (ms/token, tok/s)")
     model = ap.add_mutually_exclusive_group().add_argument  # --model or --shape
     model("--model", help="HF-format model dir (default: SmolLM2-135M-Instruct)")
@@ -303,7 +310,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--compare-hf", action="store_true", help="also run HF transformers on the same workload")
     a("--hf-num-seqs", type=number(int, 1), help="HF runs only the first N requests (it is slow)")
     a("--hf-batch-size", type=number(int, 1), default=1, help="HF generate batch (left-padded)")
+    http = ap.add_mutually_exclusive_group().add_argument
+    http("--serve", action="store_true", help="benchmark nanospec-serve over HTTP (started here)")
+    http("--base-url", help="benchmark the OpenAI-compatible server at this URL")
+    a("--request-rate", type=number(gt=0), help="HTTP: Poisson arrivals per second (default: all at once)")
+    a("--max-concurrency", type=number(int, 1), help="HTTP: most requests in flight (default: all)")
     args = ap.parse_args(argv)
+    if (args.serve or args.base_url) and (args.batch_1 or args.compare_hf or args.base_url and args.compare):
+        ap.error("--serve / --base-url: no --batch-1 or --compare-hf (nor --compare with --base-url)")
+    args.workload = args.workload or ("sharegpt" if args.serve or args.base_url else "nanovllm")
     if args.assistant not in ("auto", "default", "random", "none") and not Path(args.assistant).is_dir():
         ap.error(f"--assistant must be auto, default, random, none or a dir, got {args.assistant!r}")
     if args.assistant == "auto":  # as example.py: speculation is what nanospec is for
@@ -328,24 +343,30 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
     prompts, params = workload(args, loader.load_tokenizer(model_dir))
     res = vars(args) | dict(model=None if args.shape else str(model_dir), num_seqs=len(prompts))
     res.update(input_tokens=sum(map(len, prompts)))
+    meas = measure
+    if args.serve or args.base_url:  # the same runs over HTTP: vLLM's serving figures
+        from ..serve.client import measure as meas
     if args.compare:
         opt, spec, rounds = args.compare, args.compare == "assistant", []
         for on in (True, False) * 2:
             kw = dict(label=f"[{opt} {'on' if on else 'off'}] ", phases=spec) | ({} if spec else {opt: on})
             asst = None if spec and not on else assistant
-            rounds.append(measure(args, model_dir, asst, prompts, params, **kw))
+            rounds.append(meas(args, model_dir, asst, prompts, params, **kw))
         on, off = (max(rounds[i::2], key=lambda r: r["throughput_tok_s"]) for i in (0, 1))
         ratio = on["throughput_tok_s"] / off["throughput_tok_s"]
         res.update(on, compare=dict(option=opt, best_of=2, on=on, off=off, ratio=ratio))
         res["compare"]["rounds_tok_s"] = [r["throughput_tok_s"] for r in rounds]
         print(f"{opt} on/off throughput = {ratio:.2f}x")
-        if spec:
+        if "mean_tpot_ms" in on:  # over HTTP
+            print(", ".join(f"{k} on/off {on[k] / off[k]:.2f}x" for k in ("mean_ttft_ms", "mean_tpot_ms")))
+        elif spec:
             figs = {k: on[k] for k in ("mean_accept_length", "draft_ms", "verify_ms", "step_ms")}
             figs["plain_decode_ms"] = off["decode_ms"]
             print(", ".join(f"{k} {v:.3f}" for k, v in figs.items() if v is not None))
-            print(f"steps per draft length s: {on['draft_len_counts']}")
+            if "draft_len_counts" in on:
+                print(f"steps per draft length s: {on['draft_len_counts']}")
     else:
-        res.update(measure(args, model_dir, assistant, prompts, params))
+        res.update(meas(args, model_dir, assistant, prompts, params))
     if args.compare_hf:
         n, bs = min(args.hf_num_seqs or len(prompts), len(prompts)), 1 if args.batch_1 else args.hf_batch_size
         dev, dtype, eos = torch.device(res["device"]), getattr(torch, res["dtype"]), set(res["eos_token_ids"])
