@@ -74,6 +74,12 @@ def make_tiny_model(path, tokenizer, arch: str = "llama", seed: int = 0, **overr
     return path
 
 
+def vocab8_target(path, tokenizer):
+    """A tiny Llama over an 8-token vocabulary (sampling statistics see every token often)."""
+    kw = dict(vocab_size=8, hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
+    return make_tiny_model(path, tokenizer, seed=7, **kw)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The default SmolLM2-135M-Instruct HF dir (converted into the nanospec cache on first use)."""

@@ -4,7 +4,7 @@ request's count of sampling calls launched before it, which the host knows befor
 keying by the committed output length lagged a step under overlap and drew the same noise twice."""
 
 import pytest
-from conftest import make_tiny_model
+from conftest import vocab8_target
 from helpers import PROMPTS, make_llm
 
 from nanospec import SamplingParams
@@ -73,15 +73,7 @@ def test_seeded_tokens_survive_preemption(tiny_llama_dir, asst_dir, mode):
 def test_consecutive_seeded_samples_independent_under_overlap(tmp_path, smollm2_tokenizer):
     """1,000 seeded requests at T = 2 on a vocab-8 target: with overlap on, token 1 repeats token 0 exactly as
     often as with overlap off (reused noise made it 74 % on the default-sized vocab), request by request."""
-    d = make_tiny_model(
-        tmp_path,
-        smollm2_tokenizer,
-        seed=7,
-        vocab_size=8,
-        hidden_size=32,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
+    d = vocab8_target(tmp_path, smollm2_tokenizer)
     params = [seeded(2, seed=s, temperature=2.0) for s in range(1000)]
     outs = []
     for overlap in (False, True):

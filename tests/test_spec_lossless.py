@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import make_tiny_model, randomize
+from conftest import randomize, vocab8_target
 from helpers import chat_texts
 
 from nanospec import LLM, SamplingParams
@@ -204,15 +204,7 @@ def test_sampling_lossless_chi_square(
     spec-off sampling without overlap (p > 0.01, fixed engine seeds). With overlap on, every request is
     seeded: reused noise would correlate a request's tokens and fail the test. ``adaptive``: the draft length
     varies per step (adaptive_speculation)."""
-    d = make_tiny_model(
-        tmp_path_factory.mktemp("v8"),
-        smollm2_tokenizer,
-        seed=7,
-        vocab_size=8,
-        hidden_size=32,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
+    d = vocab8_target(tmp_path_factory.mktemp("v8"), smollm2_tokenizer)
     asst = make_assistant(tmp_path_factory.mktemp("a8"), d, seed=8, std=0.5, hidden_size=32)
     n, sp = 4000, SamplingParams(temperature=temperature, top_p=top_p, max_tokens=3, ignore_eos=True)
     if overlap:
