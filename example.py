@@ -45,6 +45,11 @@ def parse_args(argv=None):
     ap.add_argument("--temperature", type=bounded(float, 0), default=0.0, help="0 is greedy")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--trace", action="store_true", help="print the Frozen-KV MTP lifecycle events per step")
+    ap.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="LLM(deterministic=True): each request's tokens bitwise independent of its batch",
+    )
     args = ap.parse_args(argv)
     if args.model is not None and not os.path.isdir(args.model):
         ap.error(f"--model must be an HF-format model dir, got {args.model!r} (no such dir)")
@@ -79,7 +84,13 @@ def main(argv=None):
         assistant_kwargs["trace"] = True
     configure_cpu_threads()
     try:  # what the engine rejects (an assistant that does not fit the model, ...) is a usage error too
-        llm = LLM(args.model, device=args.device, max_model_len=args.max_tokens + 256, **assistant_kwargs)
+        llm = LLM(
+            args.model,
+            device=args.device,
+            max_model_len=args.max_tokens + 256,
+            deterministic=args.deterministic,
+            **assistant_kwargs,
+        )
     except ValueError as e:
         ap.error(str(e))
     chat = dict(tokenize=False, add_generation_prompt=True)

@@ -337,9 +337,9 @@ def decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, scale, row_
     o, P = torch.zeros_like(q), k_cache.shape[1]
     blocks = -(-(-(-lens // split_size) * split_size) // P)  # a row's key slots: whole splits, whole blocks
     bt = F.pad(bt, (0, max(0, int(blocks.max()) - bt.shape[1])))  # the dummy block 0, its rows zeroed
-    for nb in blocks.unique().tolist():
-        for i in (blocks == nb).nonzero().squeeze(1).split(64):  # 64 rows a call bound the gathered K/V
-            o[i] = _paged_ref(q[i, None], k_cache, v_cache, bt[i, :nb], lens[i], 1, W, scale)[:, 0]
+    for n in blocks.unique().tolist():
+        for i in (blocks == n).nonzero().squeeze(1).split(64):  # 64 rows a call bound the gathered K/V
+            o[i] = _paged_ref(q[i, None], k_cache, v_cache, bt[i, :n], lens[i], 1, W, scale)[:, 0].to(o.dtype)
     return o
 
 

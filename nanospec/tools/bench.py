@@ -47,9 +47,11 @@ import torch
 from .. import LLM, SamplingParams, loader
 from ..models.shapes import GEMMA4, QWEN3_0_6B, gemma4_configs
 from ..mtp.worker import DEFAULT_ASSISTANT
+from . import cli
 from .cli import HelpFormatter, number
 
-ENGINE = "dtype device max_model_len max_num_seqs max_num_batched_tokens enforce_eager seed".split()
+ENGINE = "dtype device max_model_len max_num_seqs max_num_batched_tokens enforce_eager seed deterministic"
+ENGINE = ENGINE.split()
 SPEC = ["num_steps", "topk", "num_draft_tokens"]
 INT_OPTIONS = """max-model-len=4096 max-num-seqs=256 max-num-batched-tokens=8192 max-input-len=1024
     max-output-len=1024 prefix-len=512 stall-len=2000"""  # bench.py's int options >= 1 and their defaults
@@ -290,12 +292,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--assistant", default="auto", help="DIR | default | random | none | auto (default if one is shipped)")
     for name in ("--num-steps", "--topk", "--num-draft-tokens"):
         a(name, type=number(int, 1))
-    a("--compare", choices=["enable_prefix_caching", "overlap_schedule", "assistant"], help="on vs off")
+    cli.add_deterministic(ap)
+    a("--compare", choices=["enable_prefix_caching", "overlap_schedule", "assistant", "deterministic"],
+      help="on vs off")
     a("--compare-spec", dest="compare", action="store_const", const="assistant", help="--compare assistant")
     a("--compare-hf", action="store_true", help="also run HF transformers on the same workload")
     a("--hf-num-seqs", type=number(int, 1), help="HF runs only the first N requests (it is slow)")
     a("--hf-batch-size", type=number(int, 1), default=1, help="HF generate batch (left-padded)")
     args = ap.parse_args(argv)
+    cli.check_deterministic(ap, args, [args.topk or 1])
     if args.assistant not in ("auto", "default", "random", "none") and not Path(args.assistant).is_dir():
         ap.error(f"--assistant must be auto, default, random, none or a dir, got {args.assistant!r}")
     if args.assistant == "auto":  # as example.py: speculation is what nanospec is for
