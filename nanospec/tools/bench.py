@@ -17,10 +17,10 @@ random` writes a random-weight gemma4_assistant for the target (telemetry, speed
 assistant shape, with the centroid head for E2B/E4B). Absolute times count only on a GPU; on CPU compare
 ratios measured in one run.
 
---compare OPTION (enable_prefix_caching, overlap_schedule, assistant; --compare-spec = --compare assistant)
-builds a fresh engine per round and runs the workload with OPTION on, off, on, off (assistant: the configured
-one vs none), printing each round's Total line, then `OPTION on/off throughput = X.XXx` from the best
-(highest-throughput) round of each side; the JSON `compare` key holds both best rounds and every round's
+--compare OPTION (enable_prefix_caching, overlap_schedule, assistant, deterministic; --compare-spec =
+--compare assistant) builds a fresh engine per round and runs the workload with OPTION on, off, on, off
+(assistant: the configured one vs none), printing each round's Total line, then `OPTION on/off throughput =
+X.XXx` from the best (highest-throughput) round of each side; the JSON `compare` key holds both best rounds and every round's
 throughput. With `assistant` a separate untimed pass over the first 4 requests (one at a time) also times
 each phase call, the GPU synced around it: draft_ms (one draft call: num_steps assistant forwards),
 verify_ms, step_ms (a whole speculative step) and decode_ms (a plain decode step), with their call counts
