@@ -21,11 +21,11 @@ ratios measured in one run.
 --compare assistant) builds a fresh engine per round and runs the workload with OPTION on, off, on, off
 (assistant: the configured one vs none), printing each round's Total line, then `OPTION on/off throughput =
 X.XXx` from the best (highest-throughput) round of each side; the JSON `compare` key holds both best rounds
-and every round's throughput. With `assistant` a separate untimed pass over the first 4 requests (one at a time) also times
-each phase call, the GPU synced around it: draft_ms (one draft call: num_steps assistant forwards),
-verify_ms, step_ms (a whole speculative step) and decode_ms (a plain decode step), with their call counts
-(*_calls); under CUDA graphs draft and verify run inside the step's graph and are not split (--enforce-eager
-splits them). The line after the ratio shows them with the mean acceptance length.
+and every round's throughput. With `assistant` a separate untimed pass over the first 4 requests (one at a
+time) also times each phase call, the GPU synced around it: draft_ms (one draft call: num_steps assistant
+forwards), verify_ms, step_ms (a whole speculative step) and decode_ms (a plain decode step), with their call
+counts (*_calls); under CUDA graphs draft and verify run inside the step's graph and are not split
+(--enforce-eager splits them). The line after the ratio shows them with the mean acceptance length.
 
 Workloads: nanovllm (random ids, nano-vllm's bench.py), sharegpt (held-out ShareGPT questions), shared-prefix
 (--prefix-len tokens of one system prompt, this text repeated, in front of every ShareGPT question; for
