@@ -48,6 +48,11 @@ def parse_args(argv=None):
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--tensor-parallel-size", type=bounded(int, 1), default=1, help="GPUs to split it across")
     ap.add_argument("--trace", action="store_true", help="print the Frozen-KV MTP lifecycle events per step")
+    ap.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="LLM(deterministic=True): each request's tokens bitwise independent of its batch",
+    )
     args = ap.parse_args(argv)
     if args.model is not None and not os.path.isdir(args.model):
         ap.error(f"--model must be an HF-format model dir, got {args.model!r} (no such dir)")
@@ -88,6 +93,7 @@ def main(argv=None):
             device=args.device,
             max_model_len=args.max_tokens + 256,
             tensor_parallel_size=args.tensor_parallel_size,
+            deterministic=args.deterministic,
             **assistant_kwargs,
         )
     except ValueError as e:

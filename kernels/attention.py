@@ -318,7 +318,7 @@ def extend_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, s
 # ---- decode (split-KV flash-decoding) and frozen-KV draft attention ----------------------------------------
 
 def decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req=None, num_splits=None,
-                         *, sliding_window=None):
+                         *, sliding_window=None, split_size=None):
     """Torch reference of :func:`decode_attention` (same signature and result; ``num_splits`` is ignored).
 
     One batched pass (no per-row host loop): each row gathers its whole block-table row (with a window, only
@@ -332,14 +332,22 @@ def decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, scale, row_
     bt, lens = block_table[:R], seq_lens[:R].long()
     if row_to_req is not None:
         bt, lens = block_table[row_to_req.long()], seq_lens.long()[row_to_req.long()]
-    return _paged_ref(q[:, None], k_cache, v_cache, bt, lens, 1, W, scale)[:, 0].to(q.dtype)
+    if not split_size:
+        return _paged_ref(q[:, None], k_cache, v_cache, bt, lens, 1, W, scale)[:, 0].to(q.dtype)
+    o, P = torch.zeros_like(q), k_cache.shape[1]
+    blocks = -(-(-(-lens // split_size) * split_size) // P)  # a row's key slots: whole splits, whole blocks
+    bt = F.pad(bt, (0, max(0, int(blocks.max()) - bt.shape[1])))  # the dummy block 0, its rows zeroed
+    for n in blocks.unique().tolist():
+        for i in (blocks == n).nonzero().squeeze(1).split(64):  # 64 rows a call bound the gathered K/V
+            o[i] = _paged_ref(q[i, None], k_cache, v_cache, bt[i, :n], lens[i], 1, W, scale)[:, 0].to(o.dtype)
+    return o
 
 
 @triton.jit
 def _decode_split_kernel(Q, K, V, BT, SL, MAP, MID_O, MID_L, qk_scale,
                          stride_qr, stride_qh, stride_kb, stride_kp, stride_kh, stride_bt, Hq, D, num_splits,
                          WINDOW, G: tl.constexpr, PAGE: tl.constexpr, HAS_MAP: tl.constexpr,
-                         PREC: tl.constexpr, UPCAST: tl.constexpr,
+                         SPLIT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     # One program: row r, kv head kvh, split sp; all G query heads of kvh are the rows of one tl.dot.
     r, kvh, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -350,9 +358,12 @@ def _decode_split_kernel(Q, K, V, BT, SL, MAP, MID_O, MID_L, qk_scale,
     seq_len = tl.load(SL + req)
     # sliding window: the splits cover only the visible keys [lo, seq_len)
     lo = tl.maximum(seq_len - WINDOW, 0)
-    chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N  # per-row split, whole tiles
-    start = lo + sp * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    if SPLIT > 0:  # deterministic mode: split sp is keys [sp * SPLIT, (sp + 1) * SPLIT), whatever the batch
+        first, chunk = 0, SPLIT
+    else:  # per-row splits of whole tiles
+        first, chunk = lo, tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = tl.maximum(first + sp * chunk, lo)
+    end = tl.minimum(first + sp * chunk + chunk, seq_len)
     rows = tl.arange(0, BLOCK_H)
     head = kvh * G + rows
     h_ok = rows < G
@@ -386,22 +397,28 @@ def _decode_split_kernel(Q, K, V, BT, SL, MAP, MID_O, MID_L, qk_scale,
 
 
 @triton.jit
-def _decode_merge_kernel(MID_O, MID_L, Out, stride_or, stride_oh, Hq, D, num_splits,
-                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+def _decode_merge_kernel(MID_O, MID_L, Out, stride_or, stride_oh, Hq, D, num_splits, BLOCK_D: tl.constexpr):
+    # Splits merge in order, one at a time: an empty split (weight 0, partial 0) adds exact zeros, so a row's
+    # output does not depend on how many splits the launch had (deterministic mode sizes it from the batch).
     r, h = tl.program_id(0), tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    s_ok = offs_s < num_splits
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     base = (r * Hq + h) * num_splits
-    lse = tl.load(MID_L + base + offs_s, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # seq_len 0: all weights 0 -> output 0
-    mo = tl.load(MID_O + (base + offs_s)[:, None] * D + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
-                 other=0.0)
-    den = tl.sum(w, 0)
-    out = tl.sum(w[:, None] * mo, 0) / tl.where(den > 0, den, 1.0)
+    m = tl.load(MID_L + base)
+    for s in range(1, num_splits):
+        m = tl.maximum(m, tl.load(MID_L + base + s))
+    m = tl.where(m == float("-inf"), 0.0, m)  # seq_len 0: all weights 0 -> output 0
+    den = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(num_splits):
+        w = tl.exp2(tl.load(MID_L + base + s) - m)
+        den += w
+        acc += w * tl.load(MID_O + (base + s) * D + offs_d, mask=d_ok, other=0.0)
+    out = acc / tl.where(den > 0, den, 1.0)
     tl.store(Out + r * stride_or + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_ok)
+
+
+KV_SPLIT_SIZE = 256  # deterministic mode: keys per KV split for every row of every batch (BLOCK_N divides it)
 
 
 def num_kv_splits(max_len: int) -> int:
@@ -409,13 +426,8 @@ def num_kv_splits(max_len: int) -> int:
     return min(32, max(1, -(-max_len // 256)))
 
 
-def _default_splits(seq_lens) -> int:
-    """Splits from the longest context. Reads one host value (a sync on GPU): callers that know it pass it."""
-    return num_kv_splits(int(seq_lens.max()) if seq_lens.numel() else 0)
-
-
 def decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req=None,
-                            num_splits=None, *, sliding_window=None):
+                            num_splits=None, *, sliding_window=None, split_size=None):
     """Triton path of :func:`decode_attention` (same signature and result): split-KV stage 1 + LSE merge."""
     G = _check(q, k_cache, v_cache, block_table)
     window = _window(sliding_window)
@@ -425,8 +437,10 @@ def decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, r
     o = torch.empty(R, Hq, D, dtype=q.dtype, device=q.device)
     if R == 0:
         return o
-    if num_splits is None:
-        num_splits = _default_splits(seq_lens)
+    if split_size:  # enough fixed-size splits for the block table's keys: a host int, no sync
+        num_splits = max(1, -(-block_table.shape[1] * k_cache.shape[1] // split_size))
+    elif num_splits is None:  # from the longest context: one host read (a sync on GPU), so callers pass it
+        num_splits = num_kv_splits(int(seq_lens.max()))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     BLOCK_D, BLOCK_N, warps = _tiles(q)
@@ -436,15 +450,15 @@ def decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, r
         q, k_cache, v_cache, block_table, seq_lens, q if row_to_req is None else row_to_req, mid_o, mid_l,
         scale * _LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0), Hq, D, num_splits, window,
-        G=G, PAGE=k_cache.shape[1], HAS_MAP=row_to_req is not None, **_prec(q),
+        G=G, PAGE=k_cache.shape[1], HAS_MAP=row_to_req is not None, SPLIT=split_size or 0, **_prec(q),
         BLOCK_H=max(16, triton.next_power_of_2(G)), BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, num_warps=warps)
     _decode_merge_kernel[(R, Hq)](mid_o, mid_l, o, o.stride(0), o.stride(1), Hq, D, num_splits,
-                                  BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=BLOCK_D)
+                                  BLOCK_D=BLOCK_D)
     return o
 
 
 def decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req=None, num_splits=None, *,
-                     sliding_window=None):
+                     sliding_window=None, split_size=None):
     """One query token per row attending a request's paged KV (flash-decoding with split KV on the Triton
     path).
 
@@ -461,6 +475,11 @@ def decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_r
             ceil(max seq_len / 256) clipped to [1, 32], which reads seq_lens on the host.
         sliding_window: None (full attention) or W >= 1: the query sits at position seq_len - 1 and sees keys
             [max(0, seq_len - W), seq_len) (HF Gemma 4 sliding layers); the splits divide only those keys.
+        split_size: None, or deterministic mode (``KV_SPLIT_SIZE``): a row's result is bitwise a function of
+            its own query and keys, whatever the batch. Triton: split s holds keys [s * split_size, (s + 1) *
+            split_size), ``num_splits`` is ignored (the block table's width sets the launch), splits merge in
+            order. Torch: each row attends exactly ceil(seq_len / split_size) * split_size key slots (rows
+            grouped by that count), so its SDPA call has one shape whatever the batch.
 
     Returns:
         o: [R, Hq, D] with q's dtype; rows whose request has seq_len 0 are zeros. R == 0 returns an empty
@@ -472,7 +491,7 @@ def decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_r
     """
     fn = decode_attention_triton if use_triton(q) else decode_attention_ref
     return fn(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req, num_splits,
-              sliding_window=sliding_window)
+              sliding_window=sliding_window, split_size=split_size)
 
 
 def draft_attention(q, k_cache, v_cache, block_table, seq_lens, row_to_req, scale=1.0, num_splits=None, *,

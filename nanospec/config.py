@@ -20,8 +20,11 @@ class EngineConfig:
     seed: seed of the engine's sampling generator, in [0, 2**63) (requests may carry their own);
     enable_prefix_caching: share the KV of full prompt blocks across requests (default True);
     overlap_schedule: plan step n+1 on the host while step n runs (None: on for CUDA, off for CPU);
-    enforce_eager: never use CUDA graphs; load_format: "auto" (safetensors) | "dummy" (random weights of the
-    config's shape, for speed runs; the dir then needs only config.json and a tokenizer).
+    deterministic: a request's target logits are bitwise independent of its batch, of decode vs chain verify,
+    of prompt chunking and of prefix-cache hits (greedy spec-on == spec-off in every dtype; DESIGN §4 rule 9;
+    no tree verify: topk must be 1); enforce_eager: never use CUDA graphs; load_format: "auto" (safetensors) |
+    "dummy" (random weights of the config's shape, for speed runs; the dir then needs only config.json and a
+    tokenizer).
     Speculation (Frozen-KV MTP): assistant = dir | "default" | None (off); num_steps >= 1 draft steps
     (default 5 on CUDA, 1 on CPU, where a longer chain costs more than its accepted tokens save);
     topk >= 1 branches per step; num_draft_tokens N (tokens verified per request, root included) defaults to
@@ -49,6 +52,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     seed: int = 0
     enforce_eager: bool = False
+    deterministic: bool = False
     enable_prefix_caching: bool = True
     overlap_schedule: bool | None = None
     load_format: str = "auto"
@@ -72,7 +76,8 @@ class EngineConfig:
                 raise TypeError(f"{name} must be an int, got {v!r}")
             if v < lo:
                 raise ValueError(f"{name} must be >= {lo}, got {v}")
-        for name in ("enforce_eager", "enable_prefix_caching", "overlap_schedule", "adaptive_speculation"):
+        for name in ("enforce_eager", "enable_prefix_caching", "overlap_schedule", "adaptive_speculation",
+                     "deterministic"):
             v = getattr(self, name)
             if not isinstance(v, bool) and not (v is None and name == "overlap_schedule"):
                 kinds = "a bool or None" if name == "overlap_schedule" else "a bool"
@@ -114,6 +119,9 @@ class EngineConfig:
                 raise ValueError("num_draft_tokens must be given when topk > 1 "
                                  f"(allowed: 2..{1 + self.num_steps * self.topk})")
             self.num_draft_tokens = self.num_steps + 1
+        if self.deterministic and self.topk > 1:
+            raise ValueError("deterministic=True covers chain speculation only (topk=1: a tree verify row "
+                             f"attends non-contiguous keys, unlike a decode row), got topk={self.topk}")
         hi = 1 + self.num_steps * self.topk
         if not 2 <= self.num_draft_tokens <= hi:
             raise ValueError(f"num_draft_tokens must be in [2, {hi}] (1 + num_steps * topk), "

@@ -23,7 +23,8 @@ class AttnMetadata:
     slot_mapping [T] int64: pool slot each new token's K/V goes to; None for "draft";
     cu_seqlens_q [B+1] int32 and max_seqlen_q (host int) for prefill/verify; tree_mask [B, N, N] bool for a
     tree verify (None: causal chain); row_to_req [R] int32 maps draft query rows to requests (None: row b is
-    request b); num_splits: split-KV count for decode/draft (None: chosen from seq_lens, one host sync).
+    request b); num_splits: split-KV count for decode/draft (None: chosen from seq_lens, one host sync);
+    split_size: None, or deterministic mode's fixed KV split size (each row a decode row: ``prefill``).
     """
 
     mode: str
@@ -35,26 +36,42 @@ class AttnMetadata:
     tree_mask: torch.Tensor | None = None
     row_to_req: torch.Tensor | None = None
     num_splits: int | None = None
+    split_size: int | None = None
 
     @classmethod
-    def prefill(cls, block_table, seq_lens, slot_mapping, cu_seqlens_q, max_seqlen_q: int) -> "AttnMetadata":
-        """Chunks of new tokens per request (``cu_seqlens_q``) over each request's cached prefix, causal."""
-        return cls("prefill", block_table, seq_lens, slot_mapping, cu_seqlens_q, max_seqlen_q)
+    def prefill(cls, block_table, seq_lens, slot_mapping, cu_seqlens_q, max_seqlen_q: int,
+                split_size: int | None = None) -> "AttnMetadata":
+        """Chunks of new tokens per request (``cu_seqlens_q``) over each request's cached prefix, causal.
+
+        Deterministic mode (``split_size``, DESIGN §4 rule 9): every new token is a decode row over keys
+        [0, its position + 1) of its request (block-table row gathered), reduced in fixed splits of
+        ``split_size`` keys, so a row's attention is one computation whether it prefills, decodes or verifies.
+        """
+        if not split_size:
+            return cls("prefill", block_table, seq_lens, slot_mapping, cu_seqlens_q, max_seqlen_q)
+        T, n = slot_mapping.numel(), cu_seqlens_q.diff()
+        req = torch.repeat_interleave(torch.arange(n.numel(), device=n.device), n, output_size=T)
+        pos = torch.arange(T, device=n.device) - cu_seqlens_q[req] + (seq_lens - n)[req]
+        return cls("decode", block_table[req], (pos + 1).int(), slot_mapping, split_size=split_size)
 
     @classmethod
-    def decode(cls, block_table, seq_lens, slot_mapping, num_splits: int | None = None) -> "AttnMetadata":
+    def decode(cls, block_table, seq_lens, slot_mapping, num_splits: int | None = None,
+               split_size: int | None = None) -> "AttnMetadata":
         """One new token per request at position ``seq_lens - 1``."""
-        return cls("decode", block_table, seq_lens, slot_mapping, num_splits=num_splits)
+        return cls("decode", block_table, seq_lens, slot_mapping, num_splits=num_splits,
+                   split_size=split_size)
 
     @classmethod
-    def verify(cls, block_table, committed_lens, slot_mapping, num_tokens: int,
-               tree_mask=None) -> "AttnMetadata":
+    def verify(cls, block_table, committed_lens, slot_mapping, num_tokens: int, tree_mask=None,
+               split_size: int | None = None) -> "AttnMetadata":
         """``num_tokens`` tree tokens per request after ``committed_lens`` [B] int32 cached rows; the tree
-        mask (None for a chain) says which tree tokens each one sees."""
-        B = committed_lens.shape[0]
-        dev = committed_lens.device
+        mask (None for a chain) says which tree tokens each one sees. A chain with ``split_size`` is built as
+        a prefill (deterministic mode: token j of request b is the decode row of L_b + j + 1 keys)."""
+        B, dev = committed_lens.shape[0], committed_lens.device
         cu = torch.arange(0, (B + 1) * num_tokens, num_tokens, dtype=torch.int32, device=dev)
         seq_lens = committed_lens + num_tokens
+        if split_size and tree_mask is None:
+            return cls.prefill(block_table, seq_lens, slot_mapping, cu, num_tokens, split_size)
         return cls("verify", block_table, seq_lens, slot_mapping, cu, num_tokens, tree_mask)
 
     @classmethod

@@ -10,7 +10,8 @@ from . import loader, parallel
 from .config import EngineConfig
 from .context import AttnMetadata, attn_metadata
 from .cuda_graph import GraphRunner, graph_batch_sizes
-from .kernels.attention import num_kv_splits
+from .kernels.attention import KV_SPLIT_SIZE, num_kv_splits
+from .kernels.matmul import make_batch_invariant
 from .kv_cache import DUMMY_BLOCK, BlockAllocator, block_table_tensor, slot_mapping
 from .models import init_random_weights, load_weights, target_class
 from .mtp.state import DraftInput
@@ -79,6 +80,11 @@ class ModelRunner:
         max_pos = config.max_model_len + (config.num_draft_tokens or 1)  # verify rows sit past the last token
         weights = None if config.load_format == "dummy" else model_dir
         self.model = build_target(hf_config, self.device, self.dtype, max_pos, weights, config.seed)
+        # deterministic mode is read here only (DESIGN §4 rule 9): batch-invariant GEMMs, and one KV split
+        # size for every attention row, which the runner and the worker put in each forward's metadata
+        self.split_size = self.model.kv_split_size = KV_SPLIT_SIZE if config.deterministic else None
+        if config.deterministic:
+            make_batch_invariant(self.model)
         self.vocab_size = self.model.config.vocab_size
         self.lookahead = config.num_draft_tokens if config.speculative else 1
         self.sampler = Sampler(self.device, config.seed)
@@ -160,7 +166,7 @@ class ModelRunner:
         md = AttnMetadata.prefill(torch.arange(1, blocks, dtype=torch.int32, device=dev)[None],
                                   torch.tensor([T], dtype=torch.int32, device=dev),
                                   torch.arange(c.page_size, c.page_size + T, device=dev),
-                                  torch.tensor([0, T], dtype=torch.int32, device=dev), T)
+                                  torch.tensor([0, T], dtype=torch.int32, device=dev), T, self.split_size)
         with attn_metadata(md):
             ids = torch.zeros(T, dtype=torch.long, device=dev)
             self.model.compute_logits(self.model(ids, torch.arange(T, device=dev))[-1:])
@@ -201,7 +207,7 @@ class ModelRunner:
         return self.graphs
 
     def _decode_logits(self, ids, pos, slots, block_table, seq_lens, num_splits=None) -> torch.Tensor:
-        with attn_metadata(AttnMetadata.decode(block_table, seq_lens, slots, num_splits)):
+        with attn_metadata(AttnMetadata.decode(block_table, seq_lens, slots, num_splits, self.split_size)):
             return self.model.compute_logits(self.model(ids, pos))
 
     # ---- batch preparation
@@ -224,7 +230,7 @@ class ModelRunner:
         positions = self._tensor(pos)
         slots = slot_mapping(bt, self._tensor(rows), positions, self.config.page_size)
         md = AttnMetadata.prefill(bt, self._tensor(lens, torch.int32), slots, self._tensor(cu, torch.int32),
-                                  max(batch.num_new))
+                                  max(batch.num_new), self.split_size)
         return self._tensor(ids), positions, md, [c - 1 for c in cu[1:]]
 
     # ---- running

@@ -67,10 +67,13 @@ def agree(*tensors: torch.Tensor) -> None:
 
 
 class Linear(nn.Linear):
-    """A replicated linear layer: every rank holds the whole weight."""
+    """A replicated linear layer: every rank holds the whole weight. ``gemm`` is ``linear`` (deterministic
+    mode sets a batch-invariant one on the target's layers: ``kernels.matmul.make_batch_invariant``)."""
+
+    gemm = staticmethod(linear)
 
     def forward(self, x):
-        return linear(x, self.weight, self.bias)
+        return self.gemm(x, self.weight, self.bias)
 
 
 class ColumnLinear(Linear):
@@ -92,7 +95,7 @@ class RowLinear(Linear):
         self.tp_spans = [(1, *span(n, unit))]
 
     def forward(self, x):
-        return all_reduce(linear(x, self.weight, self.bias if rank == 0 else None))
+        return all_reduce(self.gemm(x, self.weight, self.bias if rank == 0 else None))
 
 
 class VocabEmbedding(nn.Embedding):

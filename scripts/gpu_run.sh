@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU run on one CUDA machine, from the repo root:   bash scripts/gpu_run.sh [OUT_DIR]   (default: gpu_out)
-# At most 12 minutes with the defaults: every step runs under its own time limit (seconds; a step over it fails
+# At most 16 minutes with the defaults: every step runs under its own time limit (seconds; a step over it fails
 # with rc 124 and keeps its log so far). Logs: OUT_DIR/<step>.txt; OUT_DIR/steps.txt: rc and seconds per step.
 #   gpu           the device; torch, triton, transformers versions                                      [GPU_S 20]
 #   kernel_tests  every kernel test compiled for real on CUDA (no Triton interpreter)          [KERNEL_TESTS_S 100]
@@ -9,6 +9,9 @@
 #                 (bench_batch1_plain), BENCH_S [40] each; the nano-vllm workload on Qwen3-0.6B's shape (random
 #                 weights) with HF transformers on its first 16 requests in batches of HF_BATCH [16] (bench_qwen3,
 #                 BENCH_QWEN3_S [60])
+#   deterministic scripts/deterministic_check.py: 50 held-out ShareGPT prompts x 128 greedy tokens in bf16, spec
+#                 on vs off and batch 1 vs 32, with LLM(deterministic=...) off and on: identical prompts, token-match
+#                 rate, first divergences, and the mode's slowdown                                       [DET_S 240]
 #   train         regenerate: the target answers ShareGPT train-split user turns (all turns, seeded order, those
 #                 no shard in DATA answers yet) with nanospec, greedy then T = 0.7 and 1.0, for REGEN_MIN [1.25]
 #                 minutes; the answers become a new shard in DATA before training starts (REGEN_MIN=0: none).
@@ -18,7 +21,7 @@
 #   eval          acceptance of the new assistant (eval) and of the shipped one (eval_shipped, default target
 #                 only) on the same held-out ShareGPT prompts: EVAL_PROMPTS [64], EVAL_TEMPS [0]; EVAL_S [60] each
 # New shards are also copied to OUT_DIR/data/ (commit them under DATA). Exit status: non-zero if a step failed.
-# More environment: STEPS ["gpu kernel_tests graphs bench train eval"]; TARGET [the default SmolLM2-135M-Instruct]
+# More environment: STEPS ["gpu kernel_tests graphs bench deterministic train eval"]; TARGET [the default SmolLM2-135M-Instruct]
 # model dir; DATA [data/<target dir name>]; INIT [default]: the assistant to start from ("default": the shipped
 # one, "none": a fresh init); LR [1e-3 warm, 2e-3 fresh]; TRAIN_EXTRA: more trainer flags; BUNDLE: a folder of
 # `python scripts/offline_bundle.py` parts, unpacked into the nanospec cache first (for a machine without network).
@@ -52,7 +55,7 @@ if [ "$DRY" = 1 ]; then  # tiny sizes, CPU
   EVAL=(--num-prompts 1 --max-tokens 4 --steps 1 --topks 1 --temperatures 0)
 fi
 [ "$REGEN_MIN" = 0 ] && REGEN=()
-STEPS=" ${STEPS:-gpu kernel_tests graphs bench train eval} "
+STEPS=" ${STEPS:-gpu kernel_tests graphs bench deterministic train eval} "
 EVAL+=(--datasets sharegpt)
 [ -n "${TARGET:-}" ] && EVAL+=(--model "$TARGET")
 TRAIN_S=${TRAIN_S:-$(awk "BEGIN { print int(($REGEN_MIN + $TRAIN_MIN) * 60 + 90) }")}
@@ -78,6 +81,8 @@ if want bench; then
   step bench_qwen3 "${BENCH_QWEN3_S:-60}" python3 bench.py --shape qwen3-0.6b --compare-hf --hf-num-seqs 16 \
     --hf-batch-size "${HF_BATCH:-16}"
 fi
+want deterministic && step deterministic "${DET_S:-240}" python3 scripts/deterministic_check.py --device cuda \
+  --dtype bfloat16 --num-prompts 50 --batch 32 --max-tokens 128
 if want train; then
   touch "$OUT/.train_start"  # shards written after this are the new ones
   step train "$TRAIN_S" python3 -m nanospec.tools.train "${TARGET_ARGS[@]}" "${INIT_ARGS[@]}" --data "$DATA" \

@@ -165,6 +165,8 @@ def test_prompts_must_be_a_list(llm):
         (dict(num_steps=3), ValueError, "num_steps"),
         (dict(topk=2), ValueError, "topk"),
         (dict(num_draft_tokens=4), ValueError, "num_draft_tokens"),
+        (dict(deterministic=1), TypeError, "deterministic"),
+        (dict(assistant="x", topk=2, num_draft_tokens=3, deterministic=True), ValueError, "deterministic"),
     ],
 )
 def test_bad_engine_options(tiny_llama_dir, monkeypatch, kw, exc, field):
@@ -235,6 +237,9 @@ def test_checkpoint_with_wrong_shapes(tmp_path, tiny_llama_dir):
         ("tools.eval", ["--steps", "0"], "--steps"),
         ("tools.eval", ["--datasets", "sharegtp"], "--datasets"),
         ("tools.eval", ["--num-prompts", "0"], "--num-prompts"),
+        ("tools.eval", ["--deterministic"], "--deterministic"),  # the default --topks 1,3 has a tree
+        ("tools.train", ["--deterministic"], "--deterministic"),  # only with --regenerate
+        ("tools.bench", ["--deterministic", "--topk", "2"], "--deterministic"),
     ],
 )
 def test_cli_rejects_bad_values_before_loading(monkeypatch, capsys, tmp_path, module, argv, option):
@@ -275,6 +280,8 @@ def test_cli_rejects_bad_values_before_loading(monkeypatch, capsys, tmp_path, mo
         ),
         ("tools.eval", []),
         ("tools.eval", ["--max-tokens", "2", "--tree-tokens", "2", "--steps", "1"]),
+        ("tools.eval", ["--deterministic", "--topks", "1"]),
+        ("tools.train", ["--regenerate", "0", "--deterministic"]),
     ],
 )
 def test_cli_accepts_valid_values(monkeypatch, tmp_path, module, argv):

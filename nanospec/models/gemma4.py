@@ -124,7 +124,8 @@ class Gemma4Attention(nn.Module):
                               md.slot_mapping)
         if md.mode == "decode":
             o = decode_attention(q, self.k_cache, self.v_cache, md.block_table, md.seq_lens, 1.0,
-                                 num_splits=md.num_splits, sliding_window=self.sliding_window)
+                                 num_splits=md.num_splits, sliding_window=self.sliding_window,
+                                 split_size=md.split_size)
         else:
             o = extend_attention(q, self.k_cache, self.v_cache, md.block_table, md.cu_seqlens_q, md.seq_lens,
                                  1.0, md.max_seqlen_q, md.tree_mask, sliding_window=self.sliding_window)
@@ -190,6 +191,7 @@ class Gemma4ForCausalLM(nn.Module):
     strip_prefix = ("model.language_model.", "model.")  # Gemma4ForConditionalGeneration, Gemma4ForCausalLM
     packed_modules_mapping = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    lm_head_matmul = staticmethod(linear)  # deterministic mode: kernels.matmul.make_batch_invariant
 
     def __init__(self, cfg, max_position: int):
         super().__init__()
@@ -277,6 +279,6 @@ class Gemma4ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[T, V]``; ``tanh(z / c) * c`` with c = ``final_logit_softcapping`` when set (HF
         ``Gemma4ForCausalLM.forward``)."""
-        logits = gather(linear(hidden, self.lm_head_weight), -1).float()
+        logits = gather(self.lm_head_matmul(hidden, self.lm_head_weight), -1).float()
         c = self.config.final_logit_softcapping
         return logits if c is None else torch.tanh(logits / c) * c

@@ -59,7 +59,7 @@ class Attention(nn.Module):
         q = rope_store_kv(q, k, v, positions, cos_sin, self.k_cache, self.v_cache, md.slot_mapping)
         if md.mode == "decode":
             o = decode_attention(q, self.k_cache, self.v_cache, md.block_table, md.seq_lens, self.scale,
-                                 num_splits=md.num_splits)
+                                 num_splits=md.num_splits, split_size=md.split_size)
         else:
             o = extend_attention(q, self.k_cache, self.v_cache, md.block_table, md.cu_seqlens_q, md.seq_lens,
                                  self.scale, md.max_seqlen_q, md.tree_mask)
@@ -103,6 +103,7 @@ class LlamaForCausalLM(nn.Module):
     strip_prefix = "model."  # HF nests everything but lm_head under "model."
     packed_modules_mapping = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    lm_head_matmul = staticmethod(linear)  # deterministic mode: kernels.matmul.make_batch_invariant
 
     def __init__(self, cfg, max_position: int):
         super().__init__()
@@ -153,4 +154,4 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return gather(linear(hidden, self.lm_head_weight), -1).float()
+        return gather(self.lm_head_matmul(hidden, self.lm_head_weight), -1).float()

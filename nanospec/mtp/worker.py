@@ -73,6 +73,7 @@ class FrozenKVMTPWorker:
         self.num_draft_tokens = config.num_draft_tokens
         self.position_offset = config.draft_position_offset
         self.page_size = config.page_size
+        self.split_size = getattr(target, "kv_split_size", None)  # deterministic mode: the model runner's
         device = sampler.device
         dtype = next(target.parameters()).dtype
         self.assistant = Gemma4Assistant.from_pretrained(assistant_path, device, dtype)
@@ -181,7 +182,7 @@ class FrozenKVMTPWorker:
         rows = torch.arange(B, device=dev)[:, None]
         slots = slot_mapping(block_table, rows, L.long()[:, None] + torch.arange(N, device=dev),
                              self.page_size)
-        md = AttnMetadata.verify(block_table, L, slots.flatten(), N, tree.tree_mask)
+        md = AttnMetadata.verify(block_table, L, slots.flatten(), N, tree.tree_mask, self.split_size)
         with attn_metadata(md):
             hidden = self.target(tree.tokens.flatten(), (L.long()[:, None] + tree.depth).flatten())
         logits = self.target.compute_logits(hidden).view(B, N, -1)

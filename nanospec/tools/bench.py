@@ -19,15 +19,15 @@ random` writes a random-weight gemma4_assistant for the target (telemetry, speed
 assistant shape, with the centroid head for E2B/E4B). Absolute times count only on a GPU; on CPU compare
 ratios measured in one run.
 
---compare OPTION (enable_prefix_caching, overlap_schedule, assistant; --compare-spec = --compare assistant)
-builds a fresh engine per round and runs the workload with OPTION on, off, on, off (assistant: the configured
-one vs none), printing each round's Total line, then `OPTION on/off throughput = X.XXx` from the best
-(highest-throughput) round of each side; the JSON `compare` key holds both best rounds and every round's
-throughput. With `assistant` a separate untimed pass over the first 4 requests (one at a time) also times
-each phase call, the GPU synced around it: draft_ms (one draft call: num_steps assistant forwards),
-verify_ms, step_ms (a whole speculative step) and decode_ms (a plain decode step), with their call counts
-(*_calls); under CUDA graphs draft and verify run inside the step's graph and are not split (--enforce-eager
-splits them). The line after the ratio shows them with the mean acceptance length.
+--compare OPTION (enable_prefix_caching, overlap_schedule, assistant, deterministic; --compare-spec =
+--compare assistant) builds a fresh engine per round and runs the workload with OPTION on, off, on, off
+(assistant: the configured one vs none), printing each round's Total line, then `OPTION on/off throughput =
+X.XXx` from the best (highest-throughput) round of each side; the JSON `compare` key holds both best rounds
+and every round's throughput. With `assistant` a separate untimed pass over the first 4 requests (one at a
+time) also times each phase call, the GPU synced around it: draft_ms (one draft call: num_steps assistant
+forwards), verify_ms, step_ms (a whole speculative step) and decode_ms (a plain decode step), with their call
+counts (*_calls); under CUDA graphs draft and verify run inside the step's graph and are not split
+(--enforce-eager splits them). The line after the ratio shows them with the mean acceptance length.
 
 Workloads: nanovllm (random ids, nano-vllm's bench.py), sharegpt (held-out ShareGPT questions), shared-prefix
 (--prefix-len tokens of one system prompt, this text repeated, in front of every ShareGPT question; for
@@ -53,10 +53,11 @@ import torch
 from .. import LLM, SamplingParams, loader
 from ..models.shapes import GEMMA4, QWEN3_0_6B, gemma4_configs
 from ..mtp.worker import DEFAULT_ASSISTANT
+from . import cli
 from .cli import HelpFormatter, add_tensor_parallel_size, number
 
-ENGINE = "dtype device max_model_len max_num_seqs max_num_batched_tokens enforce_eager seed".split()
-ENGINE += ["tensor_parallel_size"]
+ENGINE = "dtype device max_model_len max_num_seqs max_num_batched_tokens enforce_eager seed deterministic"
+ENGINE = ENGINE.split() + ["tensor_parallel_size"]
 SPEC = ["num_steps", "topk", "num_draft_tokens", "adaptive_speculation"]
 WORKLOADS = ["nanovllm", "sharegpt", "shared-prefix", "stall"]  # default nanovllm; over HTTP sharegpt
 INT_OPTIONS = """max-model-len=4096 max-num-seqs=256 max-num-batched-tokens=8192 max-input-len=1024
@@ -305,7 +306,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("--num-steps", "--topk", "--num-draft-tokens"):
         a(name, type=number(int, 1))
     a("--adaptive-speculation", action=argparse.BooleanOptionalAction, default=True, help="s per step")
-    a("--compare", choices=["enable_prefix_caching", "overlap_schedule", "assistant"], help="on vs off")
+    cli.add_deterministic(ap)
+    a("--compare", choices=["enable_prefix_caching", "overlap_schedule", "assistant", "deterministic"],
+      help="on vs off")
     a("--compare-spec", dest="compare", action="store_const", const="assistant", help="--compare assistant")
     a("--compare-hf", action="store_true", help="also run HF transformers on the same workload")
     a("--hf-num-seqs", type=number(int, 1), help="HF runs only the first N requests (it is slow)")
@@ -319,6 +322,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if (args.serve or args.base_url) and (args.batch_1 or args.compare_hf or args.base_url and args.compare):
         ap.error("--serve / --base-url: no --batch-1 or --compare-hf (nor --compare with --base-url)")
     args.workload = args.workload or ("sharegpt" if args.serve or args.base_url else "nanovllm")
+    cli.check_deterministic(ap, args, [args.topk or 1])
     if args.assistant not in ("auto", "default", "random", "none") and not Path(args.assistant).is_dir():
         ap.error(f"--assistant must be auto, default, random, none or a dir, got {args.assistant!r}")
     if args.assistant == "auto":  # as example.py: speculation is what nanospec is for

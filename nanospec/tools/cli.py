@@ -45,6 +45,18 @@ def number_list(typ=float, lo: float = 0):
     return lambda text: list(map(number(typ, lo), text.split(",")))
 
 
+def add_deterministic(ap: argparse.ArgumentParser, what: str = "") -> None:
+    """``--deterministic``: run the engine with ``LLM(deterministic=True)`` (``what`` says where)."""
+    hlp = "LLM(deterministic=True): a request's tokens bitwise independent of its batch, spec-on == spec-off"
+    ap.add_argument("--deterministic", action="store_true", help=what + hlp)
+
+
+def check_deterministic(ap: argparse.ArgumentParser, args, topks) -> None:
+    """``ap.error`` when ``--deterministic`` meets a tree (a topk > 1), which the mode refuses."""
+    if args.deterministic and max(topks, default=1) > 1:
+        ap.error(f"--deterministic covers chain speculation only (topk 1), got topk {max(topks)}")
+
+
 def check_out_dir(ap: argparse.ArgumentParser, option: str, path: str) -> None:
     """``ap.error`` unless ``path`` is a directory or could be created as one (its nearest existing ancestor
     is a writable directory); creates nothing, so a command rejected later leaves no trace."""

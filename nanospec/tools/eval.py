@@ -85,7 +85,9 @@ def main(argv=None):
     add("--tree-tokens", type=number(int, 2), help="num_draft_tokens for topk > 1")
     add("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     cli.add_tensor_parallel_size(ap)
+    cli.add_deterministic(ap)
     a = ap.parse_args(argv)
+    cli.check_deterministic(ap, a, a.topks)
     if not set(datasets := a.datasets.split(",")) <= {"sharegpt", "sharegpt-train", "humaneval"}:
         ap.error(f"--datasets must name sharegpt, sharegpt-train and/or humaneval, got {a.datasets!r}")
     cli.load_assistant(ap, "--assistant", a.assistant)  # a few MB: fails before the target
@@ -94,6 +96,7 @@ def main(argv=None):
     sets = build_prompts(tok, datasets, a.num_prompts, a.max_prompt_tokens)
     engine = dict(dtype=a.dtype, max_model_len=max(map(len, sum(sets.values(), []))) + a.max_tokens + 16)
     engine["tensor_parallel_size"] = a.tensor_parallel_size
+    engine.update(deterministic=a.deterministic)
     print(f"assistant={a.assistant} max_tokens={a.max_tokens} prompts:", {k: len(v) for k, v in sets.items()})
     head = ["dataset", "temp", "S", "k", "N", "mean acc len"] + [f"p{i}" for i in range(1, max(a.steps) + 1)]
     print("| " + " | ".join(head + ["tok/s"]) + " |\n|" + "---|" * (len(head) + 1), flush=True)

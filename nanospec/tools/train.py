@@ -374,11 +374,12 @@ def main(argv=None):
     add("--regen-budget-min", type=number(gt=0), help="--regenerate: start no new chunk after M minutes")
     add("--max-prompt-tokens", type=number(int, 1), help="--regenerate: user turn clipped to N tokens (192)")
     add("--max-new-tokens", type=number(int, 1), help="--regenerate: response length cap (default: 256)")
+    cli.add_deterministic(ap, "--regenerate: ")
     for name, typ, default, hlp in OPTIONS:
         kw = dict(action="store_true") if typ is bool else dict(type=typ, default=default)
         add("--" + name.replace("_", "-"), help=hlp, **kw)
     a = ap.parse_args(argv)
-    for opt in ("all_turns", "regen_budget_min", "max_prompt_tokens", "max_new_tokens"):
+    for opt in ("all_turns", "regen_budget_min", "max_prompt_tokens", "max_new_tokens", "deterministic"):
         if getattr(a, opt) not in (None, False) and not a.regenerate:
             ap.error(f"--{opt.replace('_', '-')} only applies with --regenerate")
     a.max_prompt_tokens, a.max_new_tokens = a.max_prompt_tokens or 192, a.max_new_tokens or 256
@@ -410,6 +411,7 @@ def main(argv=None):
     seqs, starts, regen, src = [], [], None, f"{len(shards)} shard(s) of {a.data}"
     if a.regenerate:
         engine = dict(max_num_seqs=1024, gpu_memory_utilization=0.3) if device == "cuda" else {}
+        engine["deterministic"] = a.deterministic
         prompts = data.regeneration_prompts(tok, convs, a.max_prompt_tokens, a.all_turns, a.seed)
         seen = {tuple(q[:n]) for q, n in zip(old_seqs, old_starts)}  # GPU time for prompts no shard answers
         prompts = [q for q in prompts if tuple(q) not in seen] or prompts

@@ -1,0 +1,85 @@
+"""Batch-invariant matmul for deterministic mode: each output row is bitwise a function of its own input row,
+whatever the number of rows M (the other rows, a batch of 1 or of 256, one decode row or N verify rows).
+
+Triton: one kernel with one fixed tile config, no split-K: every output tile accumulates its K tiles in the
+same order, and a GPU's tensor-core dot treats every row of a tile alike, so a row goes through the same
+instruction sequence for every M (Thinking Machines, "Defeating Nondeterminism in LLM Inference", 2025).
+Under the CPU interpreter ``tl.dot`` is a BLAS call whose results depend on a row's slot in the tile
+(OpenBLAS: slots 0-5 and 6-11 differ), so there the kernel sums products over K in order instead.
+Torch (the CPU path): one ``F.linear`` call per row. MKL and oneDNN pick their kernel by shape (fp32 here:
+one result for M < 4, another for M >= 4) and need not treat a tile's rows alike, so each row is multiplied
+alone, the same call for every row.
+"""
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import nn
+
+from . import use_triton
+from .attention import _prec
+
+_TILES = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64)  # one config for every M; narrow N: more programs
+
+
+@triton.jit
+def _matmul_kernel(X, W, B, Y, M, N, K, sxm, sxk, swn, swk, sym, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
+                   ROWWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k0 + rk < K
+        x = tl.load(X + rm[:, None].to(tl.int64) * sxm + (k0 + rk)[None, :] * sxk,
+                    mask=(rm < M)[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(W + rn[None, :].to(tl.int64) * swn + (k0 + rk)[:, None] * swk,
+                    mask=k_ok[:, None] & (rn < N)[None, :], other=0.0)
+        if ROWWISE:  # the CPU interpreter (module docstring): products summed over K in order
+            acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], 1)
+        else:
+            acc += tl.dot(x, w, input_precision=PREC)
+    if HAS_BIAS:
+        acc += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], acc.to(Y.dtype.element_ty),
+             mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+def linear_invariant_ref(x2, weight, bias=None):
+    """Torch path of :func:`linear_invariant` for x2 [M, K]: one ``F.linear`` call per row."""
+    return torch.cat([F.linear(row, weight, bias) for row in x2.split(1)] or [F.linear(x2, weight, bias)])
+
+
+def linear_invariant_triton(x2, weight, bias=None):
+    """Triton path of :func:`linear_invariant` for x2 [M, K] (fixed tiles ``_TILES``, fp32 accumulation)."""
+    (M, K), N = x2.shape, weight.shape[0]
+    y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    if M:
+        grid = (triton.cdiv(M, _TILES["BLOCK_M"]), triton.cdiv(N, _TILES["BLOCK_N"]))
+        _matmul_kernel[grid](x2, weight, weight if bias is None else bias, y, M, N, K, *x2.stride(),
+                             *weight.stride(), y.stride(0), HAS_BIAS=bias is not None,
+                             PREC=_prec(x2)["PREC"], ROWWISE=x2.device.type == "cpu", **_TILES, num_warps=4)
+    return y
+
+
+def linear_invariant(x, weight, bias=None):
+    """``F.linear(x, weight, bias)`` whose rows are bitwise independent of the other rows (module docstring).
+
+    x: [..., K] float; weight: [N, K] (any strides: the CPU path's column-major fp32 weights too); bias: [N]
+    or None. Returns [..., N] in x's dtype (fp32 accumulation). Raises ValueError on mismatched shapes.
+    """
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1] or bias is not None and len(bias) != len(weight):
+        raise ValueError(f"linear_invariant: x [..., K], weight [N, K], bias [N]; got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}, {None if bias is None else tuple(bias.shape)}")
+    fn = linear_invariant_triton if use_triton(x) else linear_invariant_ref
+    return fn(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], -1)
+
+
+def make_batch_invariant(model: nn.Module) -> None:
+    """Deterministic mode for a target: every linear layer's ``gemm`` (``parallel.Linear`` and its sharded
+    kinds) and the LM head's ``lm_head_matmul`` become :func:`linear_invariant` (weights untouched)."""
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.gemm = linear_invariant
+    model.lm_head_matmul = linear_invariant
