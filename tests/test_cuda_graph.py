@@ -57,7 +57,8 @@ def _decode_batch(llm, n_prompts=3):
         batch = llm.scheduler.schedule()
         if batch.kind == "decode":
             return batch
-        llm.scheduler.postprocess(batch, llm.runner.prefill(batch).tokens)
+        llm.scheduler.on_launch(batch)
+        llm.scheduler.commit(batch, llm.runner.prefill(batch).tokens)
 
 
 @torch.inference_mode()

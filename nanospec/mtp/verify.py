@@ -70,8 +70,7 @@ def accept_sampling(tree: DraftTree, probs: torch.Tensor, u_accept: torch.Tensor
     for d in range(max_depth):
         kids = _children(tree, cur, active)
         rank = kids.cumsum(1) - 1
-        moved = torch.zeros(B, dtype=torch.bool, device=dev)
-        nxt = cur
+        moved, nxt = torch.zeros(B, dtype=torch.bool, device=dev), cur
         for j in range(u_accept.shape[2]):
             sel = kids & (rank == j)
             has = sel.any(1) & ~moved

@@ -65,22 +65,15 @@ class FrozenKVMTPWorker:
     """Speculation for one target (the hooks and their order: see the module docstring)."""
 
     def __init__(self, config, target, assistant_path: Path, sampler, trace=None):
-        self.target = target
-        self.sampler = sampler
-        self.trace = trace
-        self.num_steps = config.num_steps
-        self.topk = config.topk
-        self.num_draft_tokens = config.num_draft_tokens
-        self.position_offset = config.draft_position_offset
-        self.page_size = config.page_size
+        self.target, self.sampler, self.trace = target, sampler, trace
+        self.num_steps, self.topk, self.page_size = config.num_steps, config.topk, config.page_size
+        self.num_draft_tokens, self.position_offset = config.num_draft_tokens, config.draft_position_offset
         self.split_size = getattr(target, "kv_split_size", None)  # deterministic mode: the model runner's
-        device = sampler.device
-        dtype = next(target.parameters()).dtype
+        device, dtype = sampler.device, next(target.parameters()).dtype
         self.assistant = Gemma4Assistant.from_pretrained(assistant_path, device, dtype)
         self.assistant.check_target(target.config)
         self.draft_inputs = DraftInput.idle(target.config.hidden_size, device, dtype)
-        self.kv_pools = None
-        self.graphs = None
+        self.kv_pools = self.graphs = None
         # chains can stop after any step; a tree of N nodes needs all its steps
         lengths = list(range(self.num_steps + 1)) if self.topk == 1 else [0, self.num_steps]
         self.policy = DraftLength(lengths, config.adaptive_speculation)
