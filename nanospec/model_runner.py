@@ -74,8 +74,7 @@ class ModelRunner:
     """
 
     def __init__(self, config: EngineConfig, hf_config, model_dir=None):
-        self.config = config
-        self.device, self.dtype = config.torch_device(), config.torch_dtype()
+        self.config, self.device, self.dtype = config, config.torch_device(), config.torch_dtype()
         max_pos = config.max_model_len + (config.num_draft_tokens or 1)  # verify rows sit past the last token
         weights = None if config.load_format == "dummy" else model_dir
         self.model = build_target(hf_config, self.device, self.dtype, max_pos, weights, config.seed)
@@ -174,8 +173,7 @@ class ModelRunner:
         c, dev = self.config, self.device
         use_graphs = dev.type == "cuda" and not c.enforce_eager
         width = -(-(c.max_model_len + self.lookahead) // c.page_size)
-        i64, i32 = torch.long, torch.int32
-        dummy_slot = DUMMY_BLOCK * c.page_size
+        i64, i32, dummy_slot = torch.long, torch.int32, DUMMY_BLOCK * c.page_size
         buffers = {"ids": ((1,), i64, 0), "pos": ((1,), i64, 0), "slots": ((1,), i64, dummy_slot),
                    "block_table": ((1, width), i32, DUMMY_BLOCK), "seq_lens": ((1,), i32, 1),
                    "L": ((1,), i32, 0), "bonus": ((1,), i64, 0),

@@ -110,8 +110,7 @@ class FrozenKVMTPWorker:
         s, estimate = self.policy.choose(len(reqs)) if plan is None else plan
         timer = StepTimer(self.sampler.device)
         inp = self._inputs_for(reqs)
-        L = inp.seq_lens
-        bt = block_table_tensor(reqs, inp.hidden.device)
+        L, bt = inp.seq_lens, block_table_tensor(reqs, inp.hidden.device)
         bound = max(r.num_computed + r.num_inflight * self.num_draft_tokens for r in reqs)
         inputs = {"bonus": inp.bonus_tokens, "hidden": inp.hidden, "block_table": bt, "L": L}
         phase = f"mtp:{s}"
@@ -183,8 +182,7 @@ class FrozenKVMTPWorker:
         if sampling is None:
             path, acc, bonus = accept_greedy(tree, logits.argmax(-1), s)
         else:
-            V = logits.shape[-1]
-            t, k, p, u = sampling
+            V, (t, k, p, u) = logits.shape[-1], sampling
             probs = filtered_probs(logits.view(B * N, V), *(x.repeat_interleave(N) for x in (t, k, p)))
             u_accept = u[:, V:V + s * self.topk].view(B, s, self.topk)
             path, acc, bonus = accept_sampling(tree, probs.view(B, N, V), u_accept, u[:, :V], s)
