@@ -44,11 +44,9 @@ class BlockAllocator:
     def __init__(self, num_blocks: int, page_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
-        self.num_blocks = num_blocks
-        self.page_size = page_size
+        self.num_blocks, self.page_size = num_blocks, page_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.free_blocks = deque(range(1, num_blocks))
-        self.ref_count = [0] * num_blocks
+        self.free_blocks, self.ref_count = deque(range(1, num_blocks)), [0] * num_blocks
         self.cached: dict[bytes, int] = {}  # prefix key -> block
         self.block_hash: dict[int, bytes] = {}  # block -> prefix key (registered blocks only)
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks with no owner, LRU first

@@ -68,8 +68,7 @@ class LLM:
 
     def _build(self, c, hf_config, model_dir, assistant) -> None:
         self.runner = ModelRunner(c, hf_config, model_dir)
-        self.worker = None
-        self.num_steps_run = 0
+        self.worker, self.num_steps_run = None, 0
         if assistant is not None:
             trace = c.trace if callable(c.trace) else _print_event if c.trace else None
             emit = None if trace is None else lambda event, fields: trace(self.num_steps_run, event, fields)
@@ -88,8 +87,7 @@ class LLM:
         self.scheduler = Scheduler(c, allocator, self.runner.lookahead, on_release=release)
         on_cuda = self.runner.device.type == "cuda"
         self.overlap = c.overlap_schedule if c.overlap_schedule is not None else on_cuda
-        self._inflight = None  # (batch, output) launched but not yet committed
-        self._next_id = 0
+        self._inflight, self._next_id = None, 0  # _inflight: (batch, output) launched but not yet committed
         self._stash: list[Request] = []  # finished add_request() requests seen by generate(), kept for step()
 
     def _make_request(self, prompt, params) -> Request:
@@ -131,10 +129,8 @@ class LLM:
         the next inputs stay on the device. Without it the step commits its own results at once. Same code
         path.
         """
-        stashed = self._stash
-        self._stash = []
-        batch = self.scheduler.schedule()
-        launched = None
+        stashed, self._stash = self._stash, []
+        batch, launched = self.scheduler.schedule(), None
         if batch is not None:
             self.num_steps_run += 1
             # rank 0 picks the draft length, so every rank drafts the same s (DESIGN §4 rule 8)
@@ -251,8 +247,7 @@ class LLM:
             self.scheduler.add(r)
         done, ntok = {}, 0
         bar = tqdm(total=len(reqs), desc="Generating", disable=not use_tqdm)
-        t0 = time.perf_counter()
-        ids = {r.request_id for r in reqs}
+        t0, ids = time.perf_counter(), {r.request_id for r in reqs}
         while len(done) < len(reqs):
             for r in self.step():
                 if r.request_id not in ids:

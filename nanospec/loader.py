@@ -167,10 +167,8 @@ def _default_model_dir() -> pathlib.Path:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=final.parent, prefix=f".{DEFAULT_MODEL_NAME}.tmp-") as tmp:
-        tmp = pathlib.Path(tmp)
-        gguf = _find_gguf(tmp)
-        out = tmp / "converted"
-        _convert(gguf, out)
+        out = pathlib.Path(tmp) / "converted"
+        _convert(_find_gguf(out.parent), out)
         try:
             # atomic; fails if another process won the race (or a stale partial dir sits there)
             os.rename(out, final)

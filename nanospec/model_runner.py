@@ -74,9 +74,7 @@ class ModelRunner:
     """
 
     def __init__(self, config: EngineConfig, hf_config, model_dir=None):
-        self.config = config
-        self.device = config.torch_device()
-        self.dtype = config.torch_dtype()
+        self.config, self.device, self.dtype = config, config.torch_device(), config.torch_dtype()
         max_pos = config.max_model_len + (config.num_draft_tokens or 1)  # verify rows sit past the last token
         weights = None if config.load_format == "dummy" else model_dir
         self.model = build_target(hf_config, self.device, self.dtype, max_pos, weights, config.seed)
@@ -103,8 +101,7 @@ class ModelRunner:
     def num_kv_blocks(self) -> int:
         """Pool size from the memory budget (GPU: ``gpu_memory_utilization`` after weights and a profiled
         activation peak; CPU: ``cpu_kv_cache_gb``), capped at what ``max_num_seqs`` full requests need."""
-        c = self.config
-        per_block = self.kv_bytes_per_block()
+        c, per_block = self.config, self.kv_bytes_per_block()
         per_req = -(-(c.max_model_len + self.lookahead) // c.page_size)
         if c.num_kv_blocks is not None:
             n = c.num_kv_blocks
@@ -141,15 +138,8 @@ class ModelRunner:
         shapes = sorted({g for g in geometry if g is not None})
         pools = {g: torch.zeros(sum(x == g for x in geometry), 2, num_blocks, self.config.page_size, *g,
                                 dtype=self.dtype, device=self.device) for g in shapes}
-        caches = []
-        used = dict.fromkeys(shapes, 0)
-        for g in geometry:
-            if g is None:
-                caches.append(None)
-                continue
-            pool = pools[g]
-            caches.append((pool[used[g], 0], pool[used[g], 1]))
-            used[g] += 1
+        layers = {g: iter(pool) for g, pool in pools.items()}  # each layer's [2, blocks, page, H, D] view
+        caches = [None if g is None else tuple(next(layers[g])) for g in geometry]  # (k_cache, v_cache)
         self.kv_pools = list(pools.values())
         self.model.bind_kv_cache(caches)
 
@@ -180,13 +170,10 @@ class ModelRunner:
         batches, ``draft_verify``) and "mtp_sampled:{s}" (``draft_verify_sampled``) for every draft length s
         the worker's policy may choose. Buckets exist only on CUDA without
         ``enforce_eager``; elsewhere every phase runs eagerly."""
-        c = self.config
-        dev = self.device
+        c, dev = self.config, self.device
         use_graphs = dev.type == "cuda" and not c.enforce_eager
         width = -(-(c.max_model_len + self.lookahead) // c.page_size)
-        i64 = torch.long
-        i32 = torch.int32
-        dummy_slot = DUMMY_BLOCK * c.page_size
+        i64, i32, dummy_slot = torch.long, torch.int32, DUMMY_BLOCK * c.page_size
         buffers = {"ids": ((1,), i64, 0), "pos": ((1,), i64, 0), "slots": ((1,), i64, dummy_slot),
                    "block_table": ((1, width), i32, DUMMY_BLOCK), "seq_lens": ((1,), i32, 1),
                    "L": ((1,), i32, 0), "bonus": ((1,), i64, 0),

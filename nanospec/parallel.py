@@ -176,8 +176,7 @@ def start(config, model_dir: str, kwargs: dict) -> None:
     method = f"file://{_rdzv}" if _rdzv else os.environ.get("NANOSPEC_TP_INIT", "env://")
     # a collective whose peer died fails within 5 minutes at the latest; ranks > 0 wait 30 days for a call
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", method, timedelta(minutes=5), n, r)
-    _cpu = dist.new_group(backend="gloo", timeout=timedelta(days=30))
-    rank, size = r, n
+    _cpu, rank, size = dist.new_group(backend="gloo", timeout=timedelta(days=30)), r, n
 
 
 def _rank_main(r: int, n: int, rdzv: str, model_dir: str, kwargs: dict) -> None:

@@ -20,19 +20,16 @@ class Request:
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: set[int], tokenizer=None):
-        self.request_id = request_id
+        self.request_id, self.params, self.status = request_id, params, Status.WAITING
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
-        self.params = params
-        self.status = Status.WAITING
         self.block_table: list[int] = []
-        self.num_computed = 0
-        self.num_inflight = 0  # decode steps launched but not yet committed (overlap scheduling: 0 or 1)
+        # num_inflight: decode steps launched but not yet committed (overlap scheduling: 0 or 1)
+        self.num_computed = self.num_inflight = 0
         self.epoch = 0  # bumped by preemption: a step launched in an earlier epoch is dropped
         # sampling calls (prefill's first token, each decode / verify step): launched and not dropped, and
         # committed. The launched count keys a seeded request's noise, so it never lags under overlap.
-        self.num_samples_launched = 0
-        self.num_samples = 0
+        self.num_samples_launched = self.num_samples = 0
         self.finish_reason: str | None = None
         self.stop_str_index: int | None = None  # where the text is cut, when a stop string matched
         self.accept_lengths: list[int] = []

@@ -16,8 +16,7 @@ class Sampler:
     """
 
     def __init__(self, device: torch.device, seed: int):
-        self.device = device
-        self.generator = torch.Generator(device).manual_seed(seed)
+        self.device, self.generator = device, torch.Generator(device).manual_seed(seed)
 
     def tensors(self, reqs: list[Request]):
         """(temperature [B] fp32, top_k [B] int32, top_p [B] fp32) of the requests' SamplingParams."""

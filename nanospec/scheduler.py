@@ -35,8 +35,7 @@ class HostCopy:
     itself."""
 
     def __init__(self, t: torch.Tensor):
-        self.event = None
-        self.t = t
+        self.t, self.event = t, None
         if t.is_cuda:
             self.t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             self.t.copy_(t, non_blocking=True)
@@ -95,11 +94,8 @@ class Scheduler:
     """
 
     def __init__(self, config: EngineConfig, allocator: BlockAllocator, lookahead: int = 1, on_release=None):
-        self.max_num_seqs = config.max_num_seqs
-        self.max_batched = config.max_num_batched_tokens
-        self.allocator = allocator
-        self.lookahead = lookahead
-        self.on_release = on_release
+        self.max_num_seqs, self.max_batched = config.max_num_seqs, config.max_num_batched_tokens
+        self.allocator, self.lookahead, self.on_release = allocator, lookahead, on_release
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -117,8 +113,7 @@ class Scheduler:
         for req in [*self.waiting, *self.running]:
             if req.request_id == request_id:
                 (self.waiting if req in self.waiting else self.running).remove(req)
-                req.finish_reason = "abort"
-                req.status = Status.FINISHED
+                req.finish_reason, req.status = "abort", Status.FINISHED
                 self._release(req, "aborted")
                 return req
         return None
@@ -149,8 +144,7 @@ class Scheduler:
         return batch
 
     def _schedule_prefill(self) -> Batch | None:
-        batch = Batch("prefill", [])
-        budget = self.max_batched
+        batch, budget = Batch("prefill", []), self.max_batched
         for req in self.waiting:
             if len(self.running) + len(batch.reqs) >= self.max_num_seqs or budget == 0:
                 break
@@ -188,9 +182,8 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self._release(req, "preempted")
         req.epoch += 1  # a step still in flight for it is dropped when it commits
-        req.num_inflight = 0
+        req.num_inflight = req.num_computed = 0
         req.num_samples_launched = req.num_samples  # the dropped step's noise is drawn again
-        req.num_computed = 0
         req.status = Status.WAITING
         # A half-prefilled head holds blocks and must finish first: queued in front of it, a victim that does
         # not
@@ -243,7 +236,3 @@ class Scheduler:
                 finished.append(req)
         return finished
 
-    def postprocess(self, batch: Batch, new_tokens: list[list[int]], accept_lens: list[int] | None = None):
-        """``on_launch`` then ``commit``: a step run without overlap."""
-        self.on_launch(batch)
-        return self.commit(batch, new_tokens, accept_lens)

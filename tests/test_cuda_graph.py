@@ -57,7 +57,9 @@ def _decode_batch(llm, n_prompts=3):
         batch = llm.scheduler.schedule()
         if batch.kind == "decode":
             return batch
-        llm.scheduler.postprocess(batch, llm.runner.prefill(batch).tokens)
+        tokens = llm.runner.prefill(batch).tokens  # launched, then committed: a step without overlap
+        llm.scheduler.on_launch(batch)
+        llm.scheduler.commit(batch, tokens)
 
 
 @torch.inference_mode()

@@ -200,15 +200,13 @@ class Gemma4ForCausalLM(nn.Module):
         L, H, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
         self.kv_owner = kv_owners(cfg)
         self.embed_tokens = VocabEmbedding(V, H)
-        self.embed_scale = H ** 0.5
-        self.ple_dim = cfg.hidden_size_per_layer_input
+        self.embed_scale, self.ple_dim = H ** 0.5, cfg.hidden_size_per_layer_input
         if self.ple_dim:
             self.embed_tokens_per_layer = VocabEmbedding(cfg.vocab_size_per_layer_input, L * self.ple_dim)
             self.per_layer_model_projection = Linear(H, L * self.ple_dim, bias=False)
             self.per_layer_projection_norm = _norm(self.ple_dim, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(Gemma4DecoderLayer(cfg, i, o) for i, o in enumerate(self.kv_owner))
-        self.norm = _norm(H, cfg.rms_norm_eps)
-        self.tied = bool(cfg.tie_word_embeddings)
+        self.norm, self.tied = _norm(H, cfg.rms_norm_eps), bool(cfg.tie_word_embeddings)
         if not self.tied:
             self.lm_head = ColumnLinear(H, [(V, 1)])
         self.kv_layer_types = list(cfg.layer_types)

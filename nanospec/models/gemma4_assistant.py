@@ -319,8 +319,7 @@ class Gemma4Assistant(nn.Module):
         if any(r is None for r in ropes):
             raise RuntimeError("assistant: the target's RoPE table is not initialised (call init_buffers "
                                "first)")
-        self._embed = target.embed
-        self._rope = ropes
+        self._embed, self._rope = target.embed, ropes
         # detached: a Parameter assigned here would register as the assistant's own (trained, saved) weight;
         # a vocabulary-parallel target head is gathered whole once (the drafter's head is replicated)
         self._target_lm_head = None if self.lm_head is not None else gather(target.lm_head_weight.detach())
@@ -455,9 +454,7 @@ def assistant_config_for(target_config, num_layers: int = 1, hidden_size: int | 
     from transformers import Gemma4AssistantConfig, Gemma4TextConfig
 
     tc = target_config
-    hd = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    rope = dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default",
-                                                        "rope_theta": getattr(tc, "rope_theta", 10000.0)})
+    hd, rope = _geometry(tc, 0)[0], _rope_params(tc, "full_attention")
     hidden = hidden_size or tc.hidden_size
     text = Gemma4TextConfig(
         vocab_size=tc.vocab_size, hidden_size=hidden, intermediate_size=intermediate_size or 2 * hidden,

@@ -27,8 +27,7 @@ class DraftTree:
 
 def chain_tree(bonus: torch.Tensor, drafts: torch.Tensor) -> DraftTree:
     """topk = 1: the chain [b, d1..dS]."""
-    B = bonus.shape[0]
-    N = drafts.shape[1] + 1
+    B, N = bonus.shape[0], drafts.shape[1] + 1
     ar = torch.arange(N, device=bonus.device).expand(B, N)
     return DraftTree(torch.cat([bonus[:, None], drafts], 1), ar - 1, ar)
 
@@ -40,9 +39,7 @@ def build_tree(bonus, pool_tokens, pool_scores, pool_parents, pool_depth, num_dr
     (-1 = child of the root). A child's score never exceeds its parent's (log-probs are <= 0) and the stable
     sort keeps the shallower node first on ties, so every kept node's parent is kept too.
     """
-    B = bonus.shape[0]
-    N = num_draft_tokens
-    dev = bonus.device
+    B, N, dev = bonus.shape[0], num_draft_tokens, bonus.device
     order = torch.sort(pool_scores, dim=1, descending=True, stable=True).indices[:, :N - 1]
     keep = torch.sort(order, dim=1).values  # back to pool order: parents first
     to_tree = torch.full_like(pool_tokens, -1).scatter_(1, keep, torch.arange(1, N, device=dev).expand(B, -1))
@@ -71,11 +68,9 @@ def run_draft(assistant, seed: DraftInput, block_table, seq_lens, num_steps: int
     log-prob, then keep the top N-1 of all candidates (as SGLang's
     select_top_k_tokens/organize_draft_results).
     """
-    B = seed.hidden.shape[0]
-    k = topk
+    B, k = seed.hidden.shape[0], topk
     pos = (seq_lens.long() + position_offset).clamp(min=0)
-    tok = seed.bonus_tokens
-    h = seed.hidden
+    tok, h = seed.bonus_tokens, seed.hidden
     if k == 1 or num_steps == 0:  # a chain (no draft at all for 0 steps)
         drafts = []
         with attn_metadata(AttnMetadata.draft(block_table, seq_lens, num_splits=num_splits)):
@@ -88,10 +83,8 @@ def run_draft(assistant, seed: DraftInput, block_table, seq_lens, num_steps: int
     with attn_metadata(AttnMetadata.draft(block_table, seq_lens, num_splits=num_splits)):
         scores, tok, h = assistant.propose(tok, h, pos, k)  # [B, k]: the seed step runs once per request
     h = h.repeat_interleave(k, 0)
-    toks = [tok]
-    scs = [scores]
+    toks, scs, deps = [tok], [scores], [1]
     pars = [torch.full((B, k), -1, device=dev, dtype=torch.long)]
-    deps = [1]
     frontier = torch.arange(k, device=dev).expand(B, k)  # pool index of each frontier node
     base = k
     rows = torch.arange(B, device=dev, dtype=torch.int32).repeat_interleave(k)

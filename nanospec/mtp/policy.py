@@ -45,11 +45,8 @@ class DraftLength:
 
     def __init__(self, candidates: list[int], adaptive: bool = True, decay: float = 0.95, alpha: float = 0.3,
                  probe_every: int = 16):
-        self.candidates = candidates
-        self.adaptive = adaptive
-        self.decay = decay
-        self.alpha = alpha
-        self.probe_every = probe_every
+        self.candidates, self.adaptive = candidates, adaptive
+        self.decay, self.alpha, self.probe_every = decay, alpha, probe_every
         self.hits = [0.0] * (max(candidates) + 1)
         self.tries = [0.0] * (max(candidates) + 1)
         self.cost: dict[tuple[int, int], float] = {}
