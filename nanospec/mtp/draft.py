@@ -27,7 +27,8 @@ class DraftTree:
 
 def chain_tree(bonus: torch.Tensor, drafts: torch.Tensor) -> DraftTree:
     """topk = 1: the chain [b, d1..dS]."""
-    B, N = bonus.shape[0], drafts.shape[1] + 1
+    B = bonus.shape[0]
+    N = drafts.shape[1] + 1
     ar = torch.arange(N, device=bonus.device).expand(B, N)
     return DraftTree(torch.cat([bonus[:, None], drafts], 1), ar - 1, ar)
 
@@ -39,7 +40,9 @@ def build_tree(bonus, pool_tokens, pool_scores, pool_parents, pool_depth, num_dr
     (-1 = child of the root). A child's score never exceeds its parent's (log-probs are <= 0) and the stable
     sort keeps the shallower node first on ties, so every kept node's parent is kept too.
     """
-    B, N, dev = bonus.shape[0], num_draft_tokens, bonus.device
+    B = bonus.shape[0]
+    N = num_draft_tokens
+    dev = bonus.device
     order = torch.sort(pool_scores, dim=1, descending=True, stable=True).indices[:, :N - 1]
     keep = torch.sort(order, dim=1).values  # back to pool order: parents first
     to_tree = torch.full_like(pool_tokens, -1).scatter_(1, keep, torch.arange(1, N, device=dev).expand(B, -1))
@@ -68,9 +71,11 @@ def run_draft(assistant, seed: DraftInput, block_table, seq_lens, num_steps: int
     log-prob, then keep the top N-1 of all candidates (as SGLang's
     select_top_k_tokens/organize_draft_results).
     """
-    B, k = seed.hidden.shape[0], topk
+    B = seed.hidden.shape[0]
+    k = topk
     pos = (seq_lens.long() + position_offset).clamp(min=0)
-    tok, h = seed.bonus_tokens, seed.hidden
+    tok = seed.bonus_tokens
+    h = seed.hidden
     if k == 1 or num_steps == 0:  # a chain (no draft at all for 0 steps)
         drafts = []
         with attn_metadata(AttnMetadata.draft(block_table, seq_lens, num_splits=num_splits)):
@@ -83,8 +88,10 @@ def run_draft(assistant, seed: DraftInput, block_table, seq_lens, num_steps: int
     with attn_metadata(AttnMetadata.draft(block_table, seq_lens, num_splits=num_splits)):
         scores, tok, h = assistant.propose(tok, h, pos, k)  # [B, k]: the seed step runs once per request
     h = h.repeat_interleave(k, 0)
-    toks, scs, deps = [tok], [scores], [1]
+    toks = [tok]
+    scs = [scores]
     pars = [torch.full((B, k), -1, device=dev, dtype=torch.long)]
+    deps = [1]
     frontier = torch.arange(k, device=dev).expand(B, k)  # pool index of each frontier node
     base = k
     rows = torch.arange(B, device=dev, dtype=torch.int32).repeat_interleave(k)

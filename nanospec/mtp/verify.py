@@ -34,7 +34,8 @@ def accept_greedy(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int |
     B, N = tree.tokens.shape
     max_depth = _max_depth(tree, max_depth)
     cur = torch.zeros(B, dtype=torch.long, device=tree.tokens.device)
-    active, path = torch.ones(B, dtype=torch.bool, device=cur.device), [cur]
+    active = torch.ones(B, dtype=torch.bool, device=cur.device)
+    path = [cur]
     for _ in range(max_depth):
         want = target_tokens.gather(1, cur[:, None])
         match = _children(tree, cur, active) & (tree.tokens == want)
@@ -58,16 +59,19 @@ def accept_sampling(tree: DraftTree, probs: torch.Tensor, u_accept: torch.Tensor
     residual r. u_accept [B, D, K] and u_bonus [B, V] are uniform (0, 1) noise (K >= max children per node).
     Returns (path, accept_len, bonus) as ``accept_greedy``.
     """
-    (B, _, V), dev = probs.shape, probs.device
+    B, N, V = probs.shape
     max_depth = _max_depth(tree, max_depth)
+    dev = probs.device
     rows = torch.arange(B, device=dev)
     cur = torch.zeros(B, dtype=torch.long, device=dev)
     active = torch.ones(B, dtype=torch.bool, device=dev)
-    r, path = probs[:, 0].clone(), [cur]
+    r = probs[:, 0].clone()
+    path = [cur]
     for d in range(max_depth):
         kids = _children(tree, cur, active)
         rank = kids.cumsum(1) - 1
-        moved, nxt = torch.zeros(B, dtype=torch.bool, device=dev), cur
+        moved = torch.zeros(B, dtype=torch.bool, device=dev)
+        nxt = cur
         for j in range(u_accept.shape[2]):
             sel = kids & (rank == j)
             has = sel.any(1) & ~moved
@@ -107,7 +111,8 @@ def compact_accepted_kv(kv_pools, block_table, seq_lens, path, accept_len, page_
     if B == 0 or D1 < 2:
         return
     d = torch.arange(1, D1, device=path.device).expand(B, -1)
-    L, valid = seq_lens.long()[:, None], d < accept_len[:, None]
+    L = seq_lens.long()[:, None]
+    valid = d < accept_len[:, None]
     rows = torch.arange(B, device=path.device)[:, None]
     src = slot_mapping(block_table, rows, L + torch.where(valid, path[:, 1:], d), page_size).flatten()
     dst = slot_mapping(block_table, rows, L + d, page_size).flatten()

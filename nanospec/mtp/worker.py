@@ -65,15 +65,22 @@ class FrozenKVMTPWorker:
     """Speculation for one target (the hooks and their order: see the module docstring)."""
 
     def __init__(self, config, target, assistant_path: Path, sampler, trace=None):
-        self.target, self.sampler, self.trace = target, sampler, trace
-        self.num_steps, self.topk, self.page_size = config.num_steps, config.topk, config.page_size
-        self.num_draft_tokens, self.position_offset = config.num_draft_tokens, config.draft_position_offset
+        self.target = target
+        self.sampler = sampler
+        self.trace = trace
+        self.num_steps = config.num_steps
+        self.topk = config.topk
+        self.num_draft_tokens = config.num_draft_tokens
+        self.position_offset = config.draft_position_offset
+        self.page_size = config.page_size
         self.split_size = getattr(target, "kv_split_size", None)  # deterministic mode: the model runner's
-        device, dtype = sampler.device, next(target.parameters()).dtype
+        device = sampler.device
+        dtype = next(target.parameters()).dtype
         self.assistant = Gemma4Assistant.from_pretrained(assistant_path, device, dtype)
         self.assistant.check_target(target.config)
         self.draft_inputs = DraftInput.idle(target.config.hidden_size, device, dtype)
-        self.kv_pools = self.graphs = None
+        self.kv_pools = None
+        self.graphs = None
         # chains can stop after any step; a tree of N nodes needs all its steps
         lengths = list(range(self.num_steps + 1)) if self.topk == 1 else [0, self.num_steps]
         self.policy = DraftLength(lengths, config.adaptive_speculation)
@@ -110,7 +117,8 @@ class FrozenKVMTPWorker:
         s, estimate = self.policy.choose(len(reqs)) if plan is None else plan
         timer = StepTimer(self.sampler.device)
         inp = self._inputs_for(reqs)
-        L, bt = inp.seq_lens, block_table_tensor(reqs, inp.hidden.device)
+        L = inp.seq_lens
+        bt = block_table_tensor(reqs, inp.hidden.device)
         bound = max(r.num_computed + r.num_inflight * self.num_draft_tokens for r in reqs)
         inputs = {"bonus": inp.bonus_tokens, "hidden": inp.hidden, "block_table": bt, "L": L}
         phase = f"mtp:{s}"
@@ -182,7 +190,8 @@ class FrozenKVMTPWorker:
         if sampling is None:
             path, acc, bonus = accept_greedy(tree, logits.argmax(-1), s)
         else:
-            V, (t, k, p, u) = logits.shape[-1], sampling
+            V = logits.shape[-1]
+            t, k, p, u = sampling
             probs = filtered_probs(logits.view(B * N, V), *(x.repeat_interleave(N) for x in (t, k, p)))
             u_accept = u[:, V:V + s * self.topk].view(B, s, self.topk)
             path, acc, bonus = accept_sampling(tree, probs.view(B, N, V), u_accept, u[:, :V], s)
