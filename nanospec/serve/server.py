@@ -181,9 +181,8 @@ class Engine:
                 final = dict(text=r.output_text(), finish_reason=r.finish_reason, tokens=c.sent)  # delivered
                 final |= dict(cached=r.num_cached_tokens or 0, accept_lengths=[*r.accept_lengths])
             c.post("tokens", (new, final))
-        alloc = llm.scheduler.allocator
         m.waiting.set(len(llm.scheduler.waiting))
-        m.kv_usage.set(1 - alloc.num_free / alloc.num_usable)
+        m.kv_usage.set(1 - llm.scheduler.allocator.num_free / llm.scheduler.allocator.num_usable)
         m.draft_inputs.set(len(llm.worker.draft_inputs) if llm.worker is not None else 0)
         m.running.set(len(llm.scheduler.running))  # last: a reader that sees it sees this step's other gauges
 
@@ -308,8 +307,7 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
             raise ApiError(400, "the request body must be a JSON object")
         ids, params, stream, include_usage = parse(body, chat)
         q, n, loop = asyncio.Queue(), len(params), asyncio.get_running_loop()
-        choices = [Choice(i, ids, p, q, loop) for i, p in enumerate(params)]
-        finals = [None] * n
+        choices, finals = [Choice(i, ids, p, q, loop) for i, p in enumerate(params)], [None] * n
         engine.put("add", choices)
         _, kind, message = await q.get()
         if kind != "ok":

@@ -60,8 +60,9 @@ ENGINE = "dtype device max_model_len max_num_seqs max_num_batched_tokens enforce
 ENGINE = ENGINE.split() + ["tensor_parallel_size"]
 SPEC = ["num_steps", "topk", "num_draft_tokens", "adaptive_speculation"]
 WORKLOADS = ["nanovllm", "sharegpt", "shared-prefix", "stall"]  # default nanovllm; over HTTP sharegpt
+# bench.py's int options >= 1 and their defaults (none: the engine's)
 INT_OPTIONS = """max-model-len=4096 max-num-seqs=256 max-num-batched-tokens=8192 max-input-len=1024
-    max-output-len=1024 prefix-len=512 stall-len=2000"""  # bench.py's int options >= 1 and their defaults
+    max-output-len=1024 prefix-len=512 stall-len=2000 num-steps= topk= num-draft-tokens="""
 
 
 def nanovllm_workload(num_seqs=256, max_input_len=1024, max_output_len=1024, seed=0):
@@ -290,7 +291,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--device", choices=["auto", "cpu", "cuda"], default="auto")
     a("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     for name, default in (s.split("=") for s in INT_OPTIONS.split()):
-        a(f"--{name}", type=number(int, 1), default=int(default))
+        a(f"--{name}", type=number(int, 1), default=int(default) if default else None)
     a("--seed", type=number(int, 0), default=0)
     a("--enforce-eager", action="store_true")
     add_tensor_parallel_size(ap)
@@ -298,8 +299,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--temperature", type=number(), help="default 0.6 (nanovllm), 0.0 (the others)")
     a("--ignore-eos", action="store_true", help="sharegpt: always generate output_len tokens")
     a("--assistant", default="auto", help="DIR | default | random | none | auto (default if one is shipped)")
-    for name in ("--num-steps", "--topk", "--num-draft-tokens"):
-        a(name, type=number(int, 1))
     a("--adaptive-speculation", action=argparse.BooleanOptionalAction, default=True, help="s per step")
     cli.add_deterministic(ap)
     a("--compare", choices=["enable_prefix_caching", "overlap_schedule", "assistant", "deterministic"],

@@ -81,9 +81,8 @@ def load_humaneval(limit: int | None = None) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ token sequences
-def _chat(tokenizer, msgs: list[dict], **kw) -> list[int]:
-    text = tokenizer.apply_chat_template(msgs, tokenize=False, **kw)
-    return tokenizer.encode(text, add_special_tokens=False)
+def _chat(tok, msgs: list[dict], **kw) -> list[int]:
+    return tok.encode(tok.apply_chat_template(msgs, tokenize=False, **kw), add_special_tokens=False)
 
 
 def _clip(tokenizer, text: str, n: int) -> str:
@@ -123,10 +122,9 @@ def regeneration_prompts(tokenizer, conversations, max_prompt_tokens=192, all_tu
     prompts, less memorisation); in one order shuffled by ``seed`` (so a time budget keeps a sample of first
     and later turns alike, not the file's head); through ``chat_prompts``. Raises ValueError when no
     conversation has a non-empty user turn."""
-    texts = dict.fromkeys(c[0]["content"] for c in conversations)  # distinct texts, first turns first
-    if all_turns:
-        texts.update(dict.fromkeys(m["content"] for c in conversations for m in c[1:] if m["role"] == "user"))
-    texts = [x for x in texts if x.strip()]
+    # distinct texts, first turns first
+    later = [m["content"] for c in conversations for m in c[1:] if m["role"] == "user"] if all_turns else []
+    texts = [x for x in dict.fromkeys([c[0]["content"] for c in conversations] + later) if x.strip()]
     random.Random(seed).shuffle(texts)
     if not texts:
         raise ValueError("no prompts: the conversations have no non-empty user turn")

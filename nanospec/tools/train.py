@@ -390,8 +390,8 @@ def main(argv=None):
         ap.error(f"--num-centroids adds a centroid head to a dense-head assistant; --init {a.init} has one")
     a.layers = a.layers or (init.text_config.num_hidden_layers if init else 1)
     cli.check_out_dir(ap, "--out", a.out)  # a bad path must fail now, not at the first save
-    if a.seq_len is None:  # 64: the chat template around the prompt
-        a.seq_len = a.max_prompt_tokens + a.max_new_tokens + 64 if a.regenerate or a.data else 256
+    # 64: the chat template around the prompt
+    a.seq_len = a.seq_len or (a.max_prompt_tokens + a.max_new_tokens + 64 if a.regenerate or a.data else 256)
     t0 = time.time()
     model_dir, cfg, tok = cli.load_target(ap, "--target", a.target, "--init", a.init)
     C, K, V = a.num_centroids, a.centroid_top_k, cfg.vocab_size
@@ -430,8 +430,7 @@ def main(argv=None):
     info = dict(target=str(model_dir), data=f"ShareGPT train split, {src}", regeneration=regen, shards=shards)
     info.update(hardware=hardware, conversations=len(convs), num_sequences_available=len(seqs), args=vars(a))
     if init_dir is not None:  # a warm start keeps its history: what the init checkpoint was trained on
-        prev = init_dir / "training_info.json"
-        prev = json.loads(prev.read_text()) if prev.is_file() else None
+        prev = json.loads(p.read_text()) if (p := init_dir / "training_info.json").is_file() else None
         info["init"] = dict(dir=str(init_dir), training_info=prev)
     print(f"data: {len(convs)} conversations, {len(seqs)} sequences, {sum(map(len, seqs))} tokens: {src}")
     opts = {name: getattr(a, name) for name in DEFAULTS}
