@@ -181,9 +181,8 @@ class Engine:
                 final = dict(text=r.output_text(), finish_reason=r.finish_reason, tokens=c.sent)  # delivered
                 final |= dict(cached=r.num_cached_tokens or 0, accept_lengths=[*r.accept_lengths])
             c.post("tokens", (new, final))
-        alloc = llm.scheduler.allocator
         m.waiting.set(len(llm.scheduler.waiting))
-        m.kv_usage.set(1 - alloc.num_free / alloc.num_usable)
+        m.kv_usage.set(1 - llm.scheduler.allocator.num_free / llm.scheduler.allocator.num_usable)
         m.draft_inputs.set(len(llm.worker.draft_inputs) if llm.worker is not None else 0)
         m.running.set(len(llm.scheduler.running))  # last: a reader that sees it sees this step's other gauges
 
@@ -308,8 +307,7 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
             raise ApiError(400, "the request body must be a JSON object")
         ids, params, stream, include_usage = parse(body, chat)
         q, n, loop = asyncio.Queue(), len(params), asyncio.get_running_loop()
-        choices = [Choice(i, ids, p, q, loop) for i, p in enumerate(params)]
-        finals = [None] * n
+        choices, finals = [Choice(i, ids, p, q, loop) for i, p in enumerate(params)], [None] * n
         engine.put("add", choices)
         _, kind, message = await q.get()
         if kind != "ok":
@@ -397,10 +395,9 @@ def parse_args(argv=None):
     """``nanospec-serve``'s options; the engine's go through ``EngineConfig``'s own checks here, before any
     weights load. Returns (parser, args, LLM keyword arguments)."""
     from ..mtp.worker import DEFAULT_ASSISTANT
-    from ..tools.cli import HelpFormatter, number
+    from ..tools.cli import number, or_error, parser
 
-    ap = argparse.ArgumentParser("nanospec-serve", description=__doc__, formatter_class=HelpFormatter)
-    a = ap.add_argument
+    ap, a = parser("nanospec-serve", __doc__)
     a("model", nargs="?", help="HF-format model dir (default: SmolLM2-135M-Instruct)")
     a("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     a("--port", type=number(int, 0), default=8000, help="0: any free port (printed once listening)")
@@ -408,20 +405,15 @@ def parse_args(argv=None):
     a("--max-n", type=number(int, 1), default=16, help="largest `n` of a request")
     engine_fields = [f for f in fields(EngineConfig) if f.name not in ("model", "trace")]
     for f in engine_fields:  # every LLM option, as --kebab-case; EngineConfig checks the values below
-        flag, kind, doc = "--" + f.name.replace("_", "-"), f.type, f"LLM({f.name}=...)"
-        if kind in (bool, bool | None):
-            a(flag, action=argparse.BooleanOptionalAction, default=f.default, help=doc)
-        else:
-            typ = {int: int, int | None: int, float: float}.get(kind, str)
-            a(flag, type=typ, default="auto" if f.name == "assistant" else f.default, help=doc)
+        typ = {int: int, int | None: int, float: float}.get(f.type, str)
+        kw = dict(action=argparse.BooleanOptionalAction) if f.type in (bool, bool | None) else dict(type=typ)
+        default = "auto" if f.name == "assistant" else f.default
+        a("--" + f.name.replace("_", "-"), default=default, help=f"LLM({f.name}=...)", **kw)
     args = ap.parse_args(argv)
     kw = {f.name: getattr(args, f.name) for f in engine_fields}
     shipped = args.model is None and (DEFAULT_ASSISTANT / "config.json").exists()
     kw["assistant"] = dict(auto="default" if shipped else None, none=None).get(args.assistant, args.assistant)
-    try:
-        EngineConfig(model=args.model, **kw)
-    except (TypeError, ValueError) as e:
-        ap.error(str(e))
+    or_error(ap, "", EngineConfig, model=args.model, **kw)
     return ap, args, kw
 
 
@@ -431,17 +423,14 @@ def main(argv=None) -> None:
     import uvicorn
 
     from .. import LLM, loader
+    from ..tools.cli import or_error
 
-    sock = socket.socket()  # IPv4
-    try:  # bound before the weights load (a taken port fails at once), listening once the engine is ready
-        sock.bind((args.host, args.port))
-    except (OSError, OverflowError) as e:  # a port over 65535: OverflowError
-        ap.error(f"cannot listen on --host {args.host} --port {args.port}: {e}")
+    # bound before the weights load (a taken port fails at once), listening once the engine is ready; a port
+    # over 65535: OverflowError
+    where, sock = f"cannot listen on --host {args.host} --port {args.port}: ", socket.socket()  # IPv4
+    or_error(ap, where, sock.bind, (args.host, args.port), errors=(OSError, OverflowError))
     loader.configure_cpu_threads()
-    try:
-        llm = LLM(args.model, **kw)
-    except ValueError as e:
-        ap.error(str(e))
+    llm = or_error(ap, "", LLM, args.model, errors=ValueError, **kw)
     name = args.model or loader.DEFAULT_MODEL_NAME  # what clients send as `model`
     engine = Engine(llm, Metrics(name, llm.config.num_steps if llm.worker is not None else 0))
     app = build_app(engine, name, args.api_key, args.max_n)

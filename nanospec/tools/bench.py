@@ -54,14 +54,15 @@ from .. import LLM, SamplingParams, loader
 from ..models.shapes import GEMMA4, QWEN3_0_6B, gemma4_configs
 from ..mtp.worker import DEFAULT_ASSISTANT
 from . import cli
-from .cli import HelpFormatter, add_tensor_parallel_size, number
+from .cli import add_tensor_parallel_size, number
 
 ENGINE = "dtype device max_model_len max_num_seqs max_num_batched_tokens enforce_eager seed deterministic"
 ENGINE = ENGINE.split() + ["tensor_parallel_size"]
 SPEC = ["num_steps", "topk", "num_draft_tokens", "adaptive_speculation"]
 WORKLOADS = ["nanovllm", "sharegpt", "shared-prefix", "stall"]  # default nanovllm; over HTTP sharegpt
+# bench.py's int options >= 1 and their defaults (none: the engine's)
 INT_OPTIONS = """max-model-len=4096 max-num-seqs=256 max-num-batched-tokens=8192 max-input-len=1024
-    max-output-len=1024 prefix-len=512 stall-len=2000"""  # bench.py's int options >= 1 and their defaults
+    max-output-len=1024 prefix-len=512 stall-len=2000 num-steps= topk= num-draft-tokens="""
 
 
 def nanovllm_workload(num_seqs=256, max_input_len=1024, max_output_len=1024, seed=0):
@@ -146,13 +147,9 @@ def write_random_assistant(model_dir, out, seed=0, shape=None) -> Path:
     from ..models.gemma4_assistant import Gemma4Assistant, assistant_config_for
     from .train import init_assistant
 
-    if shape in GEMMA4:
-        config = gemma4_configs(shape)[1]
-    else:
-        config = assistant_config_for(loader.load_config(model_dir), 2, use_target_lm_head=True)
-    assistant = Gemma4Assistant(config)
-    init_assistant(assistant, seed)
-    return assistant.save_pretrained(out)
+    config = (gemma4_configs(shape)[1] if shape in GEMMA4
+              else assistant_config_for(loader.load_config(model_dir), 2, use_target_lm_head=True))
+    return init_assistant(Gemma4Assistant(config), seed).save_pretrained(out)
 
 
 def sync(device) -> None:
@@ -285,8 +282,7 @@ def run_hf(model_dir, random_init, prompts, params, device, dtype, batch_size, e
 
 def parse_args(argv=None) -> argparse.Namespace:
     """bench.py's options (``--help``); bad values are argparse errors. Fills the workload's defaults in."""
-    ap = argparse.ArgumentParser("bench.py", description=__doc__, formatter_class=HelpFormatter)
-    a = ap.add_argument
+    ap, a = cli.parser("bench.py", __doc__)
     a("--workload", choices=WORKLOADS, help="HTTP: sharegpt")
     a("--batch-1", action="store_true", help="latency mode: one request at a time (ms/token, tok/s)")
     model = ap.add_mutually_exclusive_group().add_argument  # --model or --shape
@@ -295,7 +291,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--device", choices=["auto", "cpu", "cuda"], default="auto")
     a("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     for name, default in (s.split("=") for s in INT_OPTIONS.split()):
-        a(f"--{name}", type=number(int, 1), default=int(default))
+        a(f"--{name}", type=number(int, 1), default=int(default) if default else None)
     a("--seed", type=number(int, 0), default=0)
     a("--enforce-eager", action="store_true")
     add_tensor_parallel_size(ap)
@@ -303,8 +299,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--temperature", type=number(), help="default 0.6 (nanovllm), 0.0 (the others)")
     a("--ignore-eos", action="store_true", help="sharegpt: always generate output_len tokens")
     a("--assistant", default="auto", help="DIR | default | random | none | auto (default if one is shipped)")
-    for name in ("--num-steps", "--topk", "--num-draft-tokens"):
-        a(name, type=number(int, 1))
     a("--adaptive-speculation", action=argparse.BooleanOptionalAction, default=True, help="s per step")
     cli.add_deterministic(ap)
     a("--compare", choices=["enable_prefix_caching", "overlap_schedule", "assistant", "deterministic"],

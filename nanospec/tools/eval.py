@@ -16,7 +16,6 @@ to SGLang's N=12 for that shape.
 acceptance there far above the held-out one means the assistant memorised its training data.
 """
 
-import argparse
 import itertools
 import time
 
@@ -71,8 +70,7 @@ def main(argv=None):
     """The evaluation CLI (module docstring); every value is checked before any model or data work."""
     from ..loader import configure_cpu_threads
 
-    ap = argparse.ArgumentParser("nanospec-eval", description=__doc__, formatter_class=cli.HelpFormatter)
-    add = ap.add_argument
+    ap, add = cli.parser("nanospec-eval", __doc__)
     add("--model", help="target dir (default: SmolLM2-135M-Instruct)")
     add("--assistant", default="default", help="gemma4_assistant dir or 'default'")
     add("--num-prompts", type=number(int, 1), default=16, help="prompts per dataset")
@@ -94,9 +92,8 @@ def main(argv=None):
     model_dir, _, tok = cli.load_target(ap, "--model", a.model, "--assistant", a.assistant)
     configure_cpu_threads()
     sets = build_prompts(tok, datasets, a.num_prompts, a.max_prompt_tokens)
-    engine = dict(dtype=a.dtype, max_model_len=max(map(len, sum(sets.values(), []))) + a.max_tokens + 16)
-    engine["tensor_parallel_size"] = a.tensor_parallel_size
-    engine.update(deterministic=a.deterministic)
+    engine = {k: getattr(a, k) for k in ("dtype", "tensor_parallel_size", "deterministic")}
+    engine["max_model_len"] = max(map(len, sum(sets.values(), []))) + a.max_tokens + 16
     print(f"assistant={a.assistant} max_tokens={a.max_tokens} prompts:", {k: len(v) for k, v in sets.items()})
     head = ["dataset", "temp", "S", "k", "N", "mean acc len"] + [f"p{i}" for i in range(1, max(a.steps) + 1)]
     print("| " + " | ".join(head + ["tok/s"]) + " |\n|" + "---|" * (len(head) + 1), flush=True)

@@ -201,11 +201,11 @@ def sample_positions(lens, n: int, generator=None, starts=None):
 
 # --------------------------------------------------------------------------------------------------- init
 @torch.no_grad()
-def init_assistant(assistant, seed: int = 0) -> None:
+def init_assistant(assistant, seed: int = 0):
     """Sensible start: x = pre_projection(cat(e, h)) ~ h + small(e); residual branches start small (post norms
     0.1); q_norm = 1/sqrt(D) so the scale-1.0 scores q.k start at the usual q.k/sqrt(D) magnitude (the
     target's K is not normalised); layer_scalar 1; final norm 1; post_projection = identity when square, else
-    random."""
+    random. Returns ``assistant``."""
     g = torch.Generator().manual_seed(seed)
     for p in assistant.parameters():
         p.copy_(torch.randn(p.shape, generator=g) * p.shape[1] ** -0.5) if p.dim() >= 2 else p.fill_(1.0)
@@ -218,6 +218,7 @@ def init_assistant(assistant, seed: int = 0) -> None:
         layer.self_attn.q_norm.weight.fill_(layer.self_attn.head_dim**-0.5)
         layer.post_attention_layernorm.weight.fill_(0.1)
         layer.post_feedforward_layernorm.weight.fill_(0.1)
+    return assistant
 
 
 @torch.no_grad()
@@ -360,8 +361,7 @@ def main(argv=None):
     from ..model_runner import build_target
     from . import datasets as data
 
-    ap = argparse.ArgumentParser("nanospec-train", description=__doc__, formatter_class=cli.HelpFormatter)
-    add = ap.add_argument
+    ap, add = cli.parser("nanospec-train", __doc__)
     add("--target", help="HF-format target dir (default: SmolLM2-135M-Instruct)")
     add("--out", default="assistant_out", help="output checkpoint dir")
     add("--init", metavar="DIR", help="continue from this assistant checkpoint ('default': the shipped one)")
@@ -390,8 +390,8 @@ def main(argv=None):
         ap.error(f"--num-centroids adds a centroid head to a dense-head assistant; --init {a.init} has one")
     a.layers = a.layers or (init.text_config.num_hidden_layers if init else 1)
     cli.check_out_dir(ap, "--out", a.out)  # a bad path must fail now, not at the first save
-    if a.seq_len is None:  # 64: the chat template around the prompt
-        a.seq_len = a.max_prompt_tokens + a.max_new_tokens + 64 if a.regenerate or a.data else 256
+    # 64: the chat template around the prompt
+    a.seq_len = a.seq_len or (a.max_prompt_tokens + a.max_new_tokens + 64 if a.regenerate or a.data else 256)
     t0 = time.time()
     model_dir, cfg, tok = cli.load_target(ap, "--target", a.target, "--init", a.init)
     C, K, V = a.num_centroids, a.centroid_top_k, cfg.vocab_size
@@ -430,8 +430,7 @@ def main(argv=None):
     info = dict(target=str(model_dir), data=f"ShareGPT train split, {src}", regeneration=regen, shards=shards)
     info.update(hardware=hardware, conversations=len(convs), num_sequences_available=len(seqs), args=vars(a))
     if init_dir is not None:  # a warm start keeps its history: what the init checkpoint was trained on
-        prev = init_dir / "training_info.json"
-        prev = json.loads(prev.read_text()) if prev.is_file() else None
+        prev = json.loads(p.read_text()) if (p := init_dir / "training_info.json").is_file() else None
         info["init"] = dict(dir=str(init_dir), training_info=prev)
     print(f"data: {len(convs)} conversations, {len(seqs)} sequences, {sum(map(len, seqs))} tokens: {src}")
     opts = {name: getattr(a, name) for name in DEFAULTS}
