@@ -20,7 +20,8 @@ def _hf_logits(model_dir, prompts, dtype):
 def test_bf16_engine_matches_hf_and_fp32_greedy(smollm2_dir):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in LENS]
-    llm = LLM(str(smollm2_dir), dtype="bfloat16", device="cpu", page_size=PAGE, max_model_len=64)
+    kw = dict(device="cpu", page_size=PAGE, max_model_len=64, num_kv_blocks=64)
+    llm = LLM(str(smollm2_dir), dtype="bfloat16", **kw)
     assert next(llm.runner.model.parameters()).dtype == torch.bfloat16
     reqs = [llm._make_request(p, SamplingParams(max_tokens=8)) for p in prompts]
     got = [lg.float() for lg in _prefill(llm, reqs, list(LENS))]
@@ -31,16 +32,20 @@ def test_bf16_engine_matches_hf_and_fp32_greedy(smollm2_dir):
         print(f"prompt {i}: max |logit - HF fp32|: nanospec bf16 {ours:.3f}, HF bf16 {theirs:.3f}")
         assert ours <= 1.5 * theirs + 0.05, (ours, theirs)
         assert (a.argmax(-1) == w.argmax(-1)).float().mean() >= 0.8  # next-token argmax per position
+    for r in reqs:
+        llm.runner.allocator.free(r)
     # greedy decoding: bf16 against fp32, position by position
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    kw = dict(device="cpu", max_model_len=128, num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     toks = {
-        dt: [o["token_ids"] for o in LLM(None, dtype=dt, **kw).generate(prompts, params, use_tqdm=False)]
-        for dt in ("float32", "bfloat16")
+        "float32": [
+            o["token_ids"]
+            for o in LLM(str(smollm2_dir), dtype="float32", **kw).generate(prompts, params, use_tqdm=False)
+        ],
+        "bfloat16": [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)],
     }
     same = sum(a == b for x, y in zip(toks["float32"], toks["bfloat16"]) for a, b in zip(x, y))
     first = [
         next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(*toks.values())
     ]
-    print(f"greedy bf16 vs fp32: {same} / {32 * len(prompts)} tokens equal; first divergence at {first}")
+    print(f"greedy bf16 vs fp32: {same} / {24 * len(prompts)} tokens equal; first divergence at {first}")
     assert min(first) >= 1  # the first token (argmax of the prefill logits) agrees
