@@ -165,6 +165,10 @@ def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
     return out
 
 
+# constexprs only a CPU (interpreter) launch sets, with their GPU value (what scripts/kernel_specs.py records)
+INTERPRETER_ONLY = {"UPCAST": False}
+
+
 def _prec(q):
     """(PREC, UPCAST) constexprs: exact fp32 dots for fp32 inputs; bf16 upcast under the CPU interpreter."""
     return {"PREC": "ieee" if q.dtype == torch.float32 else "tf32",

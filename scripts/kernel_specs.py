@@ -224,7 +224,9 @@ class Recorder:
     convention (a ``NAME_triton`` path beside its ``NAME_ref``) runs its Triton path with each launch recorded
     but not interpreted, then returns its torch reference's result (outputs and in-place cache writes), so
     the engine runs at torch speed on exactly the arguments the Triton path would launch with. Launches from
-    anywhere else are interpreted as usual. ``execute=True`` interprets every launch (slow)."""
+    anywhere else are interpreted as usual. ``execute=True`` interprets every launch (slow). A kernel
+    module's ``INTERPRETER_ONLY`` {constexpr: GPU value} replaces CPU-only workaround values (the attention
+    kernels' bf16 upcast), so the specs are what a GPU launches."""
 
     def __init__(self, execute=False):
         self.specs = {}
@@ -289,6 +291,9 @@ class Recorder:
         bound, spec, _ = binder(*args, **kwargs)
         names = list(bound)
         constexprs = {n: v for n, (t, v) in zip(names, spec) if t == "constexpr"}
+        # a CPU-only workaround constexpr (e.g. the interpreter's bf16 upcast) takes its GPU value
+        gpu = getattr(sys.modules[fn.__module__], "INTERPRETER_ONLY", {})
+        constexprs.update({n: v for n, v in gpu.items() if n in constexprs})
         arg_types = [[n, t, v] for n, (t, v) in zip(names, spec) if t != "constexpr"]
         opts = self._backend.parse_options(kwargs)
         entry = dict(
