@@ -265,12 +265,12 @@ def _tiles(q, tree=False):
     bd = max(16, triton.next_power_of_2(q.shape[2]))
     row, fp32 = bd * q.element_size(), q.dtype == torch.float32
     big = (_device_smem(q.device) if q.is_cuda else _tile_smem) >= 160 * 1024
+    if bd <= 128 and not fp32:  # tensor-core dots
+        return (bd, 32, 32, 8, 3) if tree and bd == 128 else (bd, 64, 32 if tree else 64, 4, 3)
     if bd <= 128:
-        if fp32:
-            return bd, 32 if bd <= 64 else 16, 32, 4, 3
-        return bd, 64, 32 if tree else 64, 8 if tree and bd == 128 else 4, 3
-    if row <= 1024:  # bf16 D 256 / 512, fp32 D 256: 16-key tiles on 99 KB for the 1 KB rows
-        return bd, 32 if big or row <= 512 else 16, 32, 8, 3
+        return bd, 32 if bd <= 64 else 16, 32, 4 if bd <= 64 else 8, 3
+    if row <= 1024:  # bf16 D 256 / 512, fp32 D 256: 32-key tiles only for 1 KB rows on 163 KB+
+        return bd, 32 if big and row == 1024 else 16, 32, 8, 3
     return bd, 16, 32 if big else 16, 8, 1 if big else 2  # fp32 D 512
 
 

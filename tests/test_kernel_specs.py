@@ -66,12 +66,19 @@ def test_dry_launches_record_what_the_interpreter_launches(tmp_path):
     assert [s["phases"] for s in dry] == [s["phases"] for s in real]
 
 
+# pytest compiles one spec per tile configuration for sm_89 (the 99 KB tile class) and sm_90 (the 163 KB+
+# class, its own code generator); .ci/run then compiles every spec for all four archs (kernel_specs.py check)
+FAST_ARCHS = (89, 90)
+
+
 def test_compile_check(recorded):
+    fast = ks.representatives(recorded)
+    assert {s["kernel"] for s in fast} == {s["kernel"] for s in recorded} and len(fast) < len(recorded)
     t0 = time.perf_counter()
-    rows = ks.check(recorded, archs=(80, 86, 89, 90), workers=2)
+    rows = ks.check(fast, archs=FAST_ARCHS, workers=2)
     print(ks.summary(rows))
     print(f"{len(rows)} compiles in {time.perf_counter() - t0:.0f} s")
-    assert len(rows) == sum(len(s["archs"]) for s in recorded)
+    assert len(rows) == sum(a in FAST_ARCHS for s in fast for a in s["archs"])
     assert ks.violations(rows) == []
 
 
@@ -80,10 +87,10 @@ def test_compile_check(recorded):
 # (dtype, head_dim, smem) -> (BLOCK_D, BLOCK_N, BLOCK_M cap, num_warps, num_stages), causal and with a tree
 TILES = [
     (torch.bfloat16, 64, 101376, (64, 64, 64, 4, 3), (64, 64, 32, 4, 3)),
-    (torch.bfloat16, 128, 101376, (128, 64, 64, 4, 3), (128, 64, 32, 8, 3)),
+    (torch.bfloat16, 128, 101376, (128, 64, 64, 4, 3), (128, 32, 32, 8, 3)),
     (torch.float32, 64, 101376, (64, 32, 32, 4, 3), (64, 32, 32, 4, 3)),
-    (torch.float32, 128, 166912, (128, 16, 32, 4, 3), (128, 16, 32, 4, 3)),
-    (torch.bfloat16, 256, 101376, (256, 32, 32, 8, 3), (256, 32, 32, 8, 3)),
+    (torch.float32, 128, 166912, (128, 16, 32, 8, 3), (128, 16, 32, 8, 3)),
+    (torch.bfloat16, 256, 166912, (256, 16, 32, 8, 3), (256, 16, 32, 8, 3)),
     (torch.float32, 256, 101376, (256, 16, 32, 8, 3), (256, 16, 32, 8, 3)),
     (torch.bfloat16, 512, 166912, (512, 32, 32, 8, 3), (512, 32, 32, 8, 3)),
     (torch.float16, 512, 101376, (512, 16, 32, 8, 3), (512, 16, 32, 8, 3)),
