@@ -16,6 +16,8 @@ Each op has a torch reference (``*_ref``, the CPU engine path and the test oracl
 launch sizes, so they never sync (except ``decode_attention(num_splits=None)``, which reads the max length
 once).
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -163,6 +165,10 @@ def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
     return out
 
 
+# constexprs only a CPU (interpreter) launch sets, with their GPU value (what scripts/kernel_specs.py records)
+INTERPRETER_ONLY = {"UPCAST": False}
+
+
 def _prec(q):
     """(PREC, UPCAST) constexprs: exact fp32 dots for fp32 inputs; bf16 upcast under the CPU interpreter."""
     return {"PREC": "ieee" if q.dtype == torch.float32 else "tf32",
@@ -234,11 +240,38 @@ def _extend_kernel(Q, K, V, Out, BT, CU, SL, TM, qk_scale,
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _tiles(q):
-    """(BLOCK_D, BLOCK_N, num_warps); D is padded to a power of two >= 16 for tl.dot. Exact fp32 dots (no
-    tensor cores) stage more shared memory per key, so they take narrower key tiles."""
+_tile_smem = 101376  # CPU / interpreter: tiles as if for this GPU (99 KB per block: sm_86, sm_89)
+
+
+def set_tile_target(smem: int) -> None:
+    """Size CPU (interpreter) launches' tiles as for a GPU with ``smem`` bytes of opt-in shared memory per
+    block (CUDA launches always use their device's own). Raises ValueError below 48 KB."""
+    global _tile_smem
+    if isinstance(smem, bool) or not isinstance(smem, int) or smem < 49152:
+        raise ValueError(f"smem must be an int >= 49152 bytes, got {smem!r}")
+    _tile_smem = smem
+
+
+@functools.cache
+def _device_smem(device) -> int:
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
+def _tiles(q, tree=False):
+    """(BLOCK_D, BLOCK_N, BLOCK_M cap, num_warps, num_stages) for q's head dim and dtype, sized to the
+    shared memory per block (163 KB+: sm_80/90; 99 KB: sm_86/89) and checked by scripts/kernel_specs.py to
+    fit and not spill. D is padded to a power of two >= 16 for tl.dot; a key row of a K/V tile takes
+    BLOCK_D * itemsize bytes. Exact fp32 dots (no tensor cores) and tree masks cost registers: fewer rows."""
     bd = max(16, triton.next_power_of_2(q.shape[2]))
-    return bd, (64 if bd <= 128 and q.dtype != torch.float32 else 32), (4 if bd <= 128 else 8)
+    row, fp32 = bd * q.element_size(), q.dtype == torch.float32
+    big = (_device_smem(q.device) if q.is_cuda else _tile_smem) >= 160 * 1024
+    if bd <= 128 and not fp32:  # tensor-core dots
+        return (bd, 32, 32, 8, 3) if tree and bd == 128 else (bd, 64, 32 if tree else 64, 4, 3)
+    if bd <= 128:
+        return bd, 32 if bd <= 64 else 16, 32, 4 if bd <= 64 else 8, 3
+    if row <= 1024:  # bf16 D 256 / 512, fp32 D 256: 32-key tiles only for 1 KB rows on 163 KB+
+        return bd, 32 if big and row == 1024 else 16, 32, 8, 3
+    return bd, 16, 32 if big else 16, 8, 1 if big else 2  # fp32 D 512
 
 
 def extend_attention_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, max_seqlen_q,
@@ -262,8 +295,8 @@ def extend_attention_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_
                              f"({T} rows)")
         tree_mask = tree_mask.contiguous().view(torch.uint8)
     window = _window(sliding_window, 0 if tree_mask is None else n_tree)
-    BLOCK_D, BLOCK_N, warps = _tiles(q)
-    BLOCK_M = min(64 if BLOCK_D <= 128 else 32, max(16, triton.next_power_of_2(max_seqlen_q * G)))
+    BLOCK_D, BLOCK_N, BLOCK_M, warps, stages = _tiles(q, tree_mask is not None)
+    BLOCK_M = min(BLOCK_M, max(16, triton.next_power_of_2(max_seqlen_q * G)))
     BLOCK_M = max(BLOCK_M, triton.next_power_of_2(G))
     qpb = BLOCK_M // G
     grid = (B, k_cache.shape[2], triton.cdiv(max_seqlen_q, qpb))
@@ -272,7 +305,8 @@ def extend_attention_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_
         scale * _LOG2E, q.stride(0), q.stride(1), o.stride(0), o.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), n_tree, D, window,
         G=G, QPB=qpb, PAGE=k_cache.shape[1], TREE=tree_mask is not None, **_prec(q), BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_T=triton.next_power_of_2(n_tree), num_warps=warps)
+        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_T=triton.next_power_of_2(n_tree), num_warps=warps,
+        num_stages=stages)
     return o
 
 
@@ -443,7 +477,7 @@ def decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, r
         num_splits = num_kv_splits(int(seq_lens.max()))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    BLOCK_D, BLOCK_N, warps = _tiles(q)
+    BLOCK_D, BLOCK_N, _, warps, stages = _tiles(q)
     mid_o = torch.empty(R, Hq, num_splits, D, dtype=torch.float32, device=q.device)
     mid_l = torch.empty(R, Hq, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(R, k_cache.shape[2], num_splits)](
@@ -451,7 +485,8 @@ def decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, r
         scale * _LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0), Hq, D, num_splits, window,
         G=G, PAGE=k_cache.shape[1], HAS_MAP=row_to_req is not None, SPLIT=split_size or 0, **_prec(q),
-        BLOCK_H=max(16, triton.next_power_of_2(G)), BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, num_warps=warps)
+        BLOCK_H=max(16, triton.next_power_of_2(G)), BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, num_warps=warps,
+        num_stages=stages)
     _decode_merge_kernel[(R, Hq)](mid_o, mid_l, o, o.stride(0), o.stride(1), Hq, D, num_splits,
                                   BLOCK_D=BLOCK_D)
     return o

@@ -188,7 +188,7 @@ def _launch(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, do_q, d
         raise ValueError("store_kv: caches must have unit last-dim stride and identical layouts")
     rot = cos_sin.shape[1] if cos_sin is not None else 0
     BLOCK_D = triton.next_power_of_2(D)
-    BLOCK_H = min(triton.next_power_of_2(max(Hq, Hk)), max(1, 4096 // BLOCK_D))
+    BLOCK_H = min(triton.next_power_of_2(max(Hq, Hk)), max(1, 2048 // BLOCK_D))
     dummy = ref
     q_, k_, v_ = (_rows(x) if x is not None else dummy for x in (q, k, v))
     qo, ko = (x if x is not None else dummy for x in (q_out, k_out))
@@ -200,7 +200,8 @@ def _launch(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, do_q, d
         v_.stride(0), v_.stride(1),
         qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), cs.stride(0) if cos_sin is not None else 0,
         kc.stride(0), kc.stride(1),
-        DO_Q=do_q, DO_K=do_k, ROPE_K=rope_k, STORE=store, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, num_warps=4)
+        DO_Q=do_q, DO_K=do_k, ROPE_K=rope_k, STORE=store, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
+        num_warps=8 if BLOCK_H * BLOCK_D >= 2048 else 4)  # fewer spill on sm_90 (scripts/kernel_specs.py)
     return q_out, k_out
 
 

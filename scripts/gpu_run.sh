@@ -2,6 +2,8 @@
 # The whole GPU run on one CUDA machine, from the repo root:   bash scripts/gpu_run.sh [OUT_DIR]   (default: gpu_out)
 # At most 16 minutes with the defaults: every step runs under its own time limit (seconds; a step over it fails
 # with rc 124 and keeps its log so far). Logs: OUT_DIR/<step>.txt; OUT_DIR/steps.txt: rc and seconds per step.
+#   compile       every kernel specialization of scripts/kernel_specs.json compiled for this GPU on all cores:
+#                 the fit / spill rules, and Triton's cache warm for the steps after it               [COMPILE_S 60]
 #   gpu           the device; torch, triton, transformers versions                                      [GPU_S 20]
 #   kernel_tests  every kernel test compiled for real on CUDA (no Triton interpreter)          [KERNEL_TESTS_S 100]
 #   graphs        CUDA graphs vs eager: the same tokens (scripts/gpu_graphs.py)                       [GRAPHS_S 100]
@@ -21,7 +23,7 @@
 #   eval          acceptance of the new assistant (eval) and of the shipped one (eval_shipped, default target
 #                 only) on the same held-out ShareGPT prompts: EVAL_PROMPTS [64], EVAL_TEMPS [0]; EVAL_S [60] each
 # New shards are also copied to OUT_DIR/data/ (commit them under DATA). Exit status: non-zero if a step failed.
-# More environment: STEPS ["gpu kernel_tests graphs bench deterministic train eval"]; TARGET [the default SmolLM2-135M-Instruct]
+# More environment: STEPS ["compile gpu kernel_tests graphs bench deterministic train eval"]; TARGET [the default SmolLM2-135M-Instruct]
 # model dir; DATA [data/<target dir name>]; INIT [default]: the assistant to start from ("default": the shipped
 # one, "none": a fresh init); LR [1e-3 warm, 2e-3 fresh]; TRAIN_EXTRA: more trainer flags; BUNDLE: a folder of
 # `python scripts/offline_bundle.py` parts, unpacked into the nanospec cache first (for a machine without network).
@@ -55,7 +57,7 @@ if [ "$DRY" = 1 ]; then  # tiny sizes, CPU
   EVAL=(--num-prompts 1 --max-tokens 4 --steps 1 --topks 1 --temperatures 0)
 fi
 [ "$REGEN_MIN" = 0 ] && REGEN=()
-STEPS=" ${STEPS:-gpu kernel_tests graphs bench deterministic train eval} "
+STEPS=" ${STEPS:-compile gpu kernel_tests graphs bench deterministic train eval} "
 EVAL+=(--datasets sharegpt)
 [ -n "${TARGET:-}" ] && EVAL+=(--model "$TARGET")
 TRAIN_S=${TRAIN_S:-$(awk "BEGIN { print int(($REGEN_MIN + $TRAIN_MIN) * 60 + 90) }")}
@@ -70,6 +72,8 @@ step() {  # step NAME LIMIT_S CMD...: run CMD under the limit, log to $OUT/NAME.
   [ "$r" -eq 0 ] || { echo "== $1 FAILED (rc $r; 124: over its limit)"; rc=1; }
 }
 want() { [[ $STEPS == *" $1 "* ]]; }
+want compile && step compile "${COMPILE_S:-60}" python3 scripts/kernel_specs.py check --archs native \
+  --workers "$(nproc)" --json "$OUT/compile.json"
 want gpu && step gpu "${GPU_S:-20}" sh -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv &&
   python3 -c "import torch, triton, transformers as t; print(torch.__version__, triton.__version__, t.__version__)"'
 want kernel_tests && step kernel_tests "${KERNEL_TESTS_S:-100}" \
