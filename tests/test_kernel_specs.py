@@ -38,7 +38,7 @@ def test_specs_json_is_current(recorded):
 
 
 def test_every_kernel_is_recorded(recorded):
-    # every @triton.jit kernel of nanospec.kernels (the *_kernel functions; the rest are device helpers)
+    # every @triton.jit kernel of nanospec.kernels (the *_kernel functions; the rest are device functions)
     import importlib
     import pkgutil
 
