@@ -66,7 +66,7 @@ def linear_invariant_triton(x2, weight, bias=None):
 def linear_invariant(x, weight, bias=None):
     """``F.linear(x, weight, bias)`` whose rows are bitwise independent of the other rows (module docstring).
 
-    x: [..., K] float; weight: [N, K] (any strides: the CPU path's column-major fp32 weights too); bias: [N]
+    x: [..., K] float; weight: [N, K] (any strides); bias: [N]
     or None. Returns [..., N] in x's dtype (fp32 accumulation). Raises ValueError on mismatched shapes.
     """
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1] or bias is not None and len(bias) != len(weight):

@@ -1,54 +1,37 @@
-"""CPU-only tuning applied once when the engine is built: the fp32 GEMM weight layout and the thread count.
+"""CPU-only tuning: the fp32 GEMM of a few rows, and the thread count set once when the engine is built.
 
-``F.linear(x, w)`` multiplies by ``w.t()``. With a row-major ``w`` [N, K], MKL's fp32 GEMM takes its
-transposed-B path, whose cost steps up every 3 rows of ``x`` (4-15 rows measured 1.3-2.4x slower than the same
-product with a contiguous ``w.t()``; equal at 1 row, 0.8x at 2-3 rows, equal from ~256 rows). Storing
-``w`` column-major (the same [N, K] tensor with strides (1, N)) hands MKL the plain kernel with no change to
-any model code: verify (B*N rows), batched decode and top-k drafting get faster. CUDA is never touched.
+``F.linear(x, w)`` with a row-major ``w`` [N, K] and a few rows of ``x`` hands MKL's fp32 GEMM a wide product
+whose small-m kernel reads the weight about once per row: a whole SmolLM2-135M forward measured (one thread,
+weights out of cache) 34-36 ms at 1 row, 58-67 ms at 2, 82-87 ms at 3, 44-57 ms at 4. The same product taken
+the other way round, ``(w @ x.t()).t()`` with ``x`` contiguous (so ``x.t()`` is column-major) and an even
+row count, streams the weight once: 25-27 ms at 1 or 2 rows, 30-33 ms at 4, 56-57 ms at 6; past 6 rows it is
+no faster than ``F.linear``. (Column-major weights, kept here before, gave 25 ms at 1 row but 41-48 ms at 2.)
+A verify step of s + 1 <= 6 rows then costs about what a decode row costs, which is
+what lets speculation pay on a CPU. CUDA and other dtypes are never touched.
 """
 import os
 
 import torch
-from torch import nn
+import torch.nn.functional as F
 
 from . import loader
 
-
-def gemm_layout(w: torch.Tensor) -> torch.Tensor:
-    """``w`` [N, K] with the same values stored column-major (strides (1, N)) if it is a 2-D fp32 CPU tensor;
-    any other tensor (CUDA, other dtypes, other ranks, already column-major) is returned unchanged.
-
-    ``F.linear(x, gemm_layout(w))`` equals ``F.linear(x, w)`` to fp32 rounding (another summation order).
-    """
-    if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2 or w.stride() == (1, w.shape[0]):
-        return w
-    return w.t().contiguous().t()
+FEW_ROWS = 6  # the most rows that take the transposed product (measured above)
 
 
-def use_cpu_gemm_layout(*models: nn.Module) -> int:
-    """Re-lay out in place, through :func:`gemm_layout`, the weight of every ``nn.Linear`` in ``models`` and
-    the ``lm_head_weight`` of a model that has one (the target's tied embedding is its LM head), except a
-    centroid LM head (``rows_gathered``), whose cluster rows are gathered, not multiplied whole.
-
-    Call it before anything keeps an alias of a weight (the assistant's ``bind_target`` takes the target's LM
-    head). Returns how many weights changed: 0 on CUDA or for non-fp32 models.
-    """
-    weights = {}
-    for model in models:
-        for m in model.modules():
-            if isinstance(m, nn.Linear) and not getattr(m, "rows_gathered", False):
-                weights[id(m.weight)] = m.weight
-        head = getattr(model, "lm_head_weight", None)
-        if isinstance(head, nn.Parameter):
-            weights[id(head)] = head
-    changed = 0
-    for p in weights.values():
-        old = p.data  # each .data access is a new alias: compare against one
-        new = gemm_layout(old)
-        if new is not old:
-            p.data = new
-            changed += 1
-    return changed
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (x [..., K], weight [N, K], bias [N] or None -> [..., N], x's dtype); an
+    fp32 CPU ``x`` of at most ``FEW_ROWS`` rows is computed as ``(weight @ x.t()).t()`` over an even number
+    of rows (the last row repeated), equal to ``F.linear`` to fp32 rounding (module docstring: why)."""
+    rows = x.reshape(-1, x.shape[-1])
+    m = len(rows)
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not 0 < m <= FEW_ROWS:
+        return F.linear(x, weight, bias)
+    if m % 2:
+        rows = torch.cat([rows, rows[-1:]])
+    out = (weight @ rows.contiguous().t()).t()[:m].contiguous()
+    out = out if bias is None else out + bias
+    return out.view(*x.shape[:-1], -1)
 
 
 def default_cpu_threads() -> int:
@@ -67,10 +50,7 @@ def default_cpu_threads() -> int:
     return torch.get_num_threads()
 
 
-def prepare_cpu_engine(device: torch.device, *models: nn.Module) -> None:
-    """What ``LLM`` runs once on CPU before the KV pool exists: :func:`default_cpu_threads` and
-    :func:`use_cpu_gemm_layout` of the target and the drafter. Does nothing on CUDA."""
-    if device.type != "cpu":
-        return
-    default_cpu_threads()
-    use_cpu_gemm_layout(*models)
+def prepare_cpu_engine(device: torch.device) -> None:
+    """What ``LLM`` runs once on CPU: :func:`default_cpu_threads`. Does nothing on CUDA."""
+    if device.type == "cpu":
+        default_cpu_threads()

@@ -73,9 +73,7 @@ class LLM:
             trace = c.trace if callable(c.trace) else _print_event if c.trace else None
             emit = None if trace is None else lambda event, fields: trace(self.num_steps_run, event, fields)
             self.worker = FrozenKVMTPWorker(c, self.runner.model, assistant, self.runner.sampler, emit)
-        drafter = [self.worker.assistant] if self.worker is not None else []
-        # CPU threads and weight layout, before bind_target aliases the target's LM head
-        cpu.prepare_cpu_engine(self.runner.device, self.runner.model, *drafter)
+        cpu.prepare_cpu_engine(self.runner.device)  # the CPU thread count
         allocator = self.runner.allocate_kv_cache()
         if self.worker is not None:
             self.worker.bind(self.runner.kv_pools)

@@ -1,4 +1,4 @@
-"""CPU engine tuning (nanospec.cpu): the column-major GEMM weight layout and the default thread count."""
+"""CPU engine tuning (nanospec.cpu): the fp32 GEMM of a few rows and the default thread count."""
 
 import os
 
@@ -6,40 +6,37 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanospec import LLM, loader
-from nanospec.cpu import default_cpu_threads, gemm_layout, use_cpu_gemm_layout
+from nanospec import cpu, loader, parallel
+from nanospec.cpu import default_cpu_threads
 
 
 @pytest.mark.parametrize("shape", [(576, 576), (960, 576), (576, 1536), (49152, 576)])
-@pytest.mark.parametrize("m", [1, 2, 6, 8, 48])
-def test_column_major_linear_equals_f_linear(shape, m):
+@pytest.mark.parametrize("m", [1, 2, 3, 6, 7, 48])
+def test_cpu_linear_equals_f_linear(shape, m):
     g = torch.Generator().manual_seed(m)
     w = torch.randn(shape, generator=g) * 0.05
     x, b = torch.randn(m, shape[1], generator=g), torch.randn(shape[0], generator=g)
-    wc = gemm_layout(w)
-    assert wc.shape == w.shape and wc.stride() == (1, shape[0]) and torch.equal(wc, w)
     for bias in (None, b):
-        want, got = F.linear(x, w, bias), F.linear(x, wc, bias)
+        want, got = F.linear(x, w, bias), cpu.linear(x, w, bias)
+        assert got.shape == want.shape and got.is_contiguous()
         assert float((got - want).abs().max() / want.abs().max()) <= 1e-5
 
 
-def test_gemm_layout_leaves_other_tensors_alone():
-    for t in (torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(8), torch.randn(2, 8, 4)):
-        assert gemm_layout(t) is t
-    wc = gemm_layout(torch.randn(8, 4))
-    assert gemm_layout(wc) is wc
-
-
-def test_engine_lays_out_target_weights_tied_head_included(tiny_llama_tied_dir):
-    llm = LLM(str(tiny_llama_tied_dir), dtype="float32", device="cpu", max_model_len=64)
-    model = llm.runner.model
-    qkv = model.layers[0].self_attn.qkv_proj.weight
-    assert qkv.stride() == (1, qkv.shape[0])
-    head = model.lm_head_weight
-    assert head is model.embed_tokens.weight and head.stride() == (1, head.shape[0])
-    ids = torch.tensor([3, 17, 250])
-    assert torch.equal(model.embed(ids), head.contiguous()[ids])  # the embedding reads the same values
-    assert use_cpu_gemm_layout(model) == 0  # already laid out: nothing changes twice
+def test_cpu_linear_takes_the_transposed_product_for_a_few_fp32_rows():
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
+    x = torch.randn(2, 3, 24, generator=g)  # 6 rows in a [B, N, K] batch: the most that take it
+    rows = x.reshape(6, 24)
+    assert torch.equal(cpu.linear(x, w, b), ((w @ rows.t()).t() + b).view(2, 3, 40))
+    one = rows[:1]  # odd counts repeat the last row: the product of an even count
+    assert torch.equal(cpu.linear(one, w), (w @ torch.cat([one, one]).t()).t()[:1])
+    assert torch.equal(parallel.linear(rows[:3], w), cpu.linear(rows[:3], w))  # the engine's GEMM goes here
+    more = torch.randn(7, 24, generator=g)
+    assert torch.equal(cpu.linear(more, w, b), F.linear(more, w, b))  # 7 rows and more: F.linear itself
+    for t in (rows.bfloat16(), rows.double()):  # other dtypes: F.linear itself
+        assert torch.equal(cpu.linear(t, w.to(t.dtype)), F.linear(t, w.to(t.dtype)))
+    empty = torch.zeros(0, 24)
+    assert cpu.linear(empty, w).shape == (0, 40)
 
 
 def test_default_cpu_threads_only_overrides_the_default(monkeypatch):

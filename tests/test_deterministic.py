@@ -27,7 +27,7 @@ def test_linear_rows_do_not_depend_on_the_batch(backend, dtype):
     weight, b = torch.randn(80, 48, generator=g).to(dtype), torch.randn(80, generator=g).to(dtype)
     x = torch.randn(34, 48, generator=g).to(dtype)
     with using_backend(backend):
-        for w in (weight, weight.t().contiguous().t()):  # row-major, and the CPU engine's fp32 column-major
+        for w in (weight, weight.t().contiguous().t()):  # row-major and column-major
             alone = torch.cat([linear_invariant(x[i : i + 1], w, b) for i in range(34)])
             for m in (2, 17, 34):  # every slot of batches of several sizes (34 rows: two Triton row tiles)
                 batched = [linear_invariant(x[i : i + m], w, b) for i in range(0, 34, m)]
