@@ -29,12 +29,13 @@ forwards), verify_ms, step_ms (a whole speculative step) and decode_ms (a plain 
 counts (*_calls); under CUDA graphs draft and verify run inside the step's graph and are not split
 (--enforce-eager splits them). The line after the ratio shows them with the mean acceptance length.
 
-Workloads: nanovllm (random ids, nano-vllm's bench.py), sharegpt (held-out ShareGPT questions), shared-prefix
-(--prefix-len tokens of one system prompt, this text repeated, in front of every ShareGPT question; for
---shape runs random ids in front of the nano-vllm prompts), stall (7 requests of 16 random tokens decode
---max-output-len tokens; once each has its first token, one --stall-len-token prompt arrives, prefilled in
---max-num-batched-tokens chunks; prints and reports max_gap_s, the decoders' largest wall time between two
-steps that gave one of them tokens, and the total time).
+Workloads: nanovllm (random ids, nano-vllm's bench.py), sharegpt (held-out ShareGPT questions), chat (the 16
+chat prompts written for the benchmark, nanospec/assets/chat_prompts.json, each to --max-output-len),
+shared-prefix (--prefix-len tokens of one system prompt, this text repeated, in front of every ShareGPT
+question; for --shape runs random ids in front of the nano-vllm prompts), stall (7 requests of 16 random
+tokens decode --max-output-len tokens; once each has its first token, one --stall-len-token prompt arrives,
+prefilled in --max-num-batched-tokens chunks; prints and reports max_gap_s, the decoders' largest wall time
+between two steps that gave one of them tokens, and the total time).
 
 --serve starts nanospec-serve with these engine options (--base-url URL uses a running server) and sends the
 workload (default sharegpt) over HTTP with Poisson arrivals: vLLM's serving figures, nanospec/serve/client.py.
@@ -56,10 +57,11 @@ from ..mtp.worker import DEFAULT_ASSISTANT
 from . import cli
 from .cli import add_tensor_parallel_size, number
 
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
 ENGINE = "dtype device max_model_len max_num_seqs max_num_batched_tokens enforce_eager seed deterministic"
 ENGINE = ENGINE.split() + ["tensor_parallel_size"]
 SPEC = ["num_steps", "topk", "num_draft_tokens", "adaptive_speculation"]
-WORKLOADS = ["nanovllm", "sharegpt", "shared-prefix", "stall"]  # default nanovllm; over HTTP sharegpt
+WORKLOADS = ["nanovllm", "sharegpt", "chat", "shared-prefix", "stall"]  # default nanovllm; over HTTP sharegpt
 # bench.py's int options >= 1 and their defaults (none: the engine's)
 INT_OPTIONS = """max-model-len=4096 max-num-seqs=256 max-num-batched-tokens=8192 max-input-len=1024
     max-output-len=1024 prefix-len=512 stall-len=2000 num-steps= topk= num-draft-tokens="""
@@ -84,19 +86,25 @@ def sharegpt_workload(tokenizer, num_seqs=None, max_input_len=1024, max_output_l
     from .datasets import load_sharegpt
 
     convs, prompts, max_tokens = load_sharegpt("eval"), [], []
-    chat, plain = dict(tokenize=False, add_generation_prompt=True), dict(add_special_tokens=False)
     random.Random(seed).shuffle(convs)  # the same order as shuffling indices
     for conv in (c for c in convs if len(prompts) != num_seqs):
         if len(conv) < 2 or conv[1]["role"] != "assistant":
             continue
-        text = conv[0]["content"]
-        if tokenizer.chat_template:
-            text = tokenizer.apply_chat_template([dict(role="user", content=text)], **chat)
-        ids, ref_len = tokenizer.encode(text, **plain), len(tokenizer.encode(conv[1]["content"], **plain))
+        ids, answer = chat_ids(tokenizer, conv[0]["content"]), chat_ids(tokenizer, conv[1]["content"], False)
+        ref_len = len(answer)
         if min_len <= len(ids) <= max_input_len and ref_len >= min_len:
             prompts.append(ids)
             max_tokens.append(min(ref_len, max_output_len))
     return prompts, max_tokens
+
+
+def chat_ids(tokenizer, text: str, template: bool = True) -> list[int]:
+    """Token ids of one user turn ``text``: the tokenizer's chat template applied when it has one (and
+    ``template``), no special tokens added twice."""
+    if template and tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([dict(role="user", content=text)], tokenize=False,
+                                             add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def workload(args, tokenizer) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -107,6 +115,9 @@ def workload(args, tokenizer) -> tuple[list[list[int]], list[SamplingParams]]:
         max_tokens = [args.max_output_len] * 8
     elif args.workload == "nanovllm" or args.shape and args.workload == "shared-prefix":
         prompts, max_tokens = nanovllm_workload(*sizes, args.seed)
+    elif args.workload == "chat":
+        texts = json.loads((ASSETS / "chat_prompts.json").read_text())[: args.num_seqs]
+        prompts, max_tokens = [chat_ids(tokenizer, t) for t in texts], [args.max_output_len] * len(texts)
     else:
         prompts, max_tokens = sharegpt_workload(tokenizer, *sizes, args.seed)
     if args.workload == "shared-prefix":
