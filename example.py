@@ -40,7 +40,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="HF-format Llama/Qwen3/Gemma 4 dir (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--assistant", default="auto", help="gemma4_assistant dir | default | none | auto")
-    ap.add_argument("--num-steps", type=bounded(int, 1), help="draft steps per verify (1 on CPU, 5 on CUDA)")
+    ap.add_argument("--num-steps", type=bounded(int, 1), help="most draft steps (3 on CPU, 5 on CUDA)")
     adaptive = dict(action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--adaptive-speculation", **adaptive, help="draft 0..num-steps tokens per step, as pays")
     ap.add_argument("--max-tokens", type=bounded(int, 1, 4096), default=128, help="new tokens per prompt")

@@ -26,7 +26,7 @@ class EngineConfig:
     "dummy" (random weights of the config's shape, for speed runs; the dir then needs only config.json and a
     tokenizer).
     Speculation (Frozen-KV MTP): assistant = dir | "default" | None (off); num_steps >= 1 draft steps
-    (default 5 on CUDA, 1 on CPU, where a longer chain costs more than its accepted tokens save);
+    (default 5 on CUDA, 3 on CPU, where a verify of more than 4 rows costs twice a decode row);
     topk >= 1 branches per step; num_draft_tokens N (tokens verified per request, root included) defaults to
     num_steps + 1 for topk 1 and must be given for topk > 1, with 2 <= N <= 1 + num_steps * topk;
     draft_position_offset: RoPE position of every draft step is L + offset (-1 follows SGLang, 0 follows HF).
@@ -112,7 +112,7 @@ class EngineConfig:
                                  "pass assistant=DIR or 'default', or drop them")
             return
         if self.num_steps is None:  # per device, measured (README, "Where speculation pays")
-            self.num_steps = 1 if self.torch_device().type == "cpu" else 5
+            self.num_steps = 3 if self.torch_device().type == "cpu" else 5
         self.topk = 1 if self.topk is None else self.topk
         if self.num_draft_tokens is None:
             if self.topk > 1:
