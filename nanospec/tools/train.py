@@ -101,15 +101,14 @@ def dense_attn_fn(kv, Ls):
     """``attn_fn`` for ``Gemma4Assistant.forward``: query row (b, i) sees K/V rows ``[0, Ls[b, i])`` of
     sequence b at its mapped layer; scale 1.0, GQA by repetition (what ``draft_attention`` computes over the
     pool)."""
-    B, n = Ls.shape
     mask = torch.arange(kv[0][0].shape[1], device=Ls.device)[None, None] < Ls[..., None]  # [B, n, T]
 
     def attn(layer_idx, q):
         k, v = kv[layer_idx]
         Hq, D, Hkv = q.shape[1], q.shape[2], k.shape[2]
-        s = torch.einsum("bnkgd,btkd->bkgnt", q.view(B, n, Hkv, Hq // Hkv, D), k.to(q.dtype))
+        s = torch.einsum("bnkgd,btkd->bkgnt", q.view(*Ls.shape, Hkv, Hq // Hkv, D), k.to(q.dtype))
         p = torch.softmax(s.float().masked_fill(~mask[:, None, None], float("-inf")), -1).to(q.dtype)
-        return torch.einsum("bkgnt,btkd->bnkgd", p, v.to(q.dtype)).reshape(B * n, Hq, D)
+        return torch.einsum("bkgnt,btkd->bnkgd", p, v.to(q.dtype)).reshape(q.shape)  # [B*n, Hq, D]
 
     return attn
 
