@@ -54,8 +54,8 @@ def _complete_items(text: str) -> list:
 
 
 def _to_messages(conv: dict) -> list[dict]:
-    msgs = [dict(role=_ROLES.get(m.get("from")), content=m.get("value") or "") for m in conv["conversations"]]
-    msgs = [m for m in msgs if m["role"]]
+    turns = [(_ROLES.get(m.get("from")), m.get("value") or "") for m in conv.get("conversations") or ()]
+    msgs = [dict(role=role, content=text) for role, text in turns if role]
     first_user = next((i for i, m in enumerate(msgs) if m["role"] == "user"), len(msgs))
     return msgs[first_user:]
 
@@ -66,8 +66,7 @@ def load_sharegpt(split: str = "train", limit: int | None = None) -> list[list[d
     Raises ValueError for another split."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-    raw = _complete_items(data_file(SHAREGPT).read_text())
-    convs = [m for m in (_to_messages(c) for c in raw if c.get("conversations")) if m]
+    convs = [m for m in map(_to_messages, _complete_items(data_file(SHAREGPT).read_text())) if m]
     n_train = len(convs) - len(convs) // 10  # the last 1/10 is "eval"
     return (convs[:n_train] if split == "train" else convs[n_train:])[:limit]
 
