@@ -97,10 +97,16 @@ def gather_rows(x, idx):
     return x[torch.arange(len(x), device=idx.device)[:, None], idx.clamp(max=x.shape[1] - 1)].flatten(0, 1)
 
 
-def dense_attn_fn(kv, Ls):
-    """``attn_fn`` for ``Gemma4Assistant.forward``: query row (b, i) sees K/V rows ``[0, Ls[b, i])`` of
-    sequence b at its mapped layer; scale 1.0, GQA by repetition (what ``draft_attention`` computes over the
-    pool)."""
+def unroll(assistant, tokens, hidden, kv, Ls, num_steps: int, position_offset: int = -1, vocab=None):
+    """Run ``num_steps`` draft steps for committed lengths ``Ls [B, n]`` (1 <= L < len) with teacher tokens.
+
+    Step s (1-based) feeds ``tokens[b, L+s-1]`` (clamped at the sequence end) and, for s = 1,
+    ``hidden[b, L-1]``, else the previous step's ``h_next``. Returns ``[(logits [B*n, V] fp32, h_next [B*n,
+    Hb], hn [B*n, H])]`` per step: full-vocabulary logits (``dense_logits``, also for a centroid head) and the
+    final-normed hidden states the centroid scores come from; ``vocab``: logits of those tokens only.
+
+    Attention (``attn_fn``): query row (b, i) sees K/V rows ``[0, Ls[b, i])`` of sequence b at its mapped
+    layer; scale 1.0, GQA by repetition (what ``draft_attention`` computes over the pool)."""
     mask = torch.arange(kv[0][0].shape[1], device=Ls.device)[None, None] < Ls[..., None]  # [B, n, T]
 
     def attn(layer_idx, q):
@@ -110,18 +116,8 @@ def dense_attn_fn(kv, Ls):
         p = torch.softmax(s.float().masked_fill(~mask[:, None, None], float("-inf")), -1).to(q.dtype)
         return torch.einsum("bkgnt,btkd->bnkgd", p, v.to(q.dtype)).reshape(q.shape)  # [B*n, Hq, D]
 
-    return attn
-
-
-def unroll(assistant, tokens, hidden, kv, Ls, num_steps: int, position_offset: int = -1, vocab=None):
-    """Run ``num_steps`` draft steps for committed lengths ``Ls [B, n]`` (1 <= L < len) with teacher tokens.
-
-    Step s (1-based) feeds ``tokens[b, L+s-1]`` (clamped at the sequence end) and, for s = 1,
-    ``hidden[b, L-1]``, else the previous step's ``h_next``. Returns ``[(logits [B*n, V] fp32, h_next [B*n,
-    Hb], hn [B*n, H])]`` per step: full-vocabulary logits (``dense_logits``, also for a centroid head) and the
-    final-normed hidden states the centroid scores come from; ``vocab``: logits of those tokens only."""
     pos = (Ls + position_offset).clamp(min=0).reshape(-1)
-    attn, h, outs = dense_attn_fn(kv, Ls), gather_rows(hidden, Ls - 1), []
+    h, outs = gather_rows(hidden, Ls - 1), []
     for s in range(num_steps):
         hn, h = assistant.body(gather_rows(tokens, Ls + s), h, pos, attn_fn=attn)
         outs.append((assistant.dense_logits(hn, vocab), h, hn))
