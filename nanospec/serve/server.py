@@ -148,16 +148,14 @@ class Engine:
                     self.llm.add_request(c.prompt_ids, c.params)
                     c.req = self.llm.scheduler.waiting[-1]
                     self.live[c.req.request_id] = c
+                choices[0].post("ok")
             except (ValueError, TypeError) as e:
                 choices[0].post("bad", str(e))
-            else:
-                choices[0].post("ok")
 
     def _publish(self) -> None:
         llm, m, now = self.llm, self.metrics, time.perf_counter()
         for rid, c in list(self.live.items()):
-            r = c.req
-            new = r.output_token_ids[c.sent :]
+            r, new = c.req, c.req.output_token_ids[c.sent :]  # the request and its undelivered tokens
             if not new and not r.is_finished:
                 continue
             (m.itl if c.sent else m.ttft).observe(now - c.t_last)  # the first tokens: since the arrival
