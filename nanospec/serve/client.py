@@ -82,8 +82,7 @@ async def run_load(base_url, prompts, params, request_rate=None, max_concurrency
         for body in bodies:  # Poisson arrivals: exponential gaps (vLLM's burstiness 1)
             tasks.append(asyncio.ensure_future(one_request(client, body, slots)))
             await asyncio.sleep(rng.expovariate(request_rate) if request_rate else 0)
-        results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - t0
+        return await asyncio.gather(*tasks), time.perf_counter() - t0
 
 
 def summarize(results: list[dict], duration: float, label: str = "") -> dict:

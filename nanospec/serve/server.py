@@ -31,6 +31,7 @@ from dataclasses import fields
 
 from ..config import EngineConfig
 from ..sampling_params import SamplingParams
+from ..tools.cli import number, or_error, parser
 
 MAX_BODY, MAX_STOP, MAX_STOP_LEN = 1 << 22, 16, 256  # request body bytes, stop strings, characters per stop
 # fields that would change the output and that nanospec does not implement, with the values that mean "off"
@@ -95,11 +96,12 @@ class Metrics:
 
 class Choice:
     """One choice of one HTTP request (its own engine request): the handler's asyncio queue, and what the
-    engine thread has sent of it. ``post`` (engine thread): "ok" (accepted), "bad" / "fault" (a 400 / 500
-    message) or "tokens" (new token ids, the final dict or None)."""
+    engine thread has sent of it (``t_last``: when it last sent tokens; until then when the request came).
+    ``post`` (engine thread): "ok" (accepted), "bad" / "fault" (a 400 / 500 message) or "tokens" (new token
+    ids, and once it has finished its ``LLM.output_dict``, else None)."""
 
     def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, q: asyncio.Queue, loop):
-        self.index, self.prompt_ids, self.params, self.t0 = index, prompt_ids, params, time.perf_counter()
+        self.prompt_ids, self.params, self.t_last = prompt_ids, params, time.perf_counter()
         self.req, self.sent, self.num_accept = None, 0, 0
         self.post = lambda kind, payload=None: loop.call_soon_threadsafe(q.put_nowait, (index, kind, payload))
 
@@ -146,25 +148,21 @@ class Engine:
                     self.llm.add_request(c.prompt_ids, c.params)
                     c.req = self.llm.scheduler.waiting[-1]
                     self.live[c.req.request_id] = c
+                choices[0].post("ok")
             except (ValueError, TypeError) as e:
                 choices[0].post("bad", str(e))
-            else:
-                choices[0].post("ok")
 
     def _publish(self) -> None:
         llm, m, now = self.llm, self.metrics, time.perf_counter()
         for rid, c in list(self.live.items()):
-            r, final = c.req, None
-            new = r.output_token_ids[c.sent :]
+            r, new = c.req, c.req.output_token_ids[c.sent :]  # the request and its undelivered tokens
             if not new and not r.is_finished:
                 continue
+            (m.itl if c.sent else m.ttft).observe(now - c.t_last)  # the first tokens: since the arrival
             if c.sent == 0:  # its prefill is done: vLLM counts the prompt and the prefix-cache lookup here
-                m.ttft.observe(now - c.t0)
                 m.prompt_tokens.inc(len(r.prompt_token_ids))
                 m.queries.inc(len(r.prompt_token_ids))
                 m.hits.inc(r.num_cached_tokens or 0)
-            else:
-                m.itl.observe(now - c.t_last)
             c.sent, c.t_last = c.sent + len(new), now
             m.generation_tokens.inc(len(new))
             if llm.worker is not None:  # a draft per speculative step, a - 1 of its tokens accepted
@@ -178,9 +176,7 @@ class Engine:
             if r.is_finished:
                 del self.live[rid]
                 m.success[r.finish_reason].inc()
-                final = dict(text=r.output_text(), finish_reason=r.finish_reason, tokens=c.sent)  # delivered
-                final |= dict(cached=r.num_cached_tokens or 0, accept_lengths=[*r.accept_lengths])
-            c.post("tokens", (new, final))
+            c.post("tokens", (new, llm.output_dict(r) if r.is_finished else None))
         m.waiting.set(len(llm.scheduler.waiting))
         m.kv_usage.set(1 - llm.scheduler.allocator.num_free / llm.scheduler.allocator.num_usable)
         m.draft_inputs.set(len(llm.worker.draft_inputs) if llm.worker is not None else 0)
@@ -267,7 +263,7 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
         if body.get("model") not in (None, model_name):
             raise ApiError(404, f"the model {body['model']!r} does not exist (here: {model_name})", "model")
         get = lambda k, default=None: default if body.get(k) is None else body[k]  # noqa: E731
-        n, stream, opts = get("n", 1), get("stream", False), get("stream_options", {})
+        n, stream, opts, seed = get("n", 1), get("stream", False), get("stream_options", {}), get("seed")
         bad = [k for k, off in OFF.items() if body.get(k) not in off] + ["best_of"] * (get("best_of", n) != n)
         if bad:
             raise ApiError(400, f"not supported by nanospec (they would change the output): {bad}", bad[0])
@@ -290,8 +286,7 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
                   ignore_eos=get("ignore_eos", False), stop=stop, stop_token_ids=get("stop_token_ids"),
                   cache_salt=get("cache_salt"), max_tokens=max_tokens)  # OpenAI's defaults; top_k 0 is off
         try:  # choice i samples with seed + i: n different samples, each reproducible alone
-            seeds = [get("seed") + i if type(get("seed")) is int else get("seed") for i in range(n)]
-            params = [SamplingParams(**kw, seed=s) for s in seeds]
+            params = [SamplingParams(**kw, seed=seed + i if type(seed) is int else seed) for i in range(n)]
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e), field_of(str(e), key)) from None
         return ids, params, stream, opts.get("include_usage") is True
@@ -336,9 +331,9 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
             return c
 
         def usage():
-            out = dict(prompt_tokens=len(ids), completion_tokens=(done := sum(f["tokens"] for f in finals)))
-            out["total_tokens"] = len(ids) + done
-            return out | {"prompt_tokens_details": {"cached_tokens": finals[0]["cached"]}}
+            done = sum(len(f["token_ids"]) for f in finals)
+            out = dict(prompt_tokens=len(ids), completion_tokens=done, total_tokens=len(ids) + done)
+            return out | {"prompt_tokens_details": {"cached_tokens": finals[0]["num_cached_tokens"]}}
 
         def event(data: dict) -> dict:
             data = f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
@@ -395,7 +390,6 @@ def parse_args(argv=None):
     """``nanospec-serve``'s options; the engine's go through ``EngineConfig``'s own checks here, before any
     weights load. Returns (parser, args, LLM keyword arguments)."""
     from ..mtp.worker import DEFAULT_ASSISTANT
-    from ..tools.cli import number, or_error, parser
 
     ap, a = parser("nanospec-serve", __doc__)
     a("model", nargs="?", help="HF-format model dir (default: SmolLM2-135M-Instruct)")
@@ -423,7 +417,6 @@ def main(argv=None) -> None:
     import uvicorn
 
     from .. import LLM, loader
-    from ..tools.cli import or_error
 
     # bound before the weights load (a taken port fails at once), listening once the engine is ready; a port
     # over 65535: OverflowError

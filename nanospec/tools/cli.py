@@ -76,9 +76,8 @@ def check_deterministic(ap: argparse.ArgumentParser, args, topks) -> None:
 def check_out_dir(ap: argparse.ArgumentParser, option: str, path: str) -> None:
     """``ap.error`` unless ``path`` is a directory or could be created as one (its nearest existing ancestor
     is a writable directory); creates nothing, so a command rejected later leaves no trace."""
-    p = pathlib.Path(path).expanduser().absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
+    full = pathlib.Path(path).expanduser().absolute()
+    p = next(q for q in (full, *full.parents) if q.exists() or q == q.parent)  # nearest existing ancestor
     if not p.is_dir() or not os.access(p, os.W_OK | os.X_OK):
         ap.error(f"{option} must be a directory that can be created, got {path!r} ({p} is not writable)")
 

@@ -20,7 +20,6 @@ import itertools
 import time
 
 from . import cli
-from .cli import number
 
 
 def build_prompts(tokenizer, datasets, num_prompts: int, max_prompt_tokens: int) -> dict[str, list]:
@@ -53,15 +52,13 @@ def measure(model, assistant, prompts, S, k, temperature, max_tokens, tree_token
     from .. import LLM, SamplingParams
 
     n = None if k == 1 else max(2, min(1 + S * k, tree_tokens or 1 + 2 * S))
-    llm = LLM(model, assistant=assistant, num_steps=S, topk=k, num_draft_tokens=n, adaptive_speculation=False,
-              **engine)
-    sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
-    acc, t0, ntok = [], time.perf_counter(), 0
-    for i in range(0, len(prompts), batch):
-        for o in llm.generate(prompts[i : i + batch], sp, use_tqdm=False):
-            acc += o["accept_lengths"]
-            ntok += len(o["token_ids"])
-    llm.close()
+    with LLM(model, assistant=assistant, num_steps=S, topk=k, num_draft_tokens=n, adaptive_speculation=False,
+             **engine) as llm:
+        sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
+        outs, t0 = [], time.perf_counter()
+        for i in range(0, len(prompts), batch):
+            outs += llm.generate(prompts[i : i + batch], sp, use_tqdm=False)
+    acc, ntok = [a for o in outs for a in o["accept_lengths"]], sum(len(o["token_ids"]) for o in outs)
     per_pos = [sum(a >= i + 1 for a in acc) / len(acc) for i in range(1, S + 1)]
     return sum(acc) / len(acc), per_pos, ntok / (time.perf_counter() - t0), n or S + 1
 
@@ -73,14 +70,14 @@ def main(argv=None):
     ap, add = cli.parser("nanospec-eval", __doc__)
     add("--model", help="target dir (default: SmolLM2-135M-Instruct)")
     add("--assistant", default="default", help="gemma4_assistant dir or 'default'")
-    add("--num-prompts", type=number(int, 1), default=16, help="prompts per dataset")
-    add("--max-tokens", type=number(int, 2), default=64, help="new tokens per prompt (one is prefill's)")
-    add("--max-prompt-tokens", type=number(int, 1), default=256, help="prompts clipped to N tokens")
+    add("--num-prompts", type=cli.number(int, 1), default=16, help="prompts per dataset")
+    add("--max-tokens", type=cli.number(int, 2), default=64, help="new tokens per prompt (one is prefill's)")
+    add("--max-prompt-tokens", type=cli.number(int, 1), default=256, help="prompts clipped to N tokens")
     add("--steps", type=cli.number_list(int, 1), default=[1, 3, 5], help="num_steps values")
     add("--topks", type=cli.number_list(int, 1), default=[1, 3], help="topk values")
     add("--temperatures", type=cli.number_list(), default=[0.0, 0.7], help="sampling temperatures")
     add("--datasets", default="sharegpt,humaneval", help="of sharegpt (held out), sharegpt-train, humaneval")
-    add("--tree-tokens", type=number(int, 2), help="num_draft_tokens for topk > 1")
+    add("--tree-tokens", type=cli.number(int, 2), help="num_draft_tokens for topk > 1")
     add("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     cli.add_tensor_parallel_size(ap)
     cli.add_deterministic(ap)

@@ -91,21 +91,10 @@ def capture_target(target, seqs: list[list[int]], layers: list[int]):
 
 
 # -------------------------------------------------------------------------------------- the unrolled draft
-def dense_attn_fn(kv, Ls):
-    """``attn_fn`` for ``Gemma4Assistant.forward``: query row (b, i) sees K/V rows ``[0, Ls[b, i])`` of
-    sequence b at its mapped layer; scale 1.0, GQA by repetition (what ``draft_attention`` computes over the
-    pool)."""
-    B, n = Ls.shape
-    mask = torch.arange(kv[0][0].shape[1], device=Ls.device)[None, None] < Ls[..., None]  # [B, n, T]
-
-    def attn(layer_idx, q):
-        k, v = kv[layer_idx]
-        Hq, D, Hkv = q.shape[1], q.shape[2], k.shape[2]
-        s = torch.einsum("bnkgd,btkd->bkgnt", q.view(B, n, Hkv, Hq // Hkv, D), k.to(q.dtype))
-        p = torch.softmax(s.float().masked_fill(~mask[:, None, None], float("-inf")), -1).to(q.dtype)
-        return torch.einsum("bkgnt,btkd->bnkgd", p, v.to(q.dtype)).reshape(B * n, Hq, D)
-
-    return attn
+def gather_rows(x, idx):
+    """``x[b, idx[b, i]]`` flattened to ``[B*n, ...]`` for ``x [B, T, ...]`` and positions ``idx [B, n]``,
+    each clamped to the last row (T - 1)."""
+    return x[torch.arange(len(x), device=idx.device)[:, None], idx.clamp(max=x.shape[1] - 1)].flatten(0, 1)
 
 
 def unroll(assistant, tokens, hidden, kv, Ls, num_steps: int, position_offset: int = -1, vocab=None):
@@ -114,21 +103,29 @@ def unroll(assistant, tokens, hidden, kv, Ls, num_steps: int, position_offset: i
     Step s (1-based) feeds ``tokens[b, L+s-1]`` (clamped at the sequence end) and, for s = 1,
     ``hidden[b, L-1]``, else the previous step's ``h_next``. Returns ``[(logits [B*n, V] fp32, h_next [B*n,
     Hb], hn [B*n, H])]`` per step: full-vocabulary logits (``dense_logits``, also for a centroid head) and the
-    final-normed hidden states the centroid scores come from; ``vocab``: logits of those tokens only."""
-    B, n = Ls.shape
-    b = torch.arange(B, device=Ls.device)[:, None].expand(B, n)
+    final-normed hidden states the centroid scores come from; ``vocab``: logits of those tokens only.
+
+    Attention (``attn_fn``): query row (b, i) sees K/V rows ``[0, Ls[b, i])`` of sequence b at its mapped
+    layer; scale 1.0, GQA by repetition (what ``draft_attention`` computes over the pool)."""
+    mask = torch.arange(kv[0][0].shape[1], device=Ls.device)[None, None] < Ls[..., None]  # [B, n, T]
+
+    def attn(layer_idx, q):
+        k, v = kv[layer_idx]
+        Hq, D, Hkv = q.shape[1], q.shape[2], k.shape[2]
+        s = torch.einsum("bnkgd,btkd->bkgnt", q.view(*Ls.shape, Hkv, Hq // Hkv, D), k.to(q.dtype))
+        p = torch.softmax(s.float().masked_fill(~mask[:, None, None], float("-inf")), -1).to(q.dtype)
+        return torch.einsum("bkgnt,btkd->bnkgd", p, v.to(q.dtype)).reshape(q.shape)  # [B*n, Hq, D]
+
     pos = (Ls + position_offset).clamp(min=0).reshape(-1)
-    attn, h, outs = dense_attn_fn(kv, Ls), hidden[b, Ls - 1].reshape(B * n, -1), []
+    h, outs = gather_rows(hidden, Ls - 1), []
     for s in range(num_steps):
-        tok = tokens[b, (Ls + s).clamp(max=tokens.shape[1] - 1)].reshape(-1)
-        hn, h = assistant.body(tok, h, pos, attn_fn=attn)
+        hn, h = assistant.body(gather_rows(tokens, Ls + s), h, pos, attn_fn=attn)
         outs.append((assistant.dense_logits(hn, vocab), h, hn))
     return outs
 
 
-def distill_loss(
-    assistant, target, tokens, lens, hidden, kv, Ls, valid, num_steps, step_decay=0.8, vocab=None
-):
+def distill_loss(assistant, target, tokens, lens, hidden, kv, Ls, valid, num_steps, step_decay=0.8,
+                 vocab=None):
     """Weighted sum over steps of KL(target || assistant), averaged over valid (b, L, s). A centroid head
     adds, per position, KL(target's probability of each cluster || softmax of its centroid scores) (the
     candidates' selection itself passes no gradient), and its top-1 agreement is ``greedy_drafts``'s.
@@ -137,22 +134,17 @@ def distill_loss(
     over it; the assistant then shares the target's LM head rows ``vocab``) to cut the LM-head cost. Returns
     ``(loss, per_step_kl list[float], per_step_top1_agreement list[float])``; a step that no valid position
     reaches reports nan. Raises ValueError for a vocabulary subset with an assistant's own LM head."""
-    B, n = Ls.shape
-    b = torch.arange(B, device=Ls.device)[:, None].expand(B, n)
     if vocab is not None and assistant.lm_head is not None:
         raise ValueError("a vocabulary subset needs an assistant that uses the target's LM head")
     head = target.lm_head_weight.detach()[slice(None) if vocab is None else vocab]
-    outs = unroll(assistant, tokens, hidden, kv, Ls, num_steps, vocab=vocab)
     me, total, kls, accs = assistant.masked_embedding, 0.0, [], []
     cluster = None if me is None else token_clusters(assistant, vocab)  # once per batch, not per step
-    for s, (logits, _, hn) in enumerate(outs):
+    for s, (logits, _, hn) in enumerate(unroll(assistant, tokens, hidden, kv, Ls, num_steps, vocab=vocab)):
         row = Ls + s  # the target row whose distribution predicts the token that step s drafts
         m = (valid & (row < lens[:, None])).reshape(-1).float()
         with torch.no_grad():
-            t_hidden = hidden[b, row.clamp(max=tokens.shape[1] - 1)].reshape(B * n, -1)
-            t_logp = torch.log_softmax(F.linear(t_hidden, head).float(), -1)
-        a_logp = torch.log_softmax(logits, -1)
-        kl = (t_logp.exp() * (t_logp - a_logp)).sum(-1)
+            t_logp = torch.log_softmax(F.linear(gather_rows(hidden, row), head).float(), -1)
+        kl = (t_logp.exp() * (t_logp - torch.log_softmax(logits, -1))).sum(-1)
         loss, scores = kl, None
         if me is not None:
             scores = me.centroids(hn).float()
