@@ -4,28 +4,53 @@
     python scripts/spec_goal.py --device cuda --num-seqs 16 --max-output-len 256  # on a GPU
 
 For each prompt set (held-out ShareGPT first turns and the chat prompts written for the benchmark, each with
-and without ignore_eos) it runs, one request at a time (bench.py's --batch-1), the default model: plain (no
-assistant), the shipped assistant with the adaptive draft length (the default), and the shipped assistant at
-every fixed s = 1..num_steps (adaptive_speculation=False). The configurations alternate inside each round,
-``--rounds`` rounds, a fresh engine per run (bench.py's ``measure``: warm-up, then the timed workload), and
-each configuration's best round counts, as in ``bench.py --compare``. Prints per prompt set the tokens/s of
-each configuration, adaptive / plain, adaptive / best fixed s and the steps per draft length of the adaptive
-run; ``--out FILE`` writes every figure as JSON. The goal: adaptive / plain >= 1.0 on every set and adaptive
->= 0.95 x the best fixed s.
+and without ignore_eos; bench.py's ``workload``), greedy, one request at a time (bench.py's --batch-1), the
+default model runs as: plain (no assistant), the shipped assistant with the adaptive draft length (the
+default), and the shipped assistant at every fixed s = 1..num_steps (adaptive_speculation=False). Every
+engine is built and warmed up first (64 tokens, as bench.py), then each prompt runs on every engine in turn
+(the order rotating from prompt to prompt), ``--rounds`` times over the set, so that a machine that gets
+faster or slower during the run (other processes, clocks) weighs on every engine alike: figures from runs
+minutes apart on a shared CPU spread by 10-25 %. Tokens/s of an engine = its tokens / its seconds over all
+rounds. The engines keep their state between requests, as a running server does (the adaptive policy's
+acceptance and step costs too). Prints per prompt set each engine's tokens/s, adaptive / plain, adaptive /
+best fixed s and the steps per draft length of the adaptive engine, then a Markdown table; ``--out FILE``
+writes every figure as JSON. The goal: adaptive / plain >= 1.0 on every set, adaptive >= 0.95 x the best
+fixed s.
 """
 
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nanospec import loader  # noqa: E402
+from nanospec import LLM, SamplingParams, loader  # noqa: E402
 from nanospec.config import EngineConfig  # noqa: E402
 from nanospec.tools import bench  # noqa: E402
 
 SETS = [("sharegpt", False), ("sharegpt", True), ("chat", False), ("chat", True)]
+
+
+def run_set(engines, prompts, params, rounds: int) -> dict:
+    """Every prompt on every engine (rotating order), ``rounds`` times. Returns per engine label: tokens,
+    seconds, accept lengths, and the adaptive policy's steps per s during the set."""
+    labels = list(engines)
+    before = {k: dict(llm.worker.policy.counts) for k, llm in engines.items() if llm.worker}
+    stats = {k: dict(tokens=0, seconds=0.0, accept=[]) for k in labels}
+    for _ in range(rounds):
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            for k in labels[i % len(labels) :] + labels[: i % len(labels)]:
+                t0 = time.perf_counter()
+                out = engines[k].generate([p], [sp], use_tqdm=False)[0]
+                stats[k]["seconds"] += time.perf_counter() - t0
+                stats[k]["tokens"] += len(out["token_ids"])
+                stats[k]["accept"] += out.get("accept_lengths", [])
+    for k, counts in before.items():
+        now = engines[k].worker.policy.counts
+        stats[k]["draft_len_counts"] = {str(s): n - counts.get(s, 0) for s, n in sorted(now.items())}
+    return stats
 
 
 def main(argv=None) -> dict:
@@ -34,69 +59,52 @@ def main(argv=None) -> dict:
     ap.add_argument("--num-seqs", type=int, default=4, help="prompts per set")
     ap.add_argument("--max-output-len", type=int, default=64)
     ap.add_argument("--num-steps", type=int, help="most draft steps (default: the engine's for the device)")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2, help="passes over each prompt set")
     ap.add_argument("--out", help="write the figures as JSON here")
     args = ap.parse_args(argv)
     loader.configure_cpu_threads()
     S = args.num_steps or EngineConfig(assistant="default", device=args.device).num_steps
-    configs = [("plain", None, {}), ("adaptive", "default", dict(num_steps=S))]
-    configs += [(f"s={s}", "default", dict(num_steps=s, adaptive_speculation=False)) for s in range(1, S + 1)]
-    model_dir, report = loader.resolve_model_dir(None), {}
+    configs = {"plain": dict(assistant=None), "adaptive": dict(assistant="default", num_steps=S)}
+    for s in range(1, S + 1):
+        configs[f"s={s}"] = dict(assistant="default", num_steps=s, adaptive_speculation=False)
+    engines = {k: LLM(device=args.device, **kw) for k, kw in configs.items()}
+    warm = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=64)
+    for llm in engines.values():
+        llm.generate(["Benchmark: "], warm, use_tqdm=False)
+    tokenizer, report = loader.load_tokenizer(loader.resolve_model_dir(None)), {}
     for workload, ignore_eos in SETS:
-        name = f"{workload}{' ignore_eos' if ignore_eos else ''}"
-        opts = [
-            "--workload",
-            workload,
-            "--batch-1",
-            "--device",
-            args.device,
-            "--temperature",
-            "0",
-            "--num-seqs",
-            str(args.num_seqs),
-            "--max-output-len",
-            str(args.max_output_len),
-        ]
-        b = bench.parse_args(opts + (["--ignore-eos"] if ignore_eos else []))
-        prompts, params = bench.workload(b, loader.load_tokenizer(model_dir))
-        runs = {label: [] for label, _, _ in configs}
-        for r in range(args.rounds):
-            for label, assistant, option in configs:
-                res = bench.measure(
-                    b, model_dir, assistant, prompts, params, f"[{name} {label} r{r}] ", **option
-                )
-                runs[label].append(res)
-        best = {k: max(v, key=lambda x: x["throughput_tok_s"]) for k, v in runs.items()}
-        tok_s = {k: v["throughput_tok_s"] for k, v in best.items()}
-        fixed = max((k for k in tok_s if k.startswith("s=")), key=tok_s.get)
-        rep = dict(
-            tok_s=tok_s,
-            rounds_tok_s={k: [x["throughput_tok_s"] for x in v] for k, v in runs.items()},
-            adaptive_over_plain=tok_s["adaptive"] / tok_s["plain"],
-            best_fixed=fixed,
-            adaptive_over_best_fixed=tok_s["adaptive"] / tok_s[fixed],
-            draft_len_counts=best["adaptive"]["draft_len_counts"],
-            mean_accept_length={k: v["mean_accept_length"] for k, v in best.items()},
-            total_tokens={k: v["total_tokens"] for k, v in best.items()},
+        name = workload + (" ignore_eos" if ignore_eos else "")
+        opts = ["--workload", workload, "--batch-1", "--temperature", "0", "--num-seqs", str(args.num_seqs)]
+        b = bench.parse_args(
+            opts + ["--max-output-len", str(args.max_output_len)] + ["--ignore-eos"] * ignore_eos
         )
+        prompts, params = bench.workload(b, tokenizer)
+        stats = run_set(engines, prompts, params, args.rounds)
+        tok_s = {k: v["tokens"] / v["seconds"] for k, v in stats.items()}
+        fixed = max((k for k in tok_s if k.startswith("s=")), key=tok_s.get)
+        acc = {k: sum(v["accept"]) / len(v["accept"]) if v["accept"] else None for k, v in stats.items()}
+        rep = dict(tok_s=tok_s, tokens={k: v["tokens"] for k, v in stats.items()}, mean_accept_length=acc)
+        rep.update(adaptive_over_plain=tok_s["adaptive"] / tok_s["plain"], best_fixed=fixed)
+        rep.update(adaptive_over_best_fixed=tok_s["adaptive"] / tok_s[fixed])
+        rep.update(draft_len_counts=stats["adaptive"]["draft_len_counts"])
         report[name] = rep
+        figs = ", ".join(f"{k} {v:.2f}" for k, v in tok_s.items())
         print(
-            f"== {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in tok_s.items()) + " tok/s; adaptive/plain "
-            f"{rep['adaptive_over_plain']:.3f}x, adaptive/{fixed} {rep['adaptive_over_best_fixed']:.3f}x; "
-            f"steps per s {rep['draft_len_counts']}",
+            f"== {name}: {figs} tok/s; adaptive/plain {rep['adaptive_over_plain']:.3f}x, adaptive/{fixed} "
+            f"{rep['adaptive_over_best_fixed']:.3f}x; steps per s {rep['draft_len_counts']}",
             flush=True,
         )
     print(
-        "| prompt set | plain tok/s | adaptive tok/s | adaptive / plain | best fixed s | adaptive / best "
-        "fixed | steps per s (adaptive) |"
+        "| prompt set | plain tok/s | adaptive tok/s | adaptive / plain | best fixed s (tok/s) | "
+        "adaptive / best fixed | steps per s (adaptive) | mean acceptance (adaptive) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for name, rep in report.items():
-        t = rep["tok_s"]
+        t, fixed = rep["tok_s"], rep["best_fixed"]
         print(
             f"| {name} | {t['plain']:.2f} | {t['adaptive']:.2f} | {rep['adaptive_over_plain']:.2f}x | "
-            f"{rep['best_fixed']} ({t[rep['best_fixed']]:.2f}) | {rep['adaptive_over_best_fixed']:.2f}x | "
-            f"{rep['draft_len_counts']} |"
+            f"{fixed} ({t[fixed]:.2f}) | {rep['adaptive_over_best_fixed']:.2f}x | "
+            f"{rep['draft_len_counts']} | {rep['mean_accept_length']['adaptive']:.2f} |"
         )
     if args.out:
         Path(args.out).write_text(json.dumps(dict(args=vars(args), num_steps=S, sets=report), indent=1))

@@ -166,6 +166,18 @@ def test_policy_notices_a_change_in_acceptance():
     assert pol.expected_accept(1) < 1.1  # 0.5 / 6: the prior's weight against 5 decayed tries
 
 
+def test_policy_cost_is_the_mean_of_the_first_steps_then_a_running_mean():
+    """cost(s, B): the plain mean of a candidate's first 1 / alpha timed steps, then weight alpha per step."""
+    pol = DraftLength([0, 1], alpha=0.25)
+    for t in (1.0, 2.0, 3.0, 6.0):
+        pol.observe(1, 1, [1], t)
+    assert pol.cost[1, 1] == pytest.approx(3.0)  # (1 + 2 + 3 + 6) / 4
+    pol.observe(1, 1, [1], 7.0)
+    assert pol.cost[1, 1] == pytest.approx(3.0 + 0.25 * 4.0)
+    pol.observe(1, 2, [1, 1], 5.0)  # another bucket starts its own mean
+    assert pol.cost[1, 2] == 5.0 and pol.cost[1, 1] == pytest.approx(4.0)
+
+
 def test_policy_fixed_when_not_adaptive():
     pol = DraftLength([0, 1, 2], adaptive=False)
     assert [pol.choose(b)[0] for b in (1, 1, 7, 1)] == [2, 2, 2, 2]

@@ -37,13 +37,14 @@ class DraftLength:
 
     E(s) = 1 + sum_{i<=s} prod_{j<=i} a_j, where a_j is the running rate at which a draft at position j is
     accepted when reached (counts decayed by ``decay`` per observed step, prior 1/2); cost(s, B) is the
-    running mean (weight ``alpha``) of measured step seconds at that s and batch-size bucket (powers of two).
+    running mean of measured step seconds at that s and batch-size bucket (powers of two): the plain mean of
+    its first 1 / ``alpha`` steps, then weight ``alpha`` per step (one step's time on a CPU varies by 20 %).
     Warm-up: a bucket first tries every candidate once, largest first. Probing: every ``probe_every``-th step
     of a bucket runs its least recently measured candidate, so a change in the text or in costs is noticed.
     ``adaptive=False``: always num_steps. ``counts``: steps per s.
     """
 
-    def __init__(self, candidates: list[int], adaptive: bool = True, decay: float = 0.95, alpha: float = 0.3,
+    def __init__(self, candidates: list[int], adaptive: bool = True, decay: float = 0.95, alpha: float = 0.1,
                  probe_every: int = 16):
         self.candidates, self.adaptive = candidates, adaptive
         self.decay, self.alpha, self.probe_every = decay, alpha, probe_every
@@ -51,6 +52,7 @@ class DraftLength:
         self.tries = [0.0] * (max(candidates) + 1)
         self.cost: dict[tuple[int, int], float] = {}
         self.measured_at: dict[tuple[int, int], int] = {}
+        self.num_measured: Counter = Counter()  # steps timed per (s, bucket)
         self.steps: Counter = Counter()  # steps chosen per bucket
         self.counts: Counter = Counter()
 
@@ -81,8 +83,9 @@ class DraftLength:
     def observe(self, s: int, batch_size: int, accept_lens: list[int], seconds: float) -> None:
         """Book a committed step: its draft length, batch size, accept lengths and measured seconds."""
         key = (s, 1 << (batch_size - 1).bit_length())
+        self.num_measured[key] += 1
         old = self.cost.get(key, seconds)
-        self.cost[key] = old + self.alpha * (seconds - old)
+        self.cost[key] = old + max(self.alpha, 1 / self.num_measured[key]) * (seconds - old)
         self.measured_at[key] = self.steps[key[1]]
         for j in range(1, s + 1):
             self.tries[j] = self.decay * self.tries[j] + sum(a >= j for a in accept_lens)
