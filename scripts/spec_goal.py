@@ -67,7 +67,8 @@ def main(argv=None) -> dict:
     configs = {"plain": dict(assistant=None), "adaptive": dict(assistant="default", num_steps=S)}
     for s in range(1, S + 1):
         configs[f"s={s}"] = dict(assistant="default", num_steps=s, adaptive_speculation=False)
-    engines = {k: LLM(device=args.device, **kw) for k, kw in configs.items()}
+    # one request at a time: 256 KV blocks of 16 tokens hold it, so every engine fits beside the others
+    engines = {k: LLM(device=args.device, num_kv_blocks=256, **kw) for k, kw in configs.items()}
     warm = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=64)
     for llm in engines.values():
         llm.generate(["Benchmark: "], warm, use_tqdm=False)
