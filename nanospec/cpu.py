@@ -1,13 +1,14 @@
 """CPU-only tuning: the fp32 GEMM of a few rows, and the thread count set once when the engine is built.
 
 ``F.linear(x, w)`` with a row-major ``w`` [N, K] and a few rows of ``x`` hands MKL's fp32 GEMM a wide product
-whose small-m kernel reads the weight about once per row: a whole SmolLM2-135M forward measured (one thread,
-weights out of cache) 34-36 ms at 1 row, 58-67 ms at 2, 82-87 ms at 3, 44-57 ms at 4. The same product taken
-the other way round, ``(w @ x.t()).t()`` with ``x`` contiguous (so ``x.t()`` is column-major) and an even
-row count, streams the weight once: 25-27 ms at 1 or 2 rows, 30-33 ms at 4, 56-57 ms at 6; past 6 rows it is
-no faster than ``F.linear``. (Column-major weights, kept here before, gave 25 ms at 1 row but 41-48 ms at 2.)
-A verify step of s + 1 <= 6 rows then costs about what a decode row costs, which is
-what lets speculation pay on a CPU. CUDA and other dtypes are never touched.
+whose small-m kernel reads the weight about once per row: the GEMMs of a SmolLM2-135M forward (its 30 layers
+and the LM head, one thread, weights out of cache) measured 34-36 ms at 1 row, 58-67 ms at 2, 82-87 ms at 3,
+44-57 ms at 4 (its kernel choice steps with the row count). The same product taken the other way round, ``(w @
+x.t()).t()`` with ``x`` contiguous (so ``x.t()`` is column-major) and an even row count, streams the weight
+once: 25-27 ms at 1 or 2 rows, 30-33 ms at 4, 56-57 ms at 6; past 6 rows it is no faster than ``F.linear``.
+(Column-major weights, kept here before, gave 25 ms at 1 row but 41-48 ms at 2.) A verify step of s + 1 <= 4
+rows then costs about what a decode row costs (6 rows about twice), which is what lets speculation pay on a
+CPU. CUDA and other dtypes are never touched.
 """
 import os
 

@@ -36,7 +36,7 @@ _rdzv = None  # the rendezvous file when this engine started its ranks
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``: the engine's one GEMM call (x [T, K] @ weight [N, K].T + bias [N] -> [T, N]); fp32 on a
-    CPU through ``cpu.linear`` (a few rows cost about what one row costs)."""
+    CPU through ``cpu.linear`` (up to 4 rows cost about what one row costs)."""
     return cpu.linear(x, weight, bias)
 
 

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from nanospec import LLM, SamplingParams, loader  # noqa: E402
 from nanospec.config import EngineConfig  # noqa: E402
 from nanospec.tools import bench  # noqa: E402
+from nanospec.tools.cli import number  # noqa: E402
 
 SETS = [("sharegpt", False), ("sharegpt", True), ("chat", False), ("chat", True)]
 
@@ -56,10 +57,10 @@ def run_set(engines, prompts, params, rounds: int) -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--num-seqs", type=int, default=4, help="prompts per set")
-    ap.add_argument("--max-output-len", type=int, default=64)
-    ap.add_argument("--num-steps", type=int, help="most draft steps (default: the engine's for the device)")
-    ap.add_argument("--rounds", type=int, default=2, help="passes over each prompt set")
+    ap.add_argument("--num-seqs", type=number(int, 1), default=4, help="prompts per set")
+    ap.add_argument("--max-output-len", type=number(int, 1), default=64)
+    ap.add_argument("--num-steps", type=number(int, 1), help="most draft steps (default: the device's)")
+    ap.add_argument("--rounds", type=number(int, 1), default=2, help="passes over each prompt set")
     ap.add_argument("--out", help="write the figures as JSON here")
     args = ap.parse_args(argv)
     loader.configure_cpu_threads()
@@ -67,8 +68,9 @@ def main(argv=None) -> dict:
     configs = {"plain": dict(assistant=None), "adaptive": dict(assistant="default", num_steps=S)}
     for s in range(1, S + 1):
         configs[f"s={s}"] = dict(assistant="default", num_steps=s, adaptive_speculation=False)
-    # one request at a time: 256 KV blocks of 16 tokens hold it, so every engine fits beside the others
-    engines = {k: LLM(device=args.device, num_kv_blocks=256, **kw) for k, kw in configs.items()}
+    # one request at a time: 320 blocks of 16 tokens hold max_model_len 4096 and the verify rows (258 needed),
+    # so every engine fits beside the others
+    engines = {k: LLM(device=args.device, num_kv_blocks=320, **kw) for k, kw in configs.items()}
     warm = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=64)
     for llm in engines.values():
         llm.generate(["Benchmark: "], warm, use_tqdm=False)
@@ -105,7 +107,7 @@ def main(argv=None) -> dict:
         print(
             f"| {name} | {t['plain']:.2f} | {t['adaptive']:.2f} | {rep['adaptive_over_plain']:.2f}x | "
             f"{fixed} ({t[fixed]:.2f}) | {rep['adaptive_over_best_fixed']:.2f}x | "
-            f"{rep['draft_len_counts']} | {rep['mean_accept_length']['adaptive']:.2f} |"
+            f"{rep['draft_len_counts']} | {rep['mean_accept_length']['adaptive'] or 1:.2f} |"
         )
     if args.out:
         Path(args.out).write_text(json.dumps(dict(args=vars(args), num_steps=S, sets=report), indent=1))

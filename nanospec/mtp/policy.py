@@ -36,9 +36,10 @@ class DraftLength:
     """Chooses s per step from ``candidates`` (0..num_steps for chains; 0 and num_steps for trees).
 
     E(s) = 1 + sum_{i<=s} prod_{j<=i} a_j, where a_j is the running rate at which a draft at position j is
-    accepted when reached (counts decayed by ``decay`` per observed step, prior 1/2); cost(s, B) is the
-    running mean of measured step seconds at that s and batch-size bucket (powers of two): the plain mean of
-    its first 1 / ``alpha`` steps, then weight ``alpha`` per step (one step's time on a CPU varies by 20 %).
+    accepted when reached (counts decayed by ``decay`` each step that drafts position j, prior 1/2); cost(s,
+    B) is the running mean of measured step seconds at that s and batch-size bucket (powers of two): the plain
+    mean of its first 1 / ``alpha`` steps, then weight ``alpha`` per step (one step's time on a CPU varies by
+    20 %).
     Warm-up: a bucket first tries every candidate once, largest first. Probing: every ``probe_every``-th step
     of a bucket runs its least recently measured candidate, so a change in the text or in costs is noticed.
     ``adaptive=False``: always num_steps. ``counts``: steps per s.

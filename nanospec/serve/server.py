@@ -20,6 +20,7 @@ comes up).
 import argparse
 import asyncio
 import functools
+import importlib
 import json
 import os
 import queue
@@ -414,7 +415,8 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     """Check the options, bind the port, load the engine, then listen and print ``listening on URL``."""
     ap, args, kw = parse_args(argv)
-    import uvicorn
+    hint = "the server needs the `serve` extra (pip install -e '.[serve]'): "
+    uvicorn = or_error(ap, hint, importlib.import_module, "uvicorn", errors=ImportError)
 
     from .. import LLM, loader
 
