@@ -6,9 +6,9 @@ same order, and a GPU's tensor-core dot treats every row of a tile alike, so a r
 instruction sequence for every M (Thinking Machines, "Defeating Nondeterminism in LLM Inference", 2025).
 Under the CPU interpreter ``tl.dot`` is a BLAS call whose results depend on a row's slot in the tile
 (OpenBLAS: slots 0-5 and 6-11 differ), so there the kernel sums products over K in order instead.
-Torch (the CPU path): one ``F.linear`` call per row. MKL and oneDNN pick their kernel by shape (fp32 here:
-one result for M < 4, another for M >= 4) and need not treat a tile's rows alike, so each row is multiplied
-alone, the same call for every row.
+Torch (the CPU path): one call per row (fp32: the row twice, ``(w @ rows.t()).t()``). MKL and oneDNN pick
+their kernel by shape (fp32 here: one result for M < 4, another for M >= 4) and need not treat a tile's rows
+alike, so each row is multiplied alone, the same call for every row.
 """
 import torch
 import torch.nn.functional as F
@@ -46,9 +46,18 @@ def _matmul_kernel(X, W, B, Y, M, N, K, sxm, sxk, swn, swk, sym, HAS_BIAS: tl.co
              mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
+def _row_linear(row, weight, bias):
+    """One row [1, K] alone. fp32 CPU: the row twice through ``weight @ rows.t()``, the product that reads a
+    row-major weight once (``nanospec/cpu.py``); the same call for every row either way."""
+    if row.device.type != "cpu" or row.dtype != torch.float32:
+        return F.linear(row, weight, bias)
+    out = (weight @ torch.cat([row, row]).t()).t()[:1]
+    return out if bias is None else out + bias
+
+
 def linear_invariant_ref(x2, weight, bias=None):
-    """Torch path of :func:`linear_invariant` for x2 [M, K]: one ``F.linear`` call per row."""
-    return torch.cat([F.linear(row, weight, bias) for row in x2.split(1)] or [F.linear(x2, weight, bias)])
+    """Torch path of :func:`linear_invariant` for x2 [M, K]: one ``_row_linear`` call per row."""
+    return torch.cat([_row_linear(row, weight, bias) for row in x2.split(1)] or [F.linear(x2, weight, bias)])
 
 
 def linear_invariant_triton(x2, weight, bias=None):
