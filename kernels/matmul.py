@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from .. import cpu
 from . import use_triton
 from .attention import _prec
 
@@ -46,18 +47,10 @@ def _matmul_kernel(X, W, B, Y, M, N, K, sxm, sxk, swn, swk, sym, HAS_BIAS: tl.co
              mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
-def _row_linear(row, weight, bias):
-    """One row [1, K] alone. fp32 CPU: the row twice through ``weight @ rows.t()``, the product that reads a
-    row-major weight once (``nanospec/cpu.py``); the same call for every row either way."""
-    if row.device.type != "cpu" or row.dtype != torch.float32:
-        return F.linear(row, weight, bias)
-    out = (weight @ torch.cat([row, row]).t()).t()[:1]
-    return out if bias is None else out + bias
-
-
 def linear_invariant_ref(x2, weight, bias=None):
-    """Torch path of :func:`linear_invariant` for x2 [M, K]: one ``_row_linear`` call per row."""
-    return torch.cat([_row_linear(row, weight, bias) for row in x2.split(1)] or [F.linear(x2, weight, bias)])
+    """Torch path of :func:`linear_invariant` for x2 [M, K]: one ``cpu.linear`` call per row (fp32 on a CPU:
+    the row twice through ``weight @ rows.t()``, which reads a row-major weight once; else ``F.linear``)."""
+    return torch.cat([cpu.linear(row, weight, bias) for row in x2.split(1)] or [F.linear(x2, weight, bias)])
 
 
 def linear_invariant_triton(x2, weight, bias=None):
