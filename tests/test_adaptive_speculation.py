@@ -167,8 +167,9 @@ def test_policy_notices_a_change_in_acceptance():
 
 
 def test_policy_cost_is_the_mean_of_the_first_steps_then_a_running_mean():
-    """cost(s, B): the plain mean of a candidate's first 1 / alpha timed steps, then weight alpha per step."""
-    pol = DraftLength([0, 1], alpha=0.25)
+    """cost(s, B): the plain mean of a candidate's first 1 / alpha timed steps, then weight alpha per step
+    (pace held at 1 by beta = 0, no clipping)."""
+    pol = DraftLength([0, 1], alpha=0.25, beta=0.0, clip=float("inf"))
     for t in (1.0, 2.0, 3.0, 6.0):
         pol.observe(1, 1, [1], t)
     assert pol.cost[1, 1] == pytest.approx(3.0)  # (1 + 2 + 3 + 6) / 4
@@ -176,6 +177,39 @@ def test_policy_cost_is_the_mean_of_the_first_steps_then_a_running_mean():
     assert pol.cost[1, 1] == pytest.approx(3.0 + 0.25 * 4.0)
     pol.observe(1, 2, [1, 1], 5.0)  # another bucket starts its own mean
     assert pol.cost[1, 2] == 5.0 and pol.cost[1, 1] == pytest.approx(4.0)
+
+
+def test_policy_books_a_slow_phase_to_the_pace_not_to_the_running_s():
+    """Seconds = pace x cost(s): the machine slowing 2x while s = 1 runs mostly raises the pace, so s = 2,
+    last measured before, does not look cheaper than s = 1 (booked per s, cost(1) would reach 1.88). Every
+    sample is clipped to 1.2 x the mean it updates."""
+    pol = DraftLength([1, 2])  # alpha 0.1, beta 0.25, clip 1.2
+    pol.observe(2, 1, [1], 1.5)
+    for _ in range(10):
+        pol.observe(1, 1, [1], 1.0)
+    assert pol.pace[1] == 1.0 and (pol.cost[1, 1], pol.cost[2, 1]) == (1.0, 1.5)
+    pol.observe(1, 1, [1], 2.0)  # the same step now takes twice as long
+    assert pol.cost[1, 1] == pytest.approx(1.02)  # 1 + 0.1 * (min(2 / 1, 1.2 * 1) - 1)
+    assert pol.pace[1] == pytest.approx(1.05)  # 1 + 0.25 * (min(2 / 1.02, 1.2 * 1) - 1)
+    for _ in range(19):
+        pol.observe(1, 1, [1], 2.0)
+    assert pol.pace[1] * pol.cost[1, 1] == pytest.approx(2.0, rel=0.01)
+    assert pol.pace[1] > 1.6 and pol.cost[1, 1] < 1.25 < pol.cost[2, 1]
+    assert pol.choose(1)[0] == 1
+
+
+def test_policy_decays_the_acceptance_of_positions_it_does_not_draft():
+    """Every step decays every position's counts, so the next probe of a long-unused depth outweighs what
+    was measured long ago."""
+    pol = DraftLength([0, 1, 2], decay=0.5)
+    pol.observe(2, 1, [3], 1.0)  # both drafts accepted
+    assert (pol.tries[1:], pol.hits[1:]) == ([1.0, 1.0], [1.0, 1.0])
+    pol.observe(1, 1, [2], 1.0)  # position 1 accepted; position 2 not drafted, still decays
+    assert (pol.tries[1:], pol.hits[1:]) == ([1.5, 0.5], [1.5, 0.5])
+    pol.observe(0, 1, [1], 1.0)  # nothing drafted: everything decays
+    assert (pol.tries[1:], pol.hits[1:]) == ([0.75, 0.25], [0.75, 0.25])
+    a1, a2 = (0.75 + 0.5) / (0.75 + 1), (0.25 + 0.5) / (0.25 + 1)
+    assert pol.expected_accept(2) == pytest.approx(1 + a1 + a1 * a2)
 
 
 def test_policy_fixed_when_not_adaptive():

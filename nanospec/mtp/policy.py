@@ -36,19 +36,25 @@ class DraftLength:
     """Chooses s per step from ``candidates`` (0..num_steps for chains; 0 and num_steps for trees).
 
     E(s) = 1 + sum_{i<=s} prod_{j<=i} a_j, where a_j is the running rate at which a draft at position j is
-    accepted when reached (counts decayed by ``decay`` each step that drafts position j, prior 1/2); cost(s,
-    B) is the running mean of measured step seconds at that s and batch-size bucket (powers of two): the plain
-    mean of its first 1 / ``alpha`` steps, then weight ``alpha`` per step (one step's time on a CPU varies by
-    20 %).
+    accepted when reached (prior 1/2; every step decays all counts by ``decay``, so a position not drafted for
+    a while weighs little against its next probe). A step's seconds are modelled as pace(B) x cost(s, B) per
+    batch-size bucket B (powers of two): pace is the machine's current speed, a running mean of weight
+    ``beta`` of every step's seconds / cost (step times drift together over tens of steps: other processes,
+    longer contexts), so a slow phase met while one s runs is not booked as that s being slow; cost(s, B) is
+    the running mean of seconds / pace at that s: the plain mean of its first 1 / ``alpha`` steps, then
+    weight ``alpha`` per step. Each sample is first clipped to within ``clip`` x the mean it updates: one
+    step's time on a CPU varies by 20 % and a few take twice the median, and an s whose cost one such step
+    inflated would not be run (nor re-measured) until its next probe.
     Warm-up: a bucket first tries every candidate once, largest first. Probing: every ``probe_every``-th step
     of a bucket runs its least recently measured candidate, so a change in the text or in costs is noticed.
     ``adaptive=False``: always num_steps. ``counts``: steps per s.
     """
 
     def __init__(self, candidates: list[int], adaptive: bool = True, decay: float = 0.95, alpha: float = 0.1,
-                 probe_every: int = 16):
+                 probe_every: int = 16, beta: float = 0.25, clip: float = 1.2):
         self.candidates, self.adaptive = candidates, adaptive
-        self.decay, self.alpha, self.probe_every = decay, alpha, probe_every
+        self.decay, self.alpha, self.probe_every, self.beta, self.clip = decay, alpha, probe_every, beta, clip
+        self.pace: dict[int, float] = {}
         self.hits = [0.0] * (max(candidates) + 1)
         self.tries = [0.0] * (max(candidates) + 1)
         self.cost: dict[tuple[int, int], float] = {}
@@ -77,17 +83,21 @@ class DraftLength:
         else:
             s = max(self.candidates, key=lambda c: self.expected_accept(c) / self.cost[c, b])
             self.counts[s] += 1
-            return s, self.expected_accept(s) / self.cost[s, b]
+            return s, self.expected_accept(s) / (self.cost[s, b] * self.pace[b])
         self.counts[s] += 1
         return s, None
 
     def observe(self, s: int, batch_size: int, accept_lens: list[int], seconds: float) -> None:
         """Book a committed step: its draft length, batch size, accept lengths and measured seconds."""
-        key = (s, 1 << (batch_size - 1).bit_length())
+        b = 1 << (batch_size - 1).bit_length()
+        key, pace = (s, b), self.pace.get(b, 1.0)
         self.num_measured[key] += 1
-        old = self.cost.get(key, seconds)
-        self.cost[key] = old + max(self.alpha, 1 / self.num_measured[key]) * (seconds - old)
-        self.measured_at[key] = self.steps[key[1]]
-        for j in range(1, s + 1):
-            self.tries[j] = self.decay * self.tries[j] + sum(a >= j for a in accept_lens)
-            self.hits[j] = self.decay * self.hits[j] + sum(a > j for a in accept_lens)
+        old = self.cost.get(key, seconds / pace)
+        rel = min(max(seconds / pace, old / self.clip), old * self.clip)
+        self.cost[key] = old + max(self.alpha, 1 / self.num_measured[key]) * (rel - old)
+        ratio = min(max(seconds / self.cost[key], pace / self.clip), pace * self.clip)
+        self.pace[b] = pace + self.beta * (ratio - pace)
+        self.measured_at[key] = self.steps[b]
+        for j in range(1, len(self.hits)):
+            self.tries[j] = self.decay * self.tries[j] + sum(a >= j for a in accept_lens) * (j <= s)
+            self.hits[j] = self.decay * self.hits[j] + sum(a > j for a in accept_lens) * (j <= s)
