@@ -6,16 +6,19 @@
 For each prompt set (held-out ShareGPT first turns and the chat prompts written for the benchmark, each with
 and without ignore_eos; bench.py's ``workload``), greedy, one request at a time (bench.py's --batch-1), the
 default model runs as: plain (no assistant), the shipped assistant with the adaptive draft length (the
-default), and the shipped assistant at every fixed s = 1..num_steps (adaptive_speculation=False). Every
-engine is built and warmed up first (64 tokens, as bench.py), then each prompt runs on every engine in turn
-(the order rotating from prompt to prompt), ``--rounds`` times over the set, so that a machine that gets
-faster or slower during the run (other processes, clocks) weighs on every engine alike: figures from runs
-minutes apart on a shared CPU spread by 10-25 %. Tokens/s of an engine = its tokens / its seconds over all
-rounds. The engines keep their state between requests, as a running server does (the adaptive policy's
-acceptance and step costs too). Prints per prompt set each engine's tokens/s, adaptive / plain, adaptive /
-best fixed s and the steps per draft length of the adaptive engine, then a Markdown table; ``--out FILE``
-writes every figure as JSON. The goal: adaptive / plain >= 1.0 on every set, adaptive >= 0.95 x the best
-fixed s.
+default), and the shipped assistant at every fixed s = 1..num_steps (adaptive_speculation=False). Every engine
+is built and warmed up first (64 tokens, as bench.py), then each prompt runs on every engine, ``--rounds``
+times over the set. On a CPU (``--turn 8``) every engine holds the prompt at once and they take 8 engine steps
+each in turn, each engine timed over its own steps, so a machine that gets faster or slower (other processes,
+clocks; step times 32 steps apart still correlate by 0.5) weighs on every engine alike, while each engine
+still runs warm (one step per turn would make every step start with another engine's data in the caches: step
+times up by 10-25 %, more for longer drafts); on a GPU (``--turn 0``, as an engine's step returns before its
+device work ends) one engine generates the prompt, then the next, the order rotating from prompt to prompt.
+Tokens/s of an engine = its tokens / its seconds over all rounds. The engines keep their state between
+requests, as a running server does (the adaptive policy's acceptance and step costs too). Prints per prompt
+set each engine's tokens/s, adaptive / plain, adaptive / best fixed s and the steps per draft length of the
+adaptive engine, then a Markdown table; ``--out FILE`` writes every figure as JSON. The goal: adaptive / plain
+>= 1.0 on every set, adaptive >= 0.95 x the best fixed s.
 """
 
 import argparse
@@ -34,18 +37,37 @@ from nanospec.tools.cli import number  # noqa: E402
 SETS = [("sharegpt", False), ("sharegpt", True), ("chat", False), ("chat", True)]
 
 
-def run_set(engines, prompts, params, rounds: int) -> dict:
-    """Every prompt on every engine (rotating order), ``rounds`` times. Returns per engine label: tokens,
-    seconds, accept lengths, and the adaptive policy's steps per s during the set."""
+def run_set(engines, prompts, params, rounds: int, turn: int) -> dict:
+    """Every prompt on every engine (rotating order), ``rounds`` times; ``turn`` > 0: the engines hold the
+    prompt at once and take up to ``turn`` engine steps each in turn, each engine timed over its own steps
+    (on a CPU, where a step runs inside its call); 0: one engine generates the prompt, then the next.
+    Returns per engine label: tokens, seconds, accept lengths, and the adaptive policy's steps per s
+    during the set."""
     labels = list(engines)
     before = {k: dict(llm.worker.policy.counts) for k, llm in engines.items() if llm.worker}
     stats = {k: dict(tokens=0, seconds=0.0, accept=[]) for k in labels}
     for _ in range(rounds):
         for i, (p, sp) in enumerate(zip(prompts, params)):
-            for k in labels[i % len(labels) :] + labels[: i % len(labels)]:
-                t0 = time.perf_counter()
-                out = engines[k].generate([p], [sp], use_tqdm=False)[0]
-                stats[k]["seconds"] += time.perf_counter() - t0
+            order = labels[i % len(labels) :] + labels[: i % len(labels)]
+            outs = {}
+            if not turn:
+                for k in order:
+                    t0 = time.perf_counter()
+                    outs[k] = engines[k].generate([p], [sp], use_tqdm=False)[0]
+                    stats[k]["seconds"] += time.perf_counter() - t0
+            else:
+                for k in order:
+                    engines[k].add_request(p, sp)
+                while len(outs) < len(order):
+                    for k in [k for k in order if k not in outs]:
+                        for _ in range(turn):
+                            t0 = time.perf_counter()
+                            done = engines[k].step()
+                            stats[k]["seconds"] += time.perf_counter() - t0
+                            if done:
+                                outs[k] = engines[k].output_dict(done[0])
+                                break
+            for k, out in outs.items():
                 stats[k]["tokens"] += len(out["token_ids"])
                 stats[k]["accept"] += out.get("accept_lengths", [])
     for k, counts in before.items():
@@ -62,6 +84,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--num-steps", type=number(int, 1), help="most draft steps (default: the device's)")
     ap.add_argument("--rounds", type=number(int, 1), default=2, help="passes over each prompt set")
     ap.add_argument("--out", help="write the figures as JSON here")
+    turn_help = "engine steps per turn, 0: whole requests (default: 8 on cpu, 0 on cuda)"
+    ap.add_argument("--turn", type=number(int, 0), help=turn_help)
     args = ap.parse_args(argv)
     loader.configure_cpu_threads()
     S = args.num_steps or EngineConfig(assistant="default", device=args.device).num_steps
@@ -82,7 +106,8 @@ def main(argv=None) -> dict:
             opts + ["--max-output-len", str(args.max_output_len)] + ["--ignore-eos"] * ignore_eos
         )
         prompts, params = bench.workload(b, tokenizer)
-        stats = run_set(engines, prompts, params, args.rounds)
+        turn = args.turn if args.turn is not None else 8 if args.device == "cpu" else 0
+        stats = run_set(engines, prompts, params, args.rounds, turn)
         tok_s = {k: v["tokens"] / v["seconds"] for k, v in stats.items()}
         fixed = max((k for k in tok_s if k.startswith("s=")), key=tok_s.get)
         acc = {k: sum(v["accept"]) / len(v["accept"]) if v["accept"] else None for k, v in stats.items()}
