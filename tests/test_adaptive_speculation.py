@@ -181,20 +181,20 @@ def test_policy_cost_is_the_mean_of_the_first_steps_then_a_running_mean():
 
 def test_policy_books_a_slow_phase_to_the_pace_not_to_the_running_s():
     """Seconds = pace x cost(s): the machine slowing 2x while s = 1 runs mostly raises the pace, so s = 2,
-    last measured before, does not look cheaper than s = 1 (booked per s, cost(1) would reach 1.88). Every
-    sample is clipped to 1.2 x the mean it updates."""
-    pol = DraftLength([1, 2])  # alpha 0.1, beta 0.25, clip 1.2
+    last measured before, does not look cheaper than s = 1 (booked per s, cost(1) would be the mean of
+    10 x 1.0 and 20 x 2.0 = 1.67 > cost(2)). Every sample is clipped to 1.2 x the mean it updates."""
+    pol = DraftLength([1, 2])  # alpha 0.02 (plain mean of the first 50), beta 0.25, clip 1.2
     pol.observe(2, 1, [1], 1.5)
     for _ in range(10):
         pol.observe(1, 1, [1], 1.0)
     assert pol.pace[1] == 1.0 and (pol.cost[1, 1], pol.cost[2, 1]) == (1.0, 1.5)
     pol.observe(1, 1, [1], 2.0)  # the same step now takes twice as long
-    assert pol.cost[1, 1] == pytest.approx(1.02)  # 1 + 0.1 * (min(2 / 1, 1.2 * 1) - 1)
-    assert pol.pace[1] == pytest.approx(1.05)  # 1 + 0.25 * (min(2 / 1.02, 1.2 * 1) - 1)
+    assert pol.cost[1, 1] == pytest.approx(1 + (1.2 - 1) / 11)  # the 11th sample, clipped to 1.2 x 1.0
+    assert pol.pace[1] == pytest.approx(1.05)  # 1 + 0.25 * (min(2 / 1.018, 1.2 * 1) - 1)
     for _ in range(19):
         pol.observe(1, 1, [1], 2.0)
     assert pol.pace[1] * pol.cost[1, 1] == pytest.approx(2.0, rel=0.01)
-    assert pol.pace[1] > 1.6 and pol.cost[1, 1] < 1.25 < pol.cost[2, 1]
+    assert pol.pace[1] > 1.7 and pol.cost[1, 1] < 1.2 < pol.cost[2, 1]
     assert pol.choose(1)[0] == 1
 
 

@@ -50,7 +50,7 @@ class DraftLength:
     ``adaptive=False``: always num_steps. ``counts``: steps per s.
     """
 
-    def __init__(self, candidates: list[int], adaptive: bool = True, decay: float = 0.95, alpha: float = 0.1,
+    def __init__(self, candidates: list[int], adaptive: bool = True, decay: float = 0.95, alpha: float = 0.02,
                  probe_every: int = 16, beta: float = 0.25, clip: float = 1.2):
         self.candidates, self.adaptive = candidates, adaptive
         self.decay, self.alpha, self.probe_every, self.beta, self.clip = decay, alpha, probe_every, beta, clip
