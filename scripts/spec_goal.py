@@ -98,6 +98,7 @@ def main(argv=None) -> dict:
     warm = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=64)
     for llm in engines.values():
         llm.generate(["Benchmark: "], warm, use_tqdm=False)
+    args.turn = args.turn if args.turn is not None else 8 if args.device == "cpu" else 0
     tokenizer, report = loader.load_tokenizer(loader.resolve_model_dir(None)), {}
     for workload, ignore_eos in SETS:
         name = workload + (" ignore_eos" if ignore_eos else "")
@@ -106,8 +107,7 @@ def main(argv=None) -> dict:
             opts + ["--max-output-len", str(args.max_output_len)] + ["--ignore-eos"] * ignore_eos
         )
         prompts, params = bench.workload(b, tokenizer)
-        turn = args.turn if args.turn is not None else 8 if args.device == "cpu" else 0
-        stats = run_set(engines, prompts, params, args.rounds, turn)
+        stats = run_set(engines, prompts, params, args.rounds, args.turn)
         tok_s = {k: v["tokens"] / v["seconds"] for k, v in stats.items()}
         fixed = max((k for k in tok_s if k.startswith("s=")), key=tok_s.get)
         acc = {k: sum(v["accept"]) / len(v["accept"]) if v["accept"] else None for k, v in stats.items()}

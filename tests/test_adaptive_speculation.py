@@ -198,6 +198,19 @@ def test_policy_books_a_slow_phase_to_the_pace_not_to_the_running_s():
     assert pol.choose(1)[0] == 1
 
 
+def test_policy_clips_only_from_a_costs_fifth_sample():
+    """An outlier first sample is averaged away (clipping it against itself would keep it for hundreds of
+    steps); a zero reading does not zero a cost."""
+    pol = DraftLength([0, 1], beta=0.0)
+    for t in (2.0, 1.0, 1.0, 1.0):
+        pol.observe(1, 1, [1], t)
+    assert pol.cost[1, 1] == pytest.approx(1.25)  # (2 + 1 + 1 + 1) / 4, nothing clipped
+    pol.observe(1, 1, [1], 3.0)  # the 5th sample is clipped to 1.2 x 1.25
+    assert pol.cost[1, 1] == pytest.approx(1.25 + (1.5 - 1.25) / 5)
+    pol.observe(0, 1, [1], 0.0)
+    assert 0 < pol.cost[0, 1] and pol.choose(1)[0] in (0, 1)
+
+
 def test_policy_decays_the_acceptance_of_positions_it_does_not_draft():
     """Every step decays every position's counts, so the next probe of a long-unused depth outweighs what
     was measured long ago."""

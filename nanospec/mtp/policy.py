@@ -38,13 +38,14 @@ class DraftLength:
     E(s) = 1 + sum_{i<=s} prod_{j<=i} a_j, where a_j is the running rate at which a draft at position j is
     accepted when reached (prior 1/2; every step decays all counts by ``decay``, so a position not drafted for
     a while weighs little against its next probe). A step's seconds are modelled as pace(B) x cost(s, B) per
-    batch-size bucket B (powers of two): pace is the machine's current speed, a running mean of weight
-    ``beta`` of every step's seconds / cost (step times drift together over tens of steps: other processes,
-    longer contexts), so a slow phase met while one s runs is not booked as that s being slow; cost(s, B) is
-    the running mean of seconds / pace at that s: the plain mean of its first 1 / ``alpha`` steps, then
-    weight ``alpha`` per step. Each sample is first clipped to within ``clip`` x the mean it updates: one
-    step's time on a CPU varies by 20 % and a few take twice the median, and an s whose cost one such step
-    inflated would not be run (nor re-measured) until its next probe.
+    batch-size bucket B (powers of two): pace, how much longer than their costs steps take now, is a running
+    mean of weight ``beta`` of every step's seconds / cost (step times drift together over tens of steps:
+    other processes, longer contexts), so a slow phase met while one s runs is not booked as that s being
+    slow; pace cancels out of the choice and scales only the tokens/s estimate. cost(s, B) is the running
+    mean of seconds / pace at that s: the plain mean of its first 1 / ``alpha`` steps, then weight ``alpha``
+    per step. From its 5th sample on, a cost's sample (and every pace sample) is first clipped to within
+    ``clip`` x the mean it updates: one step's time on a CPU varies by 20 % and a few take twice the median,
+    and an s whose cost one such step inflated would not be run (nor re-measured) until its next probe.
     Warm-up: a bucket first tries every candidate once, largest first. Probing: every ``probe_every``-th step
     of a bucket runs its least recently measured candidate, so a change in the text or in costs is noticed.
     ``adaptive=False``: always num_steps. ``counts``: steps per s.
@@ -92,8 +93,10 @@ class DraftLength:
         b = 1 << (batch_size - 1).bit_length()
         key, pace = (s, b), self.pace.get(b, 1.0)
         self.num_measured[key] += 1
+        seconds = max(seconds, 1e-9)  # a zero reading must not zero a cost
         old = self.cost.get(key, seconds / pace)
-        rel = min(max(seconds / pace, old / self.clip), old * self.clip)
+        clip = self.clip if self.num_measured[key] > 4 else float("inf")  # no mean to clip to yet
+        rel = min(max(seconds / pace, old / clip), old * clip)
         self.cost[key] = old + max(self.alpha, 1 / self.num_measured[key]) * (rel - old)
         ratio = min(max(seconds / self.cost[key], pace / self.clip), pace * self.clip)
         self.pace[b] = pace + self.beta * (ratio - pace)
