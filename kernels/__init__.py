@@ -7,6 +7,7 @@ Backend choice: the Triton kernel runs for CUDA tensors, the torch reference for
 launch, CPU tensors then run through Triton's interpreter); ``set_backend("torch")`` forces the references.
 The environment variable ``NANOSPEC_BACKEND`` sets the initial choice.
 """
+
 import contextlib
 import os
 

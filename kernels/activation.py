@@ -2,6 +2,7 @@
 
 Both compute in fp32 and return ``x.dtype``; the Triton kernel runs a ``(rows, cdiv(I, BLOCK))`` grid.
 """
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -55,7 +56,8 @@ def _act_and_mul_triton(x, gelu):
     if x2.shape[0] > 0 and N > 0:
         BLOCK = min(triton.next_power_of_2(N), 1024)
         _act_and_mul_kernel[(x2.shape[0], triton.cdiv(N, BLOCK))](
-            x2, out, N, x2.stride(0), out.stride(0), GELU=gelu, BLOCK=BLOCK, num_warps=4)
+            x2, out, N, x2.stride(0), out.stride(0), GELU=gelu, BLOCK=BLOCK, num_warps=4
+        )
     return out.view(*x.shape[:-1], N)
 
 

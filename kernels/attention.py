@@ -16,6 +16,7 @@ Each op has a torch reference (``*_ref``, the CPU engine path and the test oracl
 launch sizes, so they never sync (except ``decode_attention(num_splits=None)``, which reads the max length
 once).
 """
+
 import functools
 
 import torch
@@ -32,11 +33,14 @@ _NO_WINDOW = 1 << 30  # "no sliding window" inside the kernels: farther than any
 def _check(q, k_cache, v_cache, block_table) -> int:
     """Validate shapes shared by all ops; return the GQA group size Hq // Hkv."""
     if q.dim() != 3 or k_cache.dim() != 4 or block_table.dim() != 2:
-        raise ValueError(f"expected q [T,Hq,D], cache [NB,P,Hkv,D], block_table [B,W]; got {tuple(q.shape)}, "
-                         f"{tuple(k_cache.shape)}, {tuple(block_table.shape)}")
+        raise ValueError(
+            f"expected q [T,Hq,D], cache [NB,P,Hkv,D], block_table [B,W]; got {tuple(q.shape)}, "
+            f"{tuple(k_cache.shape)}, {tuple(block_table.shape)}"
+        )
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or k_cache.stride(3) != 1:
-        raise ValueError("k_cache and v_cache must have the same shape and strides, with a contiguous "
-                         "last dim")
+        raise ValueError(
+            "k_cache and v_cache must have the same shape and strides, with a contiguous last dim"
+        )
     if k_cache.shape[3] != q.shape[2]:
         raise ValueError(f"head_dim mismatch: q {q.shape[2]} vs cache {k_cache.shape[3]}")
     if q.shape[1] % k_cache.shape[2]:
@@ -51,8 +55,10 @@ def _window(sliding_window, tree_size=0) -> int:
     if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
         raise TypeError(f"sliding_window must be an int or None, got {type(sliding_window).__name__}")
     if sliding_window < max(1, tree_size):
-        raise ValueError(f"sliding_window must be >= {max(1, tree_size)} (1, and the tree size N with a tree "
-                         f"mask), got {sliding_window}")
+        raise ValueError(
+            f"sliding_window must be >= {max(1, tree_size)} (1, and the tree size N with a tree "
+            f"mask), got {sliding_window}"
+        )
     return min(sliding_window, _NO_WINDOW)
 
 
@@ -98,8 +104,9 @@ def _paged_ref(q, k_cache, v_cache, bt, lens, n, W, scale, tree_mask=None):
             pos = prefix[:, None] + (tree_mask.sum(-1) - 1).clamp(min=0)
     if W < _NO_WINDOW:
         seen = seen & (pos[..., None] - kk < W)  # [R, n, S]
-    bias = (torch.where(seen, 0.0, float("-inf"))[:, None, :, None].expand(R, 1, n, G, S)
-            .reshape(R, 1, n * G, S))
+    bias = (
+        torch.where(seen, 0.0, float("-inf"))[:, None, :, None].expand(R, 1, n, G, S).reshape(R, 1, n * G, S)
+    )
     qh = q.float().reshape(R, n, Hkv, G, D).transpose(1, 2).reshape(R, Hkv, n * G, D)
     o = F.scaled_dot_product_attention(qh, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias, scale=scale)
     o = o.view(R, Hkv, n, G, D).transpose(1, 2).reshape(R, n, Hq, D)
@@ -109,8 +116,20 @@ def _paged_ref(q, k_cache, v_cache, bt, lens, n, W, scale, tree_mask=None):
 
 # ---- extend / prefill / tree verify ------------------------------------------------------------------------
 
-def extend_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, max_seqlen_q,
-                         tree_mask=None, *, sliding_window=None):
+
+def extend_attention_ref(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    cu_seqlens_q,
+    seq_lens,
+    scale,
+    max_seqlen_q,
+    tree_mask=None,
+    *,
+    sliding_window=None,
+):
     """Torch reference of :func:`extend_attention` (same signature and result). When every request has the
     same number of new tokens (T == B * max_seqlen_q, or a tree) it runs one batched pass; otherwise it loops
     over requests on the host. Reads only rows [max(0, prefix - W + 1), seq_len) of each request."""
@@ -129,8 +148,9 @@ def extend_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_len
     if n:  # every request has n new tokens: one pass over all of them
         if bool((lens[:B] < n).any()):
             raise ValueError(f"every seq_len must be >= its {n} new tokens, got seq_lens {lens.tolist()}")
-        o = _paged_ref(q.reshape(B, n, Hq, D), k_cache, v_cache, block_table[:B], lens[:B], n, W, scale,
-                       tree_mask)
+        o = _paged_ref(
+            q.reshape(B, n, Hq, D), k_cache, v_cache, block_table[:B], lens[:B], n, W, scale, tree_mask
+        )
         return o.view(T, Hq, D).to(q.dtype)
     cu, lens_h = cu_seqlens_q.tolist(), seq_lens.tolist()
     for b in range(B):
@@ -139,15 +159,24 @@ def extend_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_len
             continue
         if L < n:
             raise ValueError(f"request {b}: seq_len {L} < number of new tokens {n}")
-        ob = _paged_ref(q[cu[b]:cu[b + 1]][None], k_cache, v_cache, block_table[b:b + 1, :-(-L // P)],
-                        lens[b:b + 1], n, W, scale)
-        o[cu[b]:cu[b + 1]] = ob[0].to(q.dtype)
+        ob = _paged_ref(
+            q[cu[b] : cu[b + 1]][None],
+            k_cache,
+            v_cache,
+            block_table[b : b + 1, : -(-L // P)],
+            lens[b : b + 1],
+            n,
+            W,
+            scale,
+        )
+        o[cu[b] : cu[b + 1]] = ob[0].to(q.dtype)
     return o
 
 
 @triton.jit
-def _load_kv_tile(K, V, BT_ROW, offs_n, n_ok, offs_d, d_ok, kvh, stride_kb, stride_kp, stride_kh,
-                  PAGE: tl.constexpr):
+def _load_kv_tile(
+    K, V, BT_ROW, offs_n, n_ok, offs_d, d_ok, kvh, stride_kb, stride_kp, stride_kh, PAGE: tl.constexpr
+):
     """K^T [D, N] and V [N, D] of key positions ``offs_n`` of one request, through its block-table row."""
     blk = tl.load(BT_ROW + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
     kv_off = blk * stride_kb + (offs_n % PAGE) * stride_kp + kvh * stride_kh
@@ -171,16 +200,45 @@ INTERPRETER_ONLY = {"UPCAST": False}
 
 def _prec(q):
     """(PREC, UPCAST) constexprs: exact fp32 dots for fp32 inputs; bf16 upcast under the CPU interpreter."""
-    return {"PREC": "ieee" if q.dtype == torch.float32 else "tf32",
-            "UPCAST": q.dtype == torch.bfloat16 and q.device.type == "cpu"}
+    return {
+        "PREC": "ieee" if q.dtype == torch.float32 else "tf32",
+        "UPCAST": q.dtype == torch.bfloat16 and q.device.type == "cpu",
+    }
 
 
 @triton.jit
-def _extend_kernel(Q, K, V, Out, BT, CU, SL, TM, qk_scale,
-                   stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kp, stride_kh, stride_bt,
-                   N_TREE, D, WINDOW, G: tl.constexpr, QPB: tl.constexpr, PAGE: tl.constexpr,
-                   TREE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
+def _extend_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    BT,
+    CU,
+    SL,
+    TM,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_kp,
+    stride_kh,
+    stride_bt,
+    N_TREE,
+    D,
+    WINDOW,
+    G: tl.constexpr,
+    QPB: tl.constexpr,
+    PAGE: tl.constexpr,
+    TREE: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     # One program: request b, kv head kvh, QPB queries x G query heads packed into BLOCK_M rows (GQA packing,
     # so each K/V tile is loaded once for the whole group).
     b, kvh, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -196,15 +254,21 @@ def _extend_kernel(Q, K, V, Out, BT, CU, SL, TM, qk_scale,
     row_ok = (rows < QPB * G) & (qi < n)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    q = tl.load(Q + (q0 + qi)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        Q + (q0 + qi)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if TREE:  # node i sits at position prefix + depth_i, depth_i = |ancestors + itself| - 1
         offs_t = tl.arange(0, BLOCK_T)
-        row = tl.load(TM + (b * N_TREE + qi[:, None]) * N_TREE + offs_t[None, :],
-                      mask=row_ok[:, None] & (offs_t < N_TREE)[None, :], other=0)
+        row = tl.load(
+            TM + (b * N_TREE + qi[:, None]) * N_TREE + offs_t[None, :],
+            mask=row_ok[:, None] & (offs_t < N_TREE)[None, :],
+            other=0,
+        )
         pos = prefix + tl.maximum(tl.sum((row != 0).to(tl.int32), 1) - 1, 0)
         kv_end = seq_len
         kv_start = prefix - WINDOW + 1
@@ -216,13 +280,17 @@ def _extend_kernel(Q, K, V, Out, BT, CU, SL, TM, qk_scale,
     for start in range(tl.maximum(kv_start, 0), kv_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_end
-        k, v = _load_kv_tile(K, V, BT + b * stride_bt, offs_n, n_ok, offs_d, d_ok, kvh, stride_kb, stride_kp,
-                             stride_kh, PAGE)
+        k, v = _load_kv_tile(
+            K, V, BT + b * stride_bt, offs_n, n_ok, offs_d, d_ok, kvh, stride_kb, stride_kp, stride_kh, PAGE
+        )
         s = _dot(q, k, PREC, UPCAST) * qk_scale
         if TREE:
             j = offs_n - prefix
-            tm = tl.load(TM + (b * N_TREE + qi[:, None]) * N_TREE + j[None, :],
-                         mask=row_ok[:, None] & (j >= 0)[None, :] & n_ok[None, :], other=0)
+            tm = tl.load(
+                TM + (b * N_TREE + qi[:, None]) * N_TREE + j[None, :],
+                mask=row_ok[:, None] & (j >= 0)[None, :] & n_ok[None, :],
+                other=0,
+            )
             ok = (offs_n < prefix)[None, :] | (tm != 0)
         else:
             ok = offs_n[None, :] <= pos[:, None]
@@ -236,8 +304,11 @@ def _extend_kernel(Q, K, V, Out, BT, CU, SL, TM, qk_scale,
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(Out + (q0 + qi)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(
+        Out + (q0 + qi)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
 
 
 _tile_smem = 101376  # CPU / interpreter: tiles as if for this GPU (99 KB per block: sm_86, sm_89)
@@ -274,8 +345,19 @@ def _tiles(q, tree=False):
     return bd, 16, 32 if big else 16, 8, 1 if big else 2  # fp32 D 512
 
 
-def extend_attention_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, max_seqlen_q,
-                            tree_mask=None, *, sliding_window=None):
+def extend_attention_triton(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    cu_seqlens_q,
+    seq_lens,
+    scale,
+    max_seqlen_q,
+    tree_mask=None,
+    *,
+    sliding_window=None,
+):
     """Triton path of :func:`extend_attention` (same signature and result)."""
     G = _check(q, k_cache, v_cache, block_table)
     T, Hq, D = q.shape
@@ -291,8 +373,9 @@ def extend_attention_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_
     if tree_mask is not None:
         n_tree = tree_mask.shape[-1]
         if tree_mask.shape != (B, n_tree, n_tree) or T != B * n_tree:
-            raise ValueError(f"tree_mask {tuple(tree_mask.shape)} needs shape [B, N, N] with T = B*N "
-                             f"({T} rows)")
+            raise ValueError(
+                f"tree_mask {tuple(tree_mask.shape)} needs shape [B, N, N] with T = B*N ({T} rows)"
+            )
         tree_mask = tree_mask.contiguous().view(torch.uint8)
     window = _window(sliding_window, 0 if tree_mask is None else n_tree)
     BLOCK_D, BLOCK_N, BLOCK_M, warps, stages = _tiles(q, tree_mask is not None)
@@ -301,17 +384,54 @@ def extend_attention_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_
     qpb = BLOCK_M // G
     grid = (B, k_cache.shape[2], triton.cdiv(max_seqlen_q, qpb))
     _extend_kernel[grid](
-        q, k_cache, v_cache, o, block_table, cu_seqlens_q, seq_lens, q if tree_mask is None else tree_mask,
-        scale * _LOG2E, q.stride(0), q.stride(1), o.stride(0), o.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), n_tree, D, window,
-        G=G, QPB=qpb, PAGE=k_cache.shape[1], TREE=tree_mask is not None, **_prec(q), BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_T=triton.next_power_of_2(n_tree), num_warps=warps,
-        num_stages=stages)
+        q,
+        k_cache,
+        v_cache,
+        o,
+        block_table,
+        cu_seqlens_q,
+        seq_lens,
+        q if tree_mask is None else tree_mask,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        o.stride(0),
+        o.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_table.stride(0),
+        n_tree,
+        D,
+        window,
+        G=G,
+        QPB=qpb,
+        PAGE=k_cache.shape[1],
+        TREE=tree_mask is not None,
+        **_prec(q),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_D=BLOCK_D,
+        BLOCK_T=triton.next_power_of_2(n_tree),
+        num_warps=warps,
+        num_stages=stages,
+    )
     return o
 
 
-def extend_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, max_seqlen_q,
-                     tree_mask=None, *, sliding_window=None):
+def extend_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    cu_seqlens_q,
+    seq_lens,
+    scale,
+    max_seqlen_q,
+    tree_mask=None,
+    *,
+    sliding_window=None,
+):
     """Attention of B packed requests' new tokens over their paged KV (prefill, chunked prefill, extend,
     verify).
 
@@ -345,14 +465,36 @@ def extend_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, s
         TypeError: sliding_window neither None nor an int.
     """
     fn = extend_attention_triton if use_triton(q) else extend_attention_ref
-    return fn(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, max_seqlen_q, tree_mask,
-              sliding_window=sliding_window)
+    return fn(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        cu_seqlens_q,
+        seq_lens,
+        scale,
+        max_seqlen_q,
+        tree_mask,
+        sliding_window=sliding_window,
+    )
 
 
 # ---- decode (split-KV flash-decoding) and frozen-KV draft attention ----------------------------------------
 
-def decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req=None, num_splits=None,
-                         *, sliding_window=None, split_size=None):
+
+def decode_attention_ref(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    scale,
+    row_to_req=None,
+    num_splits=None,
+    *,
+    sliding_window=None,
+    split_size=None,
+):
     """Torch reference of :func:`decode_attention` (same signature and result; ``num_splits`` is ignored).
 
     One batched pass (no per-row host loop): each row gathers its whole block-table row (with a window, only
@@ -378,11 +520,36 @@ def decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, scale, row_
 
 
 @triton.jit
-def _decode_split_kernel(Q, K, V, BT, SL, MAP, MID_O, MID_L, qk_scale,
-                         stride_qr, stride_qh, stride_kb, stride_kp, stride_kh, stride_bt, Hq, D, num_splits,
-                         WINDOW, G: tl.constexpr, PAGE: tl.constexpr, HAS_MAP: tl.constexpr,
-                         SPLIT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _decode_split_kernel(
+    Q,
+    K,
+    V,
+    BT,
+    SL,
+    MAP,
+    MID_O,
+    MID_L,
+    qk_scale,
+    stride_qr,
+    stride_qh,
+    stride_kb,
+    stride_kp,
+    stride_kh,
+    stride_bt,
+    Hq,
+    D,
+    num_splits,
+    WINDOW,
+    G: tl.constexpr,
+    PAGE: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     # One program: row r, kv head kvh, split sp; all G query heads of kvh are the rows of one tl.dot.
     r, kvh, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if HAS_MAP:
@@ -403,16 +570,20 @@ def _decode_split_kernel(Q, K, V, BT, SL, MAP, MID_O, MID_L, qk_scale,
     h_ok = rows < G
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    q = tl.load(Q + r * stride_qr + head[:, None] * stride_qh + offs_d[None, :],
-                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        Q + r * stride_qr + head[:, None] * stride_qh + offs_d[None, :],
+        mask=h_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for s0 in range(start, end, BLOCK_N):
         offs_n = s0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
-        k, v = _load_kv_tile(K, V, BT + req * stride_bt, offs_n, n_ok, offs_d, d_ok, kvh, stride_kb,
-                             stride_kp, stride_kh, PAGE)
+        k, v = _load_kv_tile(
+            K, V, BT + req * stride_bt, offs_n, n_ok, offs_d, d_ok, kvh, stride_kb, stride_kp, stride_kh, PAGE
+        )
         s = _dot(q, k, PREC, UPCAST) * qk_scale
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # every tile has >= 1 valid key, so m_new is finite
@@ -460,8 +631,19 @@ def num_kv_splits(max_len: int) -> int:
     return min(32, max(1, -(-max_len // 256)))
 
 
-def decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req=None,
-                            num_splits=None, *, sliding_window=None, split_size=None):
+def decode_attention_triton(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    scale,
+    row_to_req=None,
+    num_splits=None,
+    *,
+    sliding_window=None,
+    split_size=None,
+):
     """Triton path of :func:`decode_attention` (same signature and result): split-KV stage 1 + LSE merge."""
     G = _check(q, k_cache, v_cache, block_table)
     window = _window(sliding_window)
@@ -481,19 +663,55 @@ def decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, r
     mid_o = torch.empty(R, Hq, num_splits, D, dtype=torch.float32, device=q.device)
     mid_l = torch.empty(R, Hq, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(R, k_cache.shape[2], num_splits)](
-        q, k_cache, v_cache, block_table, seq_lens, q if row_to_req is None else row_to_req, mid_o, mid_l,
-        scale * _LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_table.stride(0), Hq, D, num_splits, window,
-        G=G, PAGE=k_cache.shape[1], HAS_MAP=row_to_req is not None, SPLIT=split_size or 0, **_prec(q),
-        BLOCK_H=max(16, triton.next_power_of_2(G)), BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, num_warps=warps,
-        num_stages=stages)
-    _decode_merge_kernel[(R, Hq)](mid_o, mid_l, o, o.stride(0), o.stride(1), Hq, D, num_splits,
-                                  BLOCK_D=BLOCK_D)
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        q if row_to_req is None else row_to_req,
+        mid_o,
+        mid_l,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_table.stride(0),
+        Hq,
+        D,
+        num_splits,
+        window,
+        G=G,
+        PAGE=k_cache.shape[1],
+        HAS_MAP=row_to_req is not None,
+        SPLIT=split_size or 0,
+        **_prec(q),
+        BLOCK_H=max(16, triton.next_power_of_2(G)),
+        BLOCK_N=BLOCK_N,
+        BLOCK_D=BLOCK_D,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    _decode_merge_kernel[(R, Hq)](
+        mid_o, mid_l, o, o.stride(0), o.stride(1), Hq, D, num_splits, BLOCK_D=BLOCK_D
+    )
     return o
 
 
-def decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req=None, num_splits=None, *,
-                     sliding_window=None, split_size=None):
+def decode_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    scale,
+    row_to_req=None,
+    num_splits=None,
+    *,
+    sliding_window=None,
+    split_size=None,
+):
     """One query token per row attending a request's paged KV (flash-decoding with split KV on the Triton
     path).
 
@@ -525,12 +743,23 @@ def decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_r
         TypeError: sliding_window neither None nor an int.
     """
     fn = decode_attention_triton if use_triton(q) else decode_attention_ref
-    return fn(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req, num_splits,
-              sliding_window=sliding_window, split_size=split_size)
+    return fn(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        scale,
+        row_to_req,
+        num_splits,
+        sliding_window=sliding_window,
+        split_size=split_size,
+    )
 
 
-def draft_attention(q, k_cache, v_cache, block_table, seq_lens, row_to_req, scale=1.0, num_splits=None, *,
-                    sliding_window=None):
+def draft_attention(
+    q, k_cache, v_cache, block_table, seq_lens, row_to_req, scale=1.0, num_splits=None, *, sliding_window=None
+):
     """Frozen-KV MTP draft attention: Q-only draft queries over the target's committed KV, read-only.
 
     R = B*k single-token query rows (k = topk); row r attends rows [0, L) of request ``row_to_req[r]`` in the
@@ -550,5 +779,6 @@ def draft_attention(q, k_cache, v_cache, block_table, seq_lens, row_to_req, scal
     Shapes, dtypes, results and errors are those of :func:`decode_attention`: q [R, Hq, D] -> o [R, Hq, D].
     """
     window = None if sliding_window is None else _window(sliding_window) + 1
-    return decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req, num_splits,
-                            sliding_window=window)
+    return decode_attention(
+        q, k_cache, v_cache, block_table, seq_lens, scale, row_to_req, num_splits, sliding_window=window
+    )

@@ -6,6 +6,7 @@ selected cluster ``c = clusters[r, j]``: ``out[r, j * S + s] = hidden[r] . rows[
 Matches the candidate logits of HF ``Gemma4AssistantMaskedEmbedder.forward`` (before its scatter into the
 vocabulary).
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -15,11 +16,14 @@ from . import use_triton
 
 def _check(hidden, rows, clusters):
     if hidden.dim() != 2 or rows.dim() != 3 or clusters.dim() != 2 or clusters.shape[0] != hidden.shape[0]:
-        raise ValueError(f"centroid_logits: expected hidden [R, H], rows [C, S, H], clusters [R, K]; got "
-                         f"{tuple(hidden.shape)}, {tuple(rows.shape)}, {tuple(clusters.shape)}")
+        raise ValueError(
+            f"centroid_logits: expected hidden [R, H], rows [C, S, H], clusters [R, K]; got "
+            f"{tuple(hidden.shape)}, {tuple(rows.shape)}, {tuple(clusters.shape)}"
+        )
     if rows.shape[2] != hidden.shape[1]:
-        raise ValueError(f"centroid_logits: rows hidden size {rows.shape[2]} != hidden size "
-                         f"{hidden.shape[1]}")
+        raise ValueError(
+            f"centroid_logits: rows hidden size {rows.shape[2]} != hidden size {hidden.shape[1]}"
+        )
     if clusters.is_floating_point():
         raise TypeError(f"centroid_logits: clusters must be an integer tensor, got {clusters.dtype}")
 
@@ -35,8 +39,21 @@ def centroid_logits_ref(hidden, rows, clusters):
 
 
 @triton.jit
-def _centroid_kernel(X, W, CL, Out, H, S, stride_xr, stride_wc, stride_ws, stride_cr, stride_or,
-                     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
+def _centroid_kernel(
+    X,
+    W,
+    CL,
+    Out,
+    H,
+    S,
+    stride_xr,
+    stride_wc,
+    stride_ws,
+    stride_cr,
+    stride_or,
+    BLOCK_S: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     # One program: query row r, its j-th selected cluster, BLOCK_S of that cluster's S rows.
     r, j, sb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     c = tl.load(CL + r * stride_cr + j).to(tl.int64)
@@ -47,8 +64,11 @@ def _centroid_kernel(X, W, CL, Out, H, S, stride_xr, stride_wc, stride_ws, strid
         offs_h = h0 + tl.arange(0, BLOCK_H)
         h_ok = offs_h < H
         x = tl.load(X + r * stride_xr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
-        w = tl.load(W + c * stride_wc + offs_s[:, None] * stride_ws + offs_h[None, :],
-                    mask=s_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(
+            W + c * stride_wc + offs_s[:, None] * stride_ws + offs_h[None, :],
+            mask=s_ok[:, None] & h_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
         acc += tl.sum(w * x[None, :], 1)
     tl.store(Out + r * stride_or + j * S + offs_s, acc, mask=s_ok)
 
@@ -66,9 +86,21 @@ def centroid_logits_triton(hidden, rows, clusters):
         rows = rows.contiguous()
     BLOCK_S = min(64, triton.next_power_of_2(S))
     _centroid_kernel[(R, K, triton.cdiv(S, BLOCK_S))](
-        hidden, rows, clusters, out, H, S, hidden.stride(0), rows.stride(0), rows.stride(1),
-        clusters.stride(0), out.stride(0), BLOCK_S=BLOCK_S, BLOCK_H=min(128, triton.next_power_of_2(H)),
-        num_warps=4)
+        hidden,
+        rows,
+        clusters,
+        out,
+        H,
+        S,
+        hidden.stride(0),
+        rows.stride(0),
+        rows.stride(1),
+        clusters.stride(0),
+        out.stride(0),
+        BLOCK_S=BLOCK_S,
+        BLOCK_H=min(128, triton.next_power_of_2(H)),
+        num_warps=4,
+    )
     return out
 
 

@@ -10,6 +10,7 @@ Torch (the CPU path): one call per row (fp32: the row twice, ``(w @ rows.t()).t(
 their kernel by shape (fp32 here: one result for M < 4, another for M >= 4) and need not treat a tile's rows
 alike, so each row is multiplied alone, the same call for every row.
 """
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -24,27 +25,53 @@ _TILES = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64)  # one config for every M; nar
 
 
 @triton.jit
-def _matmul_kernel(X, W, B, Y, M, N, K, sxm, sxk, swn, swk, sym, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
-                   ROWWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+def _matmul_kernel(
+    X,
+    W,
+    B,
+    Y,
+    M,
+    N,
+    K,
+    sxm,
+    sxk,
+    swn,
+    swk,
+    sym,
+    HAS_BIAS: tl.constexpr,
+    PREC: tl.constexpr,
+    ROWWISE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = k0 + rk < K
-        x = tl.load(X + rm[:, None].to(tl.int64) * sxm + (k0 + rk)[None, :] * sxk,
-                    mask=(rm < M)[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(W + rn[None, :].to(tl.int64) * swn + (k0 + rk)[:, None] * swk,
-                    mask=k_ok[:, None] & (rn < N)[None, :], other=0.0)
+        x = tl.load(
+            X + rm[:, None].to(tl.int64) * sxm + (k0 + rk)[None, :] * sxk,
+            mask=(rm < M)[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            W + rn[None, :].to(tl.int64) * swn + (k0 + rk)[:, None] * swk,
+            mask=k_ok[:, None] & (rn < N)[None, :],
+            other=0.0,
+        )
         if ROWWISE:  # the CPU interpreter (module docstring): products summed over K in order
             acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], 1)
         else:
             acc += tl.dot(x, w, input_precision=PREC)
     if HAS_BIAS:
         acc += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], acc.to(Y.dtype.element_ty),
-             mask=(rm < M)[:, None] & (rn < N)[None, :])
+    tl.store(
+        Y + rm[:, None].to(tl.int64) * sym + rn[None, :],
+        acc.to(Y.dtype.element_ty),
+        mask=(rm < M)[:, None] & (rn < N)[None, :],
+    )
 
 
 def linear_invariant_ref(x2, weight, bias=None):
@@ -59,9 +86,23 @@ def linear_invariant_triton(x2, weight, bias=None):
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     if M:
         grid = (triton.cdiv(M, _TILES["BLOCK_M"]), triton.cdiv(N, _TILES["BLOCK_N"]))
-        _matmul_kernel[grid](x2, weight, weight if bias is None else bias, y, M, N, K, *x2.stride(),
-                             *weight.stride(), y.stride(0), HAS_BIAS=bias is not None,
-                             PREC=_prec(x2)["PREC"], ROWWISE=x2.device.type == "cpu", **_TILES, num_warps=4)
+        _matmul_kernel[grid](
+            x2,
+            weight,
+            weight if bias is None else bias,
+            y,
+            M,
+            N,
+            K,
+            *x2.stride(),
+            *weight.stride(),
+            y.stride(0),
+            HAS_BIAS=bias is not None,
+            PREC=_prec(x2)["PREC"],
+            ROWWISE=x2.device.type == "cpu",
+            **_TILES,
+            num_warps=4,
+        )
     return y
 
 
@@ -72,8 +113,10 @@ def linear_invariant(x, weight, bias=None):
     or None. Returns [..., N] in x's dtype (fp32 accumulation). Raises ValueError on mismatched shapes.
     """
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1] or bias is not None and len(bias) != len(weight):
-        raise ValueError(f"linear_invariant: x [..., K], weight [N, K], bias [N]; got {tuple(x.shape)}, "
-                         f"{tuple(weight.shape)}, {None if bias is None else tuple(bias.shape)}")
+        raise ValueError(
+            f"linear_invariant: x [..., K], weight [N, K], bias [N]; got {tuple(x.shape)}, "
+            f"{tuple(weight.shape)}, {None if bias is None else tuple(bias.shape)}"
+        )
     fn = linear_invariant_triton if use_triton(x) else linear_invariant_ref
     return fn(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], -1)
 

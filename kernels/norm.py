@@ -5,6 +5,7 @@ multiplied by ``weight``: ``out = weight * (h * rsqrt(mean(h²) + eps)).to(dtype
 the weight multiply happens in fp32 before the cast instead, as HF ``Gemma4RMSNorm`` does (``weight=None`` is
 its ``with_scale=False``).
 """
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -14,8 +15,23 @@ from . import use_triton
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, sx, sr, so, sro, eps,
-                     HAS_RES: tl.constexpr, HAS_W: tl.constexpr, FP32_W: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    H,
+    sx,
+    sr,
+    so,
+    sro,
+    eps,
+    HAS_RES: tl.constexpr,
+    HAS_W: tl.constexpr,
+    FP32_W: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -81,10 +97,23 @@ def rms_norm_triton(x, weight, eps, residual=None, fp32_weight=False):
     T = x2.shape[0]
     if T > 0:
         _rms_norm_kernel[(T,)](
-            x2, r2, weight if weight is not None else x2, out, res_out, H,
-            x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0), float(eps),
-            HAS_RES=residual is not None, HAS_W=weight is not None, FP32_W=bool(fp32_weight),
-            BLOCK=triton.next_power_of_2(H), num_warps=4 if H <= 4096 else 8)
+            x2,
+            r2,
+            weight if weight is not None else x2,
+            out,
+            res_out,
+            H,
+            x2.stride(0),
+            r2.stride(0),
+            out.stride(0),
+            res_out.stride(0),
+            float(eps),
+            HAS_RES=residual is not None,
+            HAS_W=weight is not None,
+            FP32_W=bool(fp32_weight),
+            BLOCK=triton.next_power_of_2(H),
+            num_warps=4 if H <= 4096 else 8,
+        )
     out = out.view(x.shape)
     return out if residual is None else (out, res_out.view(x.shape))
 

@@ -6,6 +6,7 @@ unchanged. The paged KV cache is ``[num_blocks, page_size, Hk, D]`` (viewed flat
 token ``t`` goes to slot ``slot_mapping[t] = block * page_size + offset``, and a negative slot means "do not
 store this token".
 """
+
 import math
 
 import torch
@@ -49,8 +50,10 @@ def rope_cos_sin(rotary_dim, max_position, base, scaling=None, device=None):
         zeros = torch.zeros(rotary_dim // 2 - angles)
         inv_freq = torch.cat([inv_freq[:angles], zeros]) / scaling.get("factor", 1.0)
     elif rope_type != "default":
-        raise ValueError(f"rope_scaling.rope_type {rope_type!r} is not supported "
-                         "(use default, linear, llama3 or proportional)")
+        raise ValueError(
+            f"rope_scaling.rope_type {rope_type!r} is not supported "
+            "(use default, linear, llama3 or proportional)"
+        )
     freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
 
@@ -80,8 +83,10 @@ def _check(q, k, positions, cos_sin):
 def _check_store(k, v, k_cache, v_cache, slot_mapping):
     fits = tuple(k_cache.shape[-2:]) == tuple(k.shape[1:])
     if v.shape != k.shape or k_cache.shape != v_cache.shape or not fits:
-        raise ValueError(f"store_kv: k/v {tuple(k.shape)}, {tuple(v.shape)} do not fit caches "
-                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"store_kv: k/v {tuple(k.shape)}, {tuple(v.shape)} do not fit caches "
+            f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
     if slot_mapping.shape != (k.shape[0],):
         raise ValueError(f"store_kv: slot_mapping shape {tuple(slot_mapping.shape)} != ({k.shape[0]},)")
 
@@ -111,7 +116,7 @@ def rope_store_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mappin
         q_out, k_out = apply_rope_ref(q, k, positions, cos_sin)
     else:  # one rotation over q and k side by side: the same elementwise math in half the ops
         qk = _rotate_ref(torch.cat([q, k], 1), positions, cos_sin)
-        q_out, k_out = qk[:, :q.shape[1]].contiguous(), qk[:, q.shape[1]:]
+        q_out, k_out = qk[:, : q.shape[1]].contiguous(), qk[:, q.shape[1] :]
     store_kv_ref(k_out, v, k_cache, v_cache, slot_mapping)
     return q_out
 
@@ -119,8 +124,20 @@ def rope_store_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mappin
 # ------------------------------------------------------------------------------------------------------
 # Triton
 @triton.jit
-def _rope_heads(src, s_h, dst, d_h, n_heads, cs_row, D, ROT, HALF,
-                ROTATE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rope_heads(
+    src,
+    s_h,
+    dst,
+    d_h,
+    n_heads,
+    cs_row,
+    D,
+    ROT,
+    HALF,
+    ROTATE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """Rotate (or copy) ``n_heads`` rows of one token from ``src`` to ``dst``, in chunks of BLOCK_H heads."""
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
@@ -144,28 +161,107 @@ def _rope_heads(src, s_h, dst, d_h, n_heads, cs_row, D, ROT, HALF,
 
 
 @triton.jit
-def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr,
-                    Hq, Hk, D, ROT, HALF, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sqo_t, sqo_h, sko_t, sko_h,
-                    s_cs, sc_t, sc_h,
-                    DO_Q: tl.constexpr, DO_K: tl.constexpr, ROPE_K: tl.constexpr, STORE: tl.constexpr,
-                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rope_kv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    qo_ptr,
+    ko_ptr,
+    pos_ptr,
+    cs_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    Hq,
+    Hk,
+    D,
+    ROT,
+    HALF,
+    sq_t,
+    sq_h,
+    sk_t,
+    sk_h,
+    sv_t,
+    sv_h,
+    sqo_t,
+    sqo_h,
+    sko_t,
+    sko_h,
+    s_cs,
+    sc_t,
+    sc_h,
+    DO_Q: tl.constexpr,
+    DO_K: tl.constexpr,
+    ROPE_K: tl.constexpr,
+    STORE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     cs_row = cs_ptr
     if DO_Q or ROPE_K:
         cs_row = cs_ptr + tl.load(pos_ptr + t).to(tl.int64) * s_cs
     if DO_Q:
-        _rope_heads(q_ptr + t * sq_t, sq_h, qo_ptr + t * sqo_t, sqo_h, Hq, cs_row, D, ROT, HALF,
-                    True, BLOCK_H, BLOCK_D)
+        _rope_heads(
+            q_ptr + t * sq_t,
+            sq_h,
+            qo_ptr + t * sqo_t,
+            sqo_h,
+            Hq,
+            cs_row,
+            D,
+            ROT,
+            HALF,
+            True,
+            BLOCK_H,
+            BLOCK_D,
+        )
     if DO_K:  # rotated k returned as a tensor (apply_rope)
-        _rope_heads(k_ptr + t * sk_t, sk_h, ko_ptr + t * sko_t, sko_h, Hk, cs_row, D, ROT, HALF,
-                    True, BLOCK_H, BLOCK_D)
+        _rope_heads(
+            k_ptr + t * sk_t,
+            sk_h,
+            ko_ptr + t * sko_t,
+            sko_h,
+            Hk,
+            cs_row,
+            D,
+            ROT,
+            HALF,
+            True,
+            BLOCK_H,
+            BLOCK_D,
+        )
     if STORE:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
-            _rope_heads(k_ptr + t * sk_t, sk_h, kc_ptr + slot * sc_t, sc_h, Hk, cs_row, D, ROT, HALF,
-                        ROPE_K, BLOCK_H, BLOCK_D)
-            _rope_heads(v_ptr + t * sv_t, sv_h, vc_ptr + slot * sc_t, sc_h, Hk, cs_row, D, ROT, HALF,
-                        False, BLOCK_H, BLOCK_D)
+            _rope_heads(
+                k_ptr + t * sk_t,
+                sk_h,
+                kc_ptr + slot * sc_t,
+                sc_h,
+                Hk,
+                cs_row,
+                D,
+                ROT,
+                HALF,
+                ROPE_K,
+                BLOCK_H,
+                BLOCK_D,
+            )
+            _rope_heads(
+                v_ptr + t * sv_t,
+                sv_h,
+                vc_ptr + slot * sc_t,
+                sc_h,
+                Hk,
+                cs_row,
+                D,
+                ROT,
+                HALF,
+                False,
+                BLOCK_H,
+                BLOCK_D,
+            )
 
 
 def _rows(x):
@@ -195,13 +291,42 @@ def _launch(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, do_q, d
     pos = positions if positions is not None else slot_mapping
     cs = cos_sin.float().contiguous() if cos_sin is not None else dummy
     _rope_kv_kernel[(T,)](
-        q_, k_, v_, qo, ko, pos, cs, kc, vc, slot_mapping if store else pos,
-        Hq, Hk, D, rot, rot // 2, q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1),
-        v_.stride(0), v_.stride(1),
-        qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), cs.stride(0) if cos_sin is not None else 0,
-        kc.stride(0), kc.stride(1),
-        DO_Q=do_q, DO_K=do_k, ROPE_K=rope_k, STORE=store, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
-        num_warps=8 if BLOCK_H * BLOCK_D >= 2048 else 4)  # fewer spill on sm_90 (scripts/kernel_specs.py)
+        q_,
+        k_,
+        v_,
+        qo,
+        ko,
+        pos,
+        cs,
+        kc,
+        vc,
+        slot_mapping if store else pos,
+        Hq,
+        Hk,
+        D,
+        rot,
+        rot // 2,
+        q_.stride(0),
+        q_.stride(1),
+        k_.stride(0),
+        k_.stride(1),
+        v_.stride(0),
+        v_.stride(1),
+        qo.stride(0),
+        qo.stride(1),
+        ko.stride(0),
+        ko.stride(1),
+        cs.stride(0) if cos_sin is not None else 0,
+        kc.stride(0),
+        kc.stride(1),
+        DO_Q=do_q,
+        DO_K=do_k,
+        ROPE_K=rope_k,
+        STORE=store,
+        BLOCK_H=BLOCK_H,
+        BLOCK_D=BLOCK_D,
+        num_warps=8 if BLOCK_H * BLOCK_D >= 2048 else 4,
+    )  # fewer spill on sm_90 (scripts/kernel_specs.py)
     return q_out, k_out
 
 

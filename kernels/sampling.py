@@ -17,6 +17,7 @@ several tokens share the threshold value, the Triton path keeps all of them whil
 keeps exactly ``top_k`` (in sort order); the results agree whenever logits are tie-free. Rows of all ``-inf``
 or with NaN logits are unsupported.
 """
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -80,8 +81,20 @@ def _chunk(lrow, off, V, t, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _sampling_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, noise_ptr, out_ptr, V, s_l, s_n, s_o,
-                     SAMPLE: tl.constexpr, BLOCK: tl.constexpr):
+def _sampling_kernel(
+    logits_ptr,
+    temp_ptr,
+    topk_ptr,
+    topp_ptr,
+    noise_ptr,
+    out_ptr,
+    V,
+    s_l,
+    s_n,
+    s_o,
+    SAMPLE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     lrow = logits_ptr + row * s_l
     temp = tl.load(temp_ptr + row).to(tl.float32)
@@ -190,9 +203,20 @@ def _launch(logits, temperature, top_k, top_p, noise, out, sample):
     lg = logits if logits.stride(-1) == 1 else logits.contiguous()
     nz = lg if noise is None else (noise if noise.stride(-1) == 1 else noise.contiguous())
     _sampling_kernel[(R,)](
-        lg, temperature.contiguous(), top_k.contiguous(), top_p.contiguous(), nz, out, V,
-        lg.stride(0), nz.stride(0), out.stride(0),
-        SAMPLE=sample, BLOCK=min(triton.next_power_of_2(V), _BLOCK), num_warps=8)
+        lg,
+        temperature.contiguous(),
+        top_k.contiguous(),
+        top_p.contiguous(),
+        nz,
+        out,
+        V,
+        lg.stride(0),
+        nz.stride(0),
+        out.stride(0),
+        SAMPLE=sample,
+        BLOCK=min(triton.next_power_of_2(V), _BLOCK),
+        num_warps=8,
+    )
     return out
 
 

@@ -1,4 +1,5 @@
 """nanospec: a nano LLM inference engine built around Frozen-KV MTP speculative decoding."""
+
 from .llm import LLM
 from .sampling_params import SamplingParams
 

@@ -1,4 +1,5 @@
 """Engine options and their validation: every user option is checked here, before any work starts."""
+
 from dataclasses import dataclass, fields
 
 import torch
@@ -66,9 +67,19 @@ class EngineConfig:
     trace: object = None
 
     def __post_init__(self):
-        for name, lo in (("max_model_len", 2), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
-                         ("page_size", 1), ("seed", 0), ("num_kv_blocks", 2), ("num_steps", 1), ("topk", 1),
-                         ("num_draft_tokens", 2), ("draft_position_offset", -1), ("tensor_parallel_size", 1)):
+        for name, lo in (
+            ("max_model_len", 2),
+            ("max_num_seqs", 1),
+            ("max_num_batched_tokens", 1),
+            ("page_size", 1),
+            ("seed", 0),
+            ("num_kv_blocks", 2),
+            ("num_steps", 1),
+            ("topk", 1),
+            ("num_draft_tokens", 2),
+            ("draft_position_offset", -1),
+            ("tensor_parallel_size", 1),
+        ):
             v = getattr(self, name)
             if v is None and name in ("num_kv_blocks", "num_steps", "topk", "num_draft_tokens"):
                 continue
@@ -76,8 +87,13 @@ class EngineConfig:
                 raise TypeError(f"{name} must be an int, got {v!r}")
             if v < lo:
                 raise ValueError(f"{name} must be >= {lo}, got {v}")
-        for name in ("enforce_eager", "enable_prefix_caching", "overlap_schedule", "adaptive_speculation",
-                     "deterministic"):
+        for name in (
+            "enforce_eager",
+            "enable_prefix_caching",
+            "overlap_schedule",
+            "adaptive_speculation",
+            "deterministic",
+        ):
             v = getattr(self, name)
             if not isinstance(v, bool) and not (v is None and name == "overlap_schedule"):
                 kinds = "a bool or None" if name == "overlap_schedule" else "a bool"
@@ -85,8 +101,9 @@ class EngineConfig:
         if self.seed >= 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.trace is not None and self.trace is not True and not callable(self.trace):
-            raise TypeError(f"trace must be None, True or a callable (step, event, fields), "
-                            f"got {self.trace!r}")
+            raise TypeError(
+                f"trace must be None, True or a callable (step, event, fields), got {self.trace!r}"
+            )
         if self.trace is not None and self.assistant is None:
             raise ValueError("trace shows the Frozen-KV MTP lifecycle: it needs an assistant")
         if self.draft_position_offset > 0:
@@ -97,8 +114,9 @@ class EngineConfig:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked for but torch sees no CUDA device; "
-                             "use device='cpu' or 'auto'")
+            raise ValueError(
+                "device='cuda' was asked for but torch sees no CUDA device; use device='cpu' or 'auto'"
+            )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -108,27 +126,36 @@ class EngineConfig:
         if self.assistant is None:
             given = [n for n in ("num_steps", "topk", "num_draft_tokens") if getattr(self, n) is not None]
             if given:
-                raise ValueError(f"options {', '.join(given)} only apply to speculative decoding: "
-                                 "pass assistant=DIR or 'default', or drop them")
+                raise ValueError(
+                    f"options {', '.join(given)} only apply to speculative decoding: "
+                    "pass assistant=DIR or 'default', or drop them"
+                )
             return
         if self.num_steps is None:  # per device, measured (README, "Where speculation pays")
             self.num_steps = 3 if self.torch_device().type == "cpu" else 5
         self.topk = 1 if self.topk is None else self.topk
         if self.num_draft_tokens is None:
             if self.topk > 1:
-                raise ValueError("num_draft_tokens must be given when topk > 1 "
-                                 f"(allowed: 2..{1 + self.num_steps * self.topk})")
+                raise ValueError(
+                    "num_draft_tokens must be given when topk > 1 "
+                    f"(allowed: 2..{1 + self.num_steps * self.topk})"
+                )
             self.num_draft_tokens = self.num_steps + 1
         if self.deterministic and self.topk > 1:
-            raise ValueError("deterministic=True covers chain speculation only (topk=1: a tree verify row "
-                             f"attends non-contiguous keys, unlike a decode row), got topk={self.topk}")
+            raise ValueError(
+                "deterministic=True covers chain speculation only (topk=1: a tree verify row "
+                f"attends non-contiguous keys, unlike a decode row), got topk={self.topk}"
+            )
         hi = 1 + self.num_steps * self.topk
         if not 2 <= self.num_draft_tokens <= hi:
-            raise ValueError(f"num_draft_tokens must be in [2, {hi}] (1 + num_steps * topk), "
-                             f"got {self.num_draft_tokens}")
+            raise ValueError(
+                f"num_draft_tokens must be in [2, {hi}] (1 + num_steps * topk), got {self.num_draft_tokens}"
+            )
         if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1:
-            raise ValueError(f"with topk=1, num_draft_tokens must be num_steps + 1 = {self.num_steps + 1}, "
-                             f"got {self.num_draft_tokens}")
+            raise ValueError(
+                f"with topk=1, num_draft_tokens must be num_steps + 1 = {self.num_steps + 1}, "
+                f"got {self.num_draft_tokens}"
+            )
 
     @classmethod
     def from_kwargs(cls, model, kwargs: dict) -> "EngineConfig":

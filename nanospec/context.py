@@ -7,6 +7,7 @@ HF-shaped, and a CUDA graph captures the same static tensors the eager path read
 only place a mode's fields are chosen: ``draft`` takes no write slots at all, so the drafter cannot write KV
 by construction (DESIGN §4 rule 3).
 """
+
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -39,8 +40,15 @@ class AttnMetadata:
     split_size: int | None = None
 
     @classmethod
-    def prefill(cls, block_table, seq_lens, slot_mapping, cu_seqlens_q, max_seqlen_q: int,
-                split_size: int | None = None) -> "AttnMetadata":
+    def prefill(
+        cls,
+        block_table,
+        seq_lens,
+        slot_mapping,
+        cu_seqlens_q,
+        max_seqlen_q: int,
+        split_size: int | None = None,
+    ) -> "AttnMetadata":
         """Chunks of new tokens per request (``cu_seqlens_q``) over each request's cached prefix, causal.
 
         Deterministic mode (``split_size``, DESIGN §4 rule 9): every new token is a decode row over keys
@@ -55,15 +63,24 @@ class AttnMetadata:
         return cls("decode", block_table[req], (pos + 1).int(), slot_mapping, split_size=split_size)
 
     @classmethod
-    def decode(cls, block_table, seq_lens, slot_mapping, num_splits: int | None = None,
-               split_size: int | None = None) -> "AttnMetadata":
+    def decode(
+        cls, block_table, seq_lens, slot_mapping, num_splits: int | None = None, split_size: int | None = None
+    ) -> "AttnMetadata":
         """One new token per request at position ``seq_lens - 1``."""
-        return cls("decode", block_table, seq_lens, slot_mapping, num_splits=num_splits,
-                   split_size=split_size)
+        return cls(
+            "decode", block_table, seq_lens, slot_mapping, num_splits=num_splits, split_size=split_size
+        )
 
     @classmethod
-    def verify(cls, block_table, committed_lens, slot_mapping, num_tokens: int, tree_mask=None,
-               split_size: int | None = None) -> "AttnMetadata":
+    def verify(
+        cls,
+        block_table,
+        committed_lens,
+        slot_mapping,
+        num_tokens: int,
+        tree_mask=None,
+        split_size: int | None = None,
+    ) -> "AttnMetadata":
         """``num_tokens`` tree tokens per request after ``committed_lens`` [B] int32 cached rows; the tree
         mask (None for a chain) says which tree tokens each one sees. A chain with ``split_size`` is built as
         a prefill (deterministic mode: token j of request b is the decode row of L_b + j + 1 keys)."""
@@ -75,8 +92,9 @@ class AttnMetadata:
         return cls("verify", block_table, seq_lens, slot_mapping, cu, num_tokens, tree_mask)
 
     @classmethod
-    def draft(cls, block_table, committed_lens, row_to_req=None,
-              num_splits: int | None = None) -> "AttnMetadata":
+    def draft(
+        cls, block_table, committed_lens, row_to_req=None, num_splits: int | None = None
+    ) -> "AttnMetadata":
         """Frozen-KV draft queries over exactly rows [0, L) of each request; no write slots exist."""
         return cls("draft", block_table, committed_lens, row_to_req=row_to_req, num_splits=num_splits)
 

@@ -10,6 +10,7 @@ once: 25-27 ms at 1 or 2 rows, 30-33 ms at 4, 56-57 ms at 6; past 6 rows it is n
 rows then costs about what a decode row costs (6 rows about twice), which is what lets speculation pay on a
 CPU. CUDA and other dtypes are never touched.
 """
+
 import os
 
 import torch

@@ -8,6 +8,7 @@ phase with no buckets (CPU, ``enforce_eager``), runs the same function eagerly o
 tests give buckets explicitly: the function then runs eagerly on the padded static buffers, exactly what a
 graph would replay.
 """
+
 from collections.abc import Callable
 
 import torch
@@ -45,7 +46,7 @@ class StaticBuffers:
         n = live.shape[0]
         if live.dim() == buf.dim() and live.shape[1:] != buf.shape[1:]:  # narrower rows (block tables)
             buf[:n].fill_(self.pads[name])
-            buf[:n, :live.shape[1]].copy_(live)
+            buf[:n, : live.shape[1]].copy_(live)
         else:
             buf[:n].copy_(live)
         buf[n:].fill_(self.pads[name])
@@ -93,12 +94,20 @@ class GraphRunner:
     fixed (``num_splits``, from max_model_len) so captured graphs never sync. ``sizes`` empty = always eager.
     """
 
-    def __init__(self, phases: dict[str, tuple[Callable, list[str]]], buffers: dict, sizes: list[int],
-                 num_splits: int, device):
+    def __init__(
+        self,
+        phases: dict[str, tuple[Callable, list[str]]],
+        buffers: dict,
+        sizes: list[int],
+        num_splits: int,
+        device,
+    ):
         self.phases, self.sizes, self.num_splits, self.buffer_specs = phases, sizes, num_splits, buffers
         self.buf = StaticBuffers(device, sizes[-1], buffers) if sizes else None
-        self.graphs = {name: BucketGraphs(lambda bs, name=name: self._static_call(name, bs), sizes, device)
-                       for name in phases}
+        self.graphs = {
+            name: BucketGraphs(lambda bs, name=name: self._static_call(name, bs), sizes, device)
+            for name in phases
+        }
 
     def _static_call(self, phase: str, bs: int):
         fn, names = self.phases[phase]

@@ -1,4 +1,5 @@
 """Paged KV pool: block allocator, per-request block tables and the slot mapping."""
+
 import hashlib
 from array import array
 from collections import OrderedDict, deque
@@ -106,7 +107,7 @@ class BlockAllocator:
             ids = req.all_token_ids
             for i in range(len(out), n):
                 parent = out[-1] if out else hashlib.sha256((req.params.cache_salt or "").encode()).digest()
-                out.append(hashlib.sha256(parent + array("q", ids[i * ps:(i + 1) * ps]).tobytes()).digest())
+                out.append(hashlib.sha256(parent + array("q", ids[i * ps : (i + 1) * ps]).tobytes()).digest())
         return out[:n]
 
     def match_prefix(self, req: Request) -> int:

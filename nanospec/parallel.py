@@ -14,6 +14,7 @@ same order (``LLM._call``). Tokens are decided on rank 0 and broadcast (``agree`
 with the same inputs for the next one. The group comes from ``env://`` settings (torchrun) or, when the
 engine starts its own ranks, from a temporary file (no port to race for; the ranks' sockets on loopback).
 """
+
 import atexit
 import contextlib
 import os
@@ -208,8 +209,11 @@ def gather_objects(obj) -> list | None:
 def raise_if_dead() -> None:
     """After a failed step: if ranks this engine started have died (a second's grace to exit), close the
     engine and raise RuntimeError naming them; else return (the caller re-raises its own error)."""
-    dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(_procs, 1)
-            if p.join(1) or p.exitcode is not None]
+    dead = [
+        f"rank {r} (exit code {p.exitcode})"
+        for r, p in enumerate(_procs, 1)
+        if p.join(1) or p.exitcode is not None
+    ]
     if dead:
         close()
         raise RuntimeError(f"tensor parallelism: {', '.join(dead)} died; the engine is closed")

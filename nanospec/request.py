@@ -1,4 +1,5 @@
 """Request state: tokens, KV bookkeeping, and the finish rules over multi-token commits (DESIGN §4 rule 5)."""
+
 from enum import Enum, auto
 
 from .sampling_params import SamplingParams
@@ -18,8 +19,14 @@ class Request:
     ``num_computed == num_tokens - 1``. ``block_table`` lists the request's KV blocks in order.
     """
 
-    def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: set[int], tokenizer=None):
+    def __init__(
+        self,
+        request_id: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: set[int],
+        tokenizer=None,
+    ):
         self.request_id, self.params, self.status = request_id, params, Status.WAITING
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -88,7 +95,7 @@ class Request:
         # holds it is enough: each token adds >= 1 byte (byte-level tokens: a character can take 4), hence
         # the window in UTF-8 bytes, plus slack.
         longest = max(len(s.encode()) for s in self.params.stop)
-        tail = self._tokenizer.decode(self.output_token_ids[-(longest + 8):], skip_special_tokens=True)
+        tail = self._tokenizer.decode(self.output_token_ids[-(longest + 8) :], skip_special_tokens=True)
         if not any(s in tail for s in self.params.stop):
             return False
         text = self._tokenizer.decode(self.output_token_ids, skip_special_tokens=True)
@@ -105,4 +112,4 @@ class Request:
     def output_text(self) -> str:
         """The decoded output; cut before a matched stop string."""
         text = self._tokenizer.decode(self.output_token_ids, skip_special_tokens=True)
-        return text if self.stop_str_index is None else text[:self.stop_str_index]
+        return text if self.stop_str_index is None else text[: self.stop_str_index]

@@ -1,4 +1,5 @@
 """Sampling for the target: per-request parameter tensors, seeded noise, and the sample itself."""
+
 import torch
 
 from .kernels.sampling import sample

@@ -1,4 +1,5 @@
 """Per-request sampling options (vLLM / nano-vllm names)."""
+
 import math
 from dataclasses import dataclass
 
@@ -35,8 +36,9 @@ class SamplingParams:
             return v
 
         if not (math.isfinite(num("temperature", (int, float))) and self.temperature >= 0):
-            raise ValueError("SamplingParams.temperature must be finite and >= 0 (0 = greedy), "
-                             f"got {self.temperature}")
+            raise ValueError(
+                f"SamplingParams.temperature must be finite and >= 0 (0 = greedy), got {self.temperature}"
+            )
         if not 0 < num("top_p", (int, float)) <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if num("top_k", int) == 0 or self.top_k < -1:
@@ -54,11 +56,13 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError("SamplingParams.stop_token_ids must be non-negative ints, "
-                             f"got {self.stop_token_ids!r}")
+            raise ValueError(
+                f"SamplingParams.stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"
+            )
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
-            raise TypeError("SamplingParams.cache_salt must be a non-empty str or None, "
-                            f"got {self.cache_salt!r}")
+            raise TypeError(
+                f"SamplingParams.cache_salt must be a non-empty str or None, got {self.cache_salt!r}"
+            )
 
     @property
     def greedy(self) -> bool:

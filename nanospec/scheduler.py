@@ -1,4 +1,5 @@
 """Continuous batching: waiting/running queues, chunked prefill, decode, preemption by recompute."""
+
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -71,7 +72,7 @@ class StepOutput:
 
     @property
     def tokens(self) -> list[list[int]]:
-        return [row[1:1 + row[0]] for row in self._rows()]
+        return [row[1 : 1 + row[0]] for row in self._rows()]
 
     @property
     def accept_lens(self) -> list[int]:
@@ -208,8 +209,13 @@ class Scheduler:
                 req.status = Status.RUNNING
                 self.running.append(req)
 
-    def commit(self, batch: Batch, new_tokens: list[list[int]], accept_lens: list[int] | None = None,
-               num_drafted: int = 0):
+    def commit(
+        self,
+        batch: Batch,
+        new_tokens: list[list[int]],
+        accept_lens: list[int] | None = None,
+        num_drafted: int = 0,
+    ):
         """Commit a launched step's results; returns the requests that finished. ``new_tokens[i]`` are request
         i's sampled tokens (empty for an unfinished prefill chunk or a resumed request); under speculation the
         accepted drafts plus the bonus token, whose K/V rows (all but the bonus) the verify step committed,
@@ -235,4 +241,3 @@ class Scheduler:
                 self._release(req, "finished")
                 finished.append(req)
         return finished
-

@@ -1,4 +1,5 @@
 """Model definitions (the Llama-family and Gemma 4 targets, the Frozen-KV MTP drafter), weight loading."""
+
 import logging
 from collections.abc import Iterable
 
@@ -10,8 +11,9 @@ from .. import parallel
 logger = logging.getLogger(__name__)
 
 
-def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
-                 skip: tuple[str, ...] = ()) -> None:
+def load_weights(
+    model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], skip: tuple[str, ...] = ()
+) -> None:
     """Copy checkpoint tensors into ``model`` by HF name, packing q/k/v and gate/up through the model's
     ``packed_modules_mapping`` (a linear with ``shard_sizes`` takes shard i at its offset); a tensor-parallel
     layer takes this rank's piece (``parallel.shard_of``).
@@ -48,19 +50,30 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
         if shard is not None:
             p = p.data.narrow(0, sum(sizes[:shard]), sizes[shard])
         if p.shape != t.shape:
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, "
-                             f"expected {tuple(p.shape)}")
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)}"
+            )
         with torch.no_grad():
             p.copy_(t)
         loaded.add((target, shard))
-    missing = [n for n in params if (n, None) not in loaded and not all(
-        (n, i) in loaded for i in range(len(getattr(modules[n.rsplit(".", 1)[0]], "shard_sizes", [0]))))]
+    missing = [
+        n
+        for n in params
+        if (n, None) not in loaded
+        and not all(
+            (n, i) in loaded for i in range(len(getattr(modules[n.rsplit(".", 1)[0]], "shard_sizes", [0])))
+        )
+    ]
     if missing:
         more = " ..." if len(missing) > 5 else ""
         raise ValueError(f"checkpoint is missing weights for {missing[:5]}{more}")
     if skipped:
-        logger.info("%s: skipped %d checkpoint tensors it does not use, e.g. %r", type(model).__name__,
-                    len(skipped), skipped[0])
+        logger.info(
+            "%s: skipped %d checkpoint tensors it does not use, e.g. %r",
+            type(model).__name__,
+            len(skipped),
+            skipped[0],
+        )
 
 
 def target_class(hf_config) -> tuple[type[nn.Module], object]:
@@ -81,8 +94,9 @@ def target_class(hf_config) -> tuple[type[nn.Module], object]:
         tc = hf_config.get_text_config() if mt == "gemma4" else hf_config
         check_config(tc)
         return Gemma4ForCausalLM, tc
-    raise ValueError(f"model_type: {mt!r} is not supported; allowed values: llama, qwen3, gemma4_text, "
-                     "gemma4")
+    raise ValueError(
+        f"model_type: {mt!r} is not supported; allowed values: llama, qwen3, gemma4_text, gemma4"
+    )
 
 
 def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:

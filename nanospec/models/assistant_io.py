@@ -5,6 +5,7 @@ Names follow HF ``Gemma4AssistantForCausalLM``; the drafter's packed ``gate_up_p
 order (row j holds token ``token_ordering[j]``, see ``Gemma4Assistant.set_token_ordering``); checkpoints hold
 them in token order, as HF does, so loading reorders them once and saving puts them back.
 """
+
 import json
 import os
 import pathlib
@@ -45,8 +46,9 @@ def hf_tensors(model) -> dict[str, torch.Tensor]:
 
 def _copy(name, dst, t):
     if tuple(dst.shape) != tuple(t.shape):
-        raise ValueError(f"assistant: checkpoint tensor {name!r} has shape {tuple(t.shape)}, "
-                         f"expected {tuple(dst.shape)}")
+        raise ValueError(
+            f"assistant: checkpoint tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(dst.shape)}"
+        )
     with torch.no_grad():
         dst.copy_(t)
 
@@ -80,10 +82,15 @@ def load_checkpoint(model, tensors) -> None:
         got.add("lm_head.weight")
     missing = [n for n in slots if n not in got]
     if missing:
-        hint = (" (a checkpoint without an LM head must set \"use_target_lm_head\": true in config.json)"
-                if "lm_head.weight" in missing else "")
-        raise ValueError(f"assistant: checkpoint is missing tensor {missing[0]!r}{hint}"
-                         + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+        hint = (
+            ' (a checkpoint without an LM head must set "use_target_lm_head": true in config.json)'
+            if "lm_head.weight" in missing
+            else ""
+        )
+        raise ValueError(
+            f"assistant: checkpoint is missing tensor {missing[0]!r}{hint}"
+            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+        )
     if order is not None:
         model.masked_embedding.token_ordering.copy_(torch.arange(model.vocab_size))  # rows are in token order
         model.set_token_ordering(order)
@@ -100,8 +107,9 @@ def read_config(path):
         raise ValueError(f"assistant: {str(path)!r} is not a directory with a config.json")
     model_type = json.loads((d / "config.json").read_text()).get("model_type")
     if model_type != "gemma4_assistant":
-        raise ValueError(f"assistant: {str(path)!r} has model_type {model_type!r}, "
-                         "expected 'gemma4_assistant'")
+        raise ValueError(
+            f"assistant: {str(path)!r} has model_type {model_type!r}, expected 'gemma4_assistant'"
+        )
     if not any(d.glob("*.safetensors")):
         raise ValueError(f"assistant: {str(path)!r} has no *.safetensors weights")
     return AutoConfig.from_pretrained(str(d))
@@ -112,6 +120,7 @@ def load_assistant(cls, path, device="cpu", dtype=torch.float32):
     ``device``, load the dir's tensors, cast floating tensors to ``dtype``. Raises ValueError naming the
     problem (those of ``read_config``, unsupported config, missing / mis-shaped / unexpected tensor)."""
     from ..loader import iter_safetensors
+
     config = read_config(path)
     with torch.device("meta"):
         model = cls(config)
@@ -139,6 +148,7 @@ def save_pretrained(model, out_dir, info: dict | None = None, max_mb: float = 16
         write(tmp)
         os.chmod(tmp, 0o644)  # package data: readable by everyone
         os.replace(tmp, d / name)
+
     replace("model.safetensors", lambda p: save_file(sd, str(p), metadata={"format": "pt"}))
     cfg = model.config.to_dict()
     cfg.pop("_name_or_path", None)  # where it was loaded from: machine-specific

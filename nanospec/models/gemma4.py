@@ -14,6 +14,7 @@ What differs from llama.py, each as HF ``modeling_gemma4.py`` computes it:
   ``x * w`` (weight applied in fp32, no ``1 + w``); ``layer_scalar``; per-layer input embeddings (PLE);
   final logit softcapping.
 """
+
 import torch
 from torch import nn
 
@@ -51,8 +52,10 @@ def kv_owners(tc) -> list[int]:
     for i in range(first, L):
         earlier = [j for j in range(first) if types[j] == types[i]]
         if not earlier:
-            raise ValueError(f"gemma4: num_kv_shared_layers = {n} leaves KV-shared layer {i} ({types[i]}) no "
-                             f"earlier non-shared {types[i]} layer to read")
+            raise ValueError(
+                f"gemma4: num_kv_shared_layers = {n} leaves KV-shared layer {i} ({types[i]}) no "
+                f"earlier non-shared {types[i]} layer to read"
+            )
         owners.append(earlier[-1])
     return owners
 
@@ -65,23 +68,30 @@ def check_config(tc) -> None:
     if tc.enable_moe_block:
         raise ValueError("gemma4: enable_moe_block is true: MoE is not supported yet (26B-A4B)")
     if len(tc.layer_types) != tc.num_hidden_layers:
-        raise ValueError(f"gemma4: layer_types has {len(tc.layer_types)} entries, num_hidden_layers is "
-                         f"{tc.num_hidden_layers}")
+        raise ValueError(
+            f"gemma4: layer_types has {len(tc.layer_types)} entries, num_hidden_layers is "
+            f"{tc.num_hidden_layers}"
+        )
     for i, lt in enumerate(tc.layer_types):
         if lt not in LAYER_TYPES:
-            raise ValueError(f"gemma4: layer_types[{i}] = {lt!r} is not supported "
-                             f"(allowed: {', '.join(LAYER_TYPES)})")
+            raise ValueError(
+                f"gemma4: layer_types[{i}] = {lt!r} is not supported (allowed: {', '.join(LAYER_TYPES)})"
+            )
     sw = tc.sliding_window
     if not isinstance(sw, int) or isinstance(sw, bool) or sw < 1:
         raise ValueError(f"gemma4: sliding_window must be an int >= 1, got {sw!r}")
     if tc.hidden_activation != "gelu_pytorch_tanh":
-        raise ValueError(f"gemma4: hidden_activation {tc.hidden_activation!r} is not supported "
-                         "(allowed: gelu_pytorch_tanh)")
+        raise ValueError(
+            f"gemma4: hidden_activation {tc.hidden_activation!r} is not supported "
+            "(allowed: gelu_pytorch_tanh)"
+        )
     for lt in set(tc.layer_types):
         rt = (tc.rope_parameters.get(lt) or {}).get("rope_type")
         if rt not in _ROPE_TYPES:
-            raise ValueError(f"gemma4: rope_parameters[{lt!r}].rope_type {rt!r} is not supported "
-                             f"(allowed: {', '.join(_ROPE_TYPES)})")
+            raise ValueError(
+                f"gemma4: rope_parameters[{lt!r}].rope_type {rt!r} is not supported "
+                f"(allowed: {', '.join(_ROPE_TYPES)})"
+            )
     if tc.use_bidirectional_attention == "all":
         raise ValueError("gemma4: use_bidirectional_attention 'all' is not supported (attention is causal)")
     kv_owners(tc)
@@ -120,15 +130,34 @@ class Gemma4Attention(nn.Module):
         else:
             k = qkv[1].reshape(T, -1, d)
             v = rms_norm(qkv[-1].reshape(T, -1, d), None, self.eps, fp32_weight=True)  # k_eq_v: qkv[-1] is k
-            q = rope_store_kv(q, self.k_norm(k), v, positions, cos_sin, self.k_cache, self.v_cache,
-                              md.slot_mapping)
+            q = rope_store_kv(
+                q, self.k_norm(k), v, positions, cos_sin, self.k_cache, self.v_cache, md.slot_mapping
+            )
         if md.mode == "decode":
-            o = decode_attention(q, self.k_cache, self.v_cache, md.block_table, md.seq_lens, 1.0,
-                                 num_splits=md.num_splits, sliding_window=self.sliding_window,
-                                 split_size=md.split_size)
+            o = decode_attention(
+                q,
+                self.k_cache,
+                self.v_cache,
+                md.block_table,
+                md.seq_lens,
+                1.0,
+                num_splits=md.num_splits,
+                sliding_window=self.sliding_window,
+                split_size=md.split_size,
+            )
         else:
-            o = extend_attention(q, self.k_cache, self.v_cache, md.block_table, md.cu_seqlens_q, md.seq_lens,
-                                 1.0, md.max_seqlen_q, md.tree_mask, sliding_window=self.sliding_window)
+            o = extend_attention(
+                q,
+                self.k_cache,
+                self.v_cache,
+                md.block_table,
+                md.cu_seqlens_q,
+                md.seq_lens,
+                1.0,
+                md.max_seqlen_q,
+                md.tree_mask,
+                sliding_window=self.sliding_window,
+            )
         return self.o_proj(o.reshape(T, -1))
 
 
@@ -189,8 +218,13 @@ class Gemma4ForCausalLM(nn.Module):
     """
 
     strip_prefix = ("model.language_model.", "model.")  # Gemma4ForConditionalGeneration, Gemma4ForCausalLM
-    packed_modules_mapping = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
     lm_head_matmul = staticmethod(linear)  # deterministic mode: kernels.matmul.make_batch_invariant
 
     def __init__(self, cfg, max_position: int):
@@ -200,7 +234,7 @@ class Gemma4ForCausalLM(nn.Module):
         L, H, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
         self.kv_owner = kv_owners(cfg)
         self.embed_tokens = VocabEmbedding(V, H)
-        self.embed_scale, self.ple_dim = H ** 0.5, cfg.hidden_size_per_layer_input
+        self.embed_scale, self.ple_dim = H**0.5, cfg.hidden_size_per_layer_input
         if self.ple_dim:
             self.embed_tokens_per_layer = VocabEmbedding(cfg.vocab_size_per_layer_input, L * self.ple_dim)
             self.per_layer_model_projection = Linear(H, L * self.ple_dim, bias=False)
@@ -210,12 +244,17 @@ class Gemma4ForCausalLM(nn.Module):
         if not self.tied:
             self.lm_head = ColumnLinear(H, [(V, 1)])
         self.kv_layer_types = list(cfg.layer_types)
-        self.kv_geometry = [None if layer.self_attn.is_kv_shared else
-                            (layer.self_attn.num_kv_heads, layer.self_attn.head_dim) for layer in self.layers]
+        self.kv_geometry = [
+            None if layer.self_attn.is_kv_shared else (layer.self_attn.num_kv_heads, layer.self_attn.head_dim)
+            for layer in self.layers
+        ]
         # checkpoint tensors HF also ignores: the multimodal towers and the K/V weights of KV-shared layers
         self.unused_weights = ("vision_tower.", "embed_vision.", "audio_tower.", "embed_audio.") + tuple(
-            f"layers.{i}.self_attn.{n}." for i, g in enumerate(self.kv_geometry) if g is None
-            for n in ("k_proj", "v_proj", "k_norm", "v_norm"))
+            f"layers.{i}.self_attn.{n}."
+            for i, g in enumerate(self.kv_geometry)
+            if g is None
+            for n in ("k_proj", "v_proj", "k_norm", "v_norm")
+        )
         self.rope_tables: dict[str, torch.Tensor] = {}  # made by init_buffers, once the device is known
 
     def init_buffers(self, device) -> None:
@@ -223,8 +262,9 @@ class Gemma4ForCausalLM(nn.Module):
         for lt in sorted(set(self.kv_layer_types)):
             params = dict(self.config.rope_parameters[lt])
             head_dim = self.config.per_layer_config[lt].head_dim
-            self.rope_tables[lt] = rope_cos_sin(head_dim, self.max_position, params["rope_theta"], params,
-                                                device)
+            self.rope_tables[lt] = rope_cos_sin(
+                head_dim, self.max_position, params["rope_theta"], params, device
+            )
 
     def rope_for(self, layer_type: str) -> torch.Tensor:
         """The cos/sin table ``[max_position, head_dim]`` fp32 that layers of ``layer_type`` use."""
@@ -242,13 +282,16 @@ class Gemma4ForCausalLM(nn.Module):
             raise ValueError(f"bind_kv_cache: got {len(caches)} entries for {len(self.layers)} layers")
         for i, (_, geo) in enumerate(zip(self.layers, self.kv_geometry)):
             if (caches[i] is None) != (geo is None):
-                raise ValueError(f"bind_kv_cache: layer {i} needs {'no cache' if geo is None else 'a cache'} "
-                                 "(kv_geometry)")
+                raise ValueError(
+                    f"bind_kv_cache: layer {i} needs {'no cache' if geo is None else 'a cache'} (kv_geometry)"
+                )
         for i, layer in enumerate(self.layers):
             k, v = caches[self.kv_owner[i]]
             if tuple(k.shape[2:]) != self.kv_geometry[self.kv_owner[i]] or v.shape != k.shape:
-                raise ValueError(f"bind_kv_cache: layer {i} caches {tuple(k.shape)}, {tuple(v.shape)} do not "
-                                 f"match (num_kv_heads, head_dim) = {self.kv_geometry[self.kv_owner[i]]}")
+                raise ValueError(
+                    f"bind_kv_cache: layer {i} caches {tuple(k.shape)}, {tuple(v.shape)} do not "
+                    f"match (num_kv_heads, head_dim) = {self.kv_geometry[self.kv_owner[i]]}"
+                )
             layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -262,9 +305,9 @@ class Gemma4ForCausalLM(nn.Module):
         (HF ``get_per_layer_inputs`` + ``project_per_layer_inputs``)."""
         T, P = input_ids.shape[0], self.ple_dim
         tok = self.embed_tokens_per_layer(input_ids)
-        tok = (tok * _in_dtype(P ** 0.5, tok.dtype)).view(T, -1, P)
-        proj = self.per_layer_model_projection(embeds) * self.config.hidden_size ** -0.5
-        return (self.per_layer_projection_norm(proj.view(T, -1, P)) + tok) * 2.0 ** -0.5
+        tok = (tok * _in_dtype(P**0.5, tok.dtype)).view(T, -1, P)
+        proj = self.per_layer_model_projection(embeds) * self.config.hidden_size**-0.5
+        return (self.per_layer_projection_norm(proj.view(T, -1, P)) + tok) * 2.0**-0.5
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids)

@@ -27,6 +27,7 @@ KL on the full-vocabulary ``dense_logits(hn)``, and for the centroids a KL betwe
 mass per cluster and the softmax of ``masked_embedding.centroids(hn)``; the candidate selection itself (top-k)
 passes no gradient.
 """
+
 import torch
 from torch import nn
 
@@ -127,20 +128,27 @@ def _bad(field, msg):
 def _check_own(config) -> None:
     """Checks of the assistant config alone (no target needed). ValueError naming the field."""
     tc = config.get_text_config()
-    for field, ok in (("hidden_size_per_layer_input", not tc.hidden_size_per_layer_input),
-                      ("enable_moe_block", not tc.enable_moe_block),
-                      ("use_double_wide_mlp", not tc.use_double_wide_mlp),
-                      ("num_kv_shared_layers", tc.num_kv_shared_layers == tc.num_hidden_layers)):
+    for field, ok in (
+        ("hidden_size_per_layer_input", not tc.hidden_size_per_layer_input),
+        ("enable_moe_block", not tc.enable_moe_block),
+        ("use_double_wide_mlp", not tc.use_double_wide_mlp),
+        ("num_kv_shared_layers", tc.num_kv_shared_layers == tc.num_hidden_layers),
+    ):
         if not ok:
-            _bad(field, f"= {getattr(tc, field)!r} is not supported (every layer must be a plain KV-shared "
-                 "layer)")
+            _bad(
+                field,
+                f"= {getattr(tc, field)!r} is not supported (every layer must be a plain KV-shared layer)",
+            )
     if getattr(tc, "attn_logit_softcapping", None):
         _bad("attn_logit_softcapping", "is set; attention logit softcapping is not supported")
     if tc.hidden_activation not in _ACTS:
         _bad("hidden_activation", f"{tc.hidden_activation!r} is not one of {sorted(_ACTS)}")
     if getattr(config, "use_target_lm_head", False) and tc.hidden_size != config.backbone_hidden_size:
-        _bad("use_target_lm_head", f"needs hidden_size == backbone_hidden_size (the target LM head is "
-             f"[V, {config.backbone_hidden_size}]), got hidden_size {tc.hidden_size}")
+        _bad(
+            "use_target_lm_head",
+            f"needs hidden_size == backbone_hidden_size (the target LM head is "
+            f"[V, {config.backbone_hidden_size}]), got hidden_size {tc.hidden_size}",
+        )
     if getattr(config, "use_ordered_embeddings", False):
         C, K = config.num_centroids, config.centroid_intermediate_top_k
         if not (isinstance(C, int) and C >= 1 and tc.vocab_size % C == 0):
@@ -168,8 +176,11 @@ def _layer_map(layer_types, target_kv_types) -> list[int]:
     """Per assistant layer type, the last target KV-owning layer of that type; ValueError if there is none."""
     for i, lt in enumerate(layer_types):
         if lt not in target_kv_types:
-            _bad(f"layer_types[{i}]", f"= {lt!r} has no KV-owning target layer of that type (target KV layer "
-                 f"types: {sorted(set(target_kv_types))})")
+            _bad(
+                f"layer_types[{i}]",
+                f"= {lt!r} has no KV-owning target layer of that type (target KV layer "
+                f"types: {sorted(set(target_kv_types))})",
+            )
     return [len(target_kv_types) - 1 - list(target_kv_types)[::-1].index(lt) for lt in layer_types]
 
 
@@ -193,29 +204,43 @@ def check_assistant_config(assistant_config, target_text_config) -> list[int]:
     if ac.vocab_size != t.vocab_size:
         _bad("vocab_size", f"{ac.vocab_size} != target vocab_size {t.vocab_size}")
     if assistant_config.backbone_hidden_size != t.hidden_size:
-        _bad("backbone_hidden_size", f"{assistant_config.backbone_hidden_size} != target hidden_size "
-             f"{t.hidden_size}")
+        _bad(
+            "backbone_hidden_size",
+            f"{assistant_config.backbone_hidden_size} != target hidden_size {t.hidden_size}",
+        )
     types = list(getattr(t, "layer_types", None) or ["full_attention"] * t.num_hidden_layers)
     layer_map = _layer_map(ac.layer_types, types[: len(types) - (getattr(t, "num_kv_shared_layers", 0) or 0)])
     for i, (lt, j) in enumerate(zip(ac.layer_types, layer_map)):
         (hd, kv), (t_hd, t_kv) = _geometry(ac, i), _geometry(t, j)
         full = lt == "full_attention"
         if hd != t_hd:
-            _bad("global_head_dim" if full else "head_dim", f"{hd} of layer {i} != head_dim {t_hd} of target "
-                 f"layer {j}")
+            _bad(
+                "global_head_dim" if full else "head_dim",
+                f"{hd} of layer {i} != head_dim {t_hd} of target layer {j}",
+            )
         if kv != t_kv:
-            _bad("num_global_key_value_heads" if full and ac.attention_k_eq_v else "num_key_value_heads",
-                 f"{kv} of layer {i} != {t_kv} KV heads of target layer {j}")
+            _bad(
+                "num_global_key_value_heads" if full and ac.attention_k_eq_v else "num_key_value_heads",
+                f"{kv} of layer {i} != {t_kv} KV heads of target layer {j}",
+            )
         if ac.num_attention_heads % t_kv:
-            _bad("num_attention_heads", f"{ac.num_attention_heads} is not a multiple of the {t_kv} KV heads "
-                 f"of target layer {j}")
+            _bad(
+                "num_attention_heads",
+                f"{ac.num_attention_heads} is not a multiple of the {t_kv} KV heads of target layer {j}",
+            )
         mine, theirs = _rope_params(ac, lt), _rope_params(t, lt)
         if mine.get("rope_theta") != theirs.get("rope_theta"):
-            _bad(f"rope_parameters[{lt!r}].rope_theta", f"{mine.get('rope_theta')} != target rope_theta "
-                 f"{theirs.get('rope_theta')}")
+            _bad(
+                f"rope_parameters[{lt!r}].rope_theta",
+                f"{mine.get('rope_theta')} != target rope_theta {theirs.get('rope_theta')}",
+            )
         try:  # one position past 0 compares every frequency (cos/sin of f); rtol only: f may be tiny
-            same = torch.allclose(rope_cos_sin(hd, 2, mine["rope_theta"], mine),
-                                  rope_cos_sin(hd, 2, theirs["rope_theta"], theirs), rtol=1e-5, atol=1e-12)
+            same = torch.allclose(
+                rope_cos_sin(hd, 2, mine["rope_theta"], mine),
+                rope_cos_sin(hd, 2, theirs["rope_theta"], theirs),
+                rtol=1e-5,
+                atol=1e-12,
+            )
         except (ValueError, KeyError) as e:
             _bad(f"rope_parameters[{lt!r}]", f"unsupported: {e}")
         if not same:
@@ -280,8 +305,10 @@ class Gemma4Assistant(nn.Module):
             _bad("use_ordered_embeddings", "is false: there is no token_ordering to set")
         order, V = order.to(me.token_ordering.device, torch.long), self.vocab_size
         if order.shape != (V,) or not torch.equal(order.sort().values, torch.arange(V, device=order.device)):
-            _bad("masked_embedding.token_ordering", f"must be a permutation of range({V}); got one of shape "
-                 f"{tuple(order.shape)} that is not")
+            _bad(
+                "masked_embedding.token_ordering",
+                f"must be a permutation of range({V}); got one of shape {tuple(order.shape)} that is not",
+            )
         if self.lm_head is not None:
             w = self.lm_head.weight
             w.copy_(torch.empty_like(w).index_copy_(0, me.token_ordering, w)[order])
@@ -317,8 +344,9 @@ class Gemma4Assistant(nn.Module):
         rope_for = getattr(target, "rope_for", None)
         ropes = [rope_for(lt) if rope_for else target.cos_sin for lt in self.text_config.layer_types]
         if any(r is None for r in ropes):
-            raise RuntimeError("assistant: the target's RoPE table is not initialised (call init_buffers "
-                               "first)")
+            raise RuntimeError(
+                "assistant: the target's RoPE table is not initialised (call init_buffers first)"
+            )
         self._embed, self._rope = target.embed, ropes
         # detached: a Parameter assigned here would register as the assistant's own (trained, saved) weight;
         # a vocabulary-parallel target head is gathered whole once (the drafter's head is replicated)
@@ -330,8 +358,10 @@ class Gemma4Assistant(nn.Module):
         for i in layer_map:
             attn = target.layers[i].self_attn
             if attn.k_cache is None or attn.v_cache is None:
-                raise RuntimeError(f"assistant: target layer {i} has no KV cache bound yet: allocate the "
-                                   "pool before bind_target (construct -> allocate -> bind)")
+                raise RuntimeError(
+                    f"assistant: target layer {i} has no KV cache bound yet: allocate the "
+                    "pool before bind_target (construct -> allocate -> bind)"
+                )
             kvs.append((attn.k_cache, attn.v_cache))
             windows.append(getattr(attn, "sliding_window", None))
         self._kv, self._windows = kvs, windows
@@ -340,16 +370,28 @@ class Gemma4Assistant(nn.Module):
     def _paged_attention(self):
         md = get_attn_metadata()
         if md.mode != "draft" or md.slot_mapping is not None:
-            raise RuntimeError(f"assistant: draft forwards need mode 'draft' metadata with no slot_mapping "
-                               f"(the draft never writes KV); got mode {md.mode!r}, slot_mapping "
-                               f"{'set' if md.slot_mapping is not None else 'None'}")
+            raise RuntimeError(
+                f"assistant: draft forwards need mode 'draft' metadata with no slot_mapping "
+                f"(the draft never writes KV); got mode {md.mode!r}, slot_mapping "
+                f"{'set' if md.slot_mapping is not None else 'None'}"
+            )
         if self._kv is None:
             raise RuntimeError("assistant: bind_target(target) after the KV pool is allocated")
 
         def attn(layer_idx, q):
             k, v = self._kv[layer_idx]
-            return draft_attention(q, k, v, md.block_table, md.seq_lens, md.row_to_req, 1.0, md.num_splits,
-                                   sliding_window=self._windows[layer_idx])
+            return draft_attention(
+                q,
+                k,
+                v,
+                md.block_table,
+                md.seq_lens,
+                md.row_to_req,
+                1.0,
+                md.num_splits,
+                sliding_window=self._windows[layer_idx],
+            )
+
         return attn
 
     def body(self, tokens, h_prev, positions, attn_fn=None):
@@ -360,8 +402,10 @@ class Gemma4Assistant(nn.Module):
             raise RuntimeError("assistant: bind_target(target) before forward")
         dtype, R = self.pre_projection.weight.dtype, tokens.shape[0]
         if R == 0:  # DESIGN §4 rule 4: no attention metadata, no reductions
-            return (torch.empty(0, self.hidden_size, dtype=dtype, device=tokens.device),
-                    torch.empty(0, self.backbone_hidden_size, dtype=dtype, device=tokens.device))
+            return (
+                torch.empty(0, self.hidden_size, dtype=dtype, device=tokens.device),
+                torch.empty(0, self.backbone_hidden_size, dtype=dtype, device=tokens.device),
+            )
         attn_fn = attn_fn or self._paged_attention()
         # the target's input embedding (Gemma targets scale it by sqrt(Hb) themselves)
         e = self._embed(tokens)
@@ -420,8 +464,11 @@ class Gemma4Assistant(nn.Module):
         built and nothing syncs with the host. Raises ValueError unless 1 <= k <= V (M for the centroid head).
         """
         me = self.masked_embedding
-        limit = self.vocab_size if me is None else self.config.centroid_intermediate_top_k * (
-            self.vocab_size // self.config.num_centroids)
+        limit = (
+            self.vocab_size
+            if me is None
+            else self.config.centroid_intermediate_top_k * (self.vocab_size // self.config.num_centroids)
+        )
         if not 1 <= k <= limit:
             _bad("propose k", f"must be in [1, {limit}], got {k}")
         if me is None:
@@ -437,10 +484,17 @@ class Gemma4Assistant(nn.Module):
         return top - lse, ids.gather(1, j), h_next
 
 
-def assistant_config_for(target_config, num_layers: int = 1, hidden_size: int | None = None,
-                         intermediate_size: int | None = None, num_heads: int | None = None,
-                         use_target_lm_head: bool = False, use_ordered_embeddings: bool = False,
-                         num_centroids: int = 2048, centroid_top_k: int = 32):
+def assistant_config_for(
+    target_config,
+    num_layers: int = 1,
+    hidden_size: int | None = None,
+    intermediate_size: int | None = None,
+    num_heads: int | None = None,
+    use_target_lm_head: bool = False,
+    use_ordered_embeddings: bool = False,
+    num_centroids: int = 2048,
+    centroid_top_k: int = 32,
+):
     """A ``Gemma4AssistantConfig`` whose q geometry and RoPE read a Llama/Qwen3 target's K (all layers full
     attention, the target's head_dim and RoPE; heads default to the target's query heads).
 
@@ -457,17 +511,29 @@ def assistant_config_for(target_config, num_layers: int = 1, hidden_size: int | 
     hd, rope = _geometry(tc, 0)[0], _rope_params(tc, "full_attention")
     hidden = hidden_size or tc.hidden_size
     text = Gemma4TextConfig(
-        vocab_size=tc.vocab_size, hidden_size=hidden, intermediate_size=intermediate_size or 2 * hidden,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads or tc.num_attention_heads,
-        num_key_value_heads=tc.num_key_value_heads, head_dim=hd, global_head_dim=hd,
-        layer_types=["full_attention"] * num_layers, hidden_size_per_layer_input=0,
-        vocab_size_per_layer_input=0, rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+        vocab_size=tc.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate_size or 2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads or tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads,
+        head_dim=hd,
+        global_head_dim=hd,
+        layer_types=["full_attention"] * num_layers,
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0,
+        rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
         max_position_embeddings=tc.max_position_embeddings,
-        rope_parameters={"full_attention": rope, "sliding_attention": rope})
-    cfg = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=tc.hidden_size,
-                                tie_word_embeddings=not use_target_lm_head,
-                                use_ordered_embeddings=use_ordered_embeddings, num_centroids=num_centroids,
-                                centroid_intermediate_top_k=centroid_top_k)
+        rope_parameters={"full_attention": rope, "sliding_attention": rope},
+    )
+    cfg = Gemma4AssistantConfig(
+        text_config=text,
+        backbone_hidden_size=tc.hidden_size,
+        tie_word_embeddings=not use_target_lm_head,
+        use_ordered_embeddings=use_ordered_embeddings,
+        num_centroids=num_centroids,
+        centroid_intermediate_top_k=centroid_top_k,
+    )
     if use_target_lm_head:
         cfg.use_target_lm_head = True
     _check_own(cfg)

@@ -4,6 +4,7 @@ Matches HF ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` (Qwen3 adds per-head q/k 
 Parameter names follow HF except the packed ``qkv_proj`` and ``gate_up_proj`` (see
 ``packed_modules_mapping``).
 """
+
 import torch
 from torch import nn
 
@@ -44,7 +45,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.k_cache = self.v_cache = None  # bound to pool views after allocation (DESIGN §4 rule 2)
         self.sliding_window = None  # every layer is full attention
 
@@ -58,11 +59,28 @@ class Attention(nn.Module):
         md = get_attn_metadata()
         q = rope_store_kv(q, k, v, positions, cos_sin, self.k_cache, self.v_cache, md.slot_mapping)
         if md.mode == "decode":
-            o = decode_attention(q, self.k_cache, self.v_cache, md.block_table, md.seq_lens, self.scale,
-                                 num_splits=md.num_splits, split_size=md.split_size)
+            o = decode_attention(
+                q,
+                self.k_cache,
+                self.v_cache,
+                md.block_table,
+                md.seq_lens,
+                self.scale,
+                num_splits=md.num_splits,
+                split_size=md.split_size,
+            )
         else:
-            o = extend_attention(q, self.k_cache, self.v_cache, md.block_table, md.cu_seqlens_q, md.seq_lens,
-                                 self.scale, md.max_seqlen_q, md.tree_mask)
+            o = extend_attention(
+                q,
+                self.k_cache,
+                self.v_cache,
+                md.block_table,
+                md.cu_seqlens_q,
+                md.seq_lens,
+                self.scale,
+                md.max_seqlen_q,
+                md.tree_mask,
+            )
         return self.o_proj(o.reshape(T, -1))
 
 
@@ -86,8 +104,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, x, residual, cos_sin):
-        x, residual = self.input_layernorm(x, residual) if residual is not None else (
-            self.input_layernorm(x), x)
+        x, residual = (
+            self.input_layernorm(x, residual) if residual is not None else (self.input_layernorm(x), x)
+        )
         x = self.self_attn(positions, x, cos_sin)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
@@ -101,8 +120,13 @@ class LlamaForCausalLM(nn.Module):
     1)."""
 
     strip_prefix = "model."  # HF nests everything but lm_head under "model."
-    packed_modules_mapping = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
     lm_head_matmul = staticmethod(linear)  # deterministic mode: kernels.matmul.make_batch_invariant
 
     def __init__(self, cfg, max_position: int):
@@ -127,8 +151,9 @@ class LlamaForCausalLM(nn.Module):
         self.cos_sin = None  # made by init_buffers, once the device is known
 
     def init_buffers(self, device):
-        self.cos_sin = rope_cos_sin(self.head_dim, self.max_position, self.rope_theta, self.rope_scaling,
-                                    device)
+        self.cos_sin = rope_cos_sin(
+            self.head_dim, self.max_position, self.rope_theta, self.rope_scaling, device
+        )
 
     def rope_for(self, layer_type: str) -> torch.Tensor:
         """The cos/sin table (one for all layers)."""

@@ -19,6 +19,7 @@ GEMMA4 = {
 }
 G4_COMMON = dict(head_dim=256, global_head_dim=512, vocab_size=262144, vocab_size_per_layer_input=262144)
 
+
 def gemma4_configs(shape):
     """(Gemma4TextConfig, Gemma4AssistantConfig) of a ``GEMMA4`` shape at its real sizes; the assistant has
     its own tied LM head and no final softcap, the target final_logit_softcapping 30."""
@@ -34,5 +35,3 @@ def gemma4_configs(shape):
     a = Gemma4TextConfig(**a, hidden_size_per_layer_input=0)
     ordered = dict(use_ordered_embeddings=centroids > 0, num_centroids=centroids or 2048, text_config=a)
     return Gemma4TextConfig(**t), Gemma4AssistantConfig(backbone_hidden_size=t["hidden_size"], **ordered)
-
-

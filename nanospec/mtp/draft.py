@@ -1,4 +1,5 @@
 """The Frozen-KV MTP draft loop and the draft tree it builds (DESIGN §3, "Draft")."""
+
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,7 @@ def build_tree(bonus, pool_tokens, pool_scores, pool_parents, pool_depth, num_dr
     B = bonus.shape[0]
     N = num_draft_tokens
     dev = bonus.device
-    order = torch.sort(pool_scores, dim=1, descending=True, stable=True).indices[:, :N - 1]
+    order = torch.sort(pool_scores, dim=1, descending=True, stable=True).indices[:, : N - 1]
     keep = torch.sort(order, dim=1).values  # back to pool order: parents first
     to_tree = torch.full_like(pool_tokens, -1).scatter_(1, keep, torch.arange(1, N, device=dev).expand(B, -1))
     par = pool_parents.gather(1, keep)
@@ -60,8 +61,17 @@ def build_tree(bonus, pool_tokens, pool_scores, pool_parents, pool_depth, num_dr
     return DraftTree(tokens, parents, depth, mask)
 
 
-def run_draft(assistant, seed: DraftInput, block_table, seq_lens, num_steps: int, topk: int,
-              num_draft_tokens: int, position_offset: int = -1, num_splits=None) -> DraftTree:
+def run_draft(
+    assistant,
+    seed: DraftInput,
+    block_table,
+    seq_lens,
+    num_steps: int,
+    topk: int,
+    num_draft_tokens: int,
+    position_offset: int = -1,
+    num_splits=None,
+) -> DraftTree:
     """Draft ``num_steps`` tokens (topk 1: a chain) or a tree of N nodes (topk > 1) for every seed row.
 
     block_table [B, W] int32, seq_lens [B] int32: each request's committed target KV rows [0, L), read-only.
@@ -111,5 +121,6 @@ def run_draft(assistant, seed: DraftInput, block_table, seq_lens, num_steps: int
         frontier = base + best
         base += k * k
     depth = torch.cat([torch.full_like(t, d) for t, d in zip(toks, deps)], 1)
-    return build_tree(seed.bonus_tokens, torch.cat(toks, 1), torch.cat(scs, 1), torch.cat(pars, 1), depth,
-                      num_draft_tokens)
+    return build_tree(
+        seed.bonus_tokens, torch.cat(toks, 1), torch.cat(scs, 1), torch.cat(pars, 1), depth, num_draft_tokens
+    )

@@ -2,6 +2,7 @@
 for the number of draft steps s in 0..num_steps (0: a plain decode step through the verify path) that
 maximises expected committed tokens per second, E(s) / cost(s, B), from the acceptance and step times it
 has measured."""
+
 import time
 from collections import Counter
 
@@ -51,8 +52,16 @@ class DraftLength:
     ``adaptive=False``: always num_steps. ``counts``: steps per s.
     """
 
-    def __init__(self, candidates: list[int], adaptive: bool = True, decay: float = 0.95, alpha: float = 0.02,
-                 probe_every: int = 16, beta: float = 0.25, clip: float = 1.2):
+    def __init__(
+        self,
+        candidates: list[int],
+        adaptive: bool = True,
+        decay: float = 0.95,
+        alpha: float = 0.02,
+        probe_every: int = 16,
+        beta: float = 0.25,
+        clip: float = 1.2,
+    ):
         self.candidates, self.adaptive = candidates, adaptive
         self.decay, self.alpha, self.probe_every, self.beta, self.clip = decay, alpha, probe_every, beta, clip
         self.pace: dict[int, float] = {}

@@ -3,6 +3,7 @@
 length), and only ``FrozenKVMTPWorker`` creates, filters, merges or releases those; plain decode keeps the
 same rows with an empty hidden in the model runner. Keeping them on the device is what lets the host plan
 step n+1 before it has read step n's tokens (overlap scheduling)."""
+
 from dataclasses import dataclass, fields
 
 import torch
@@ -27,9 +28,12 @@ class DraftInput:
     @classmethod
     def idle(cls, hidden_size: int, device, dtype) -> "DraftInput":
         """The 0-row input left when no request is running (never a verify input)."""
-        return cls([], torch.zeros(0, dtype=torch.long, device=device),
-                   torch.zeros(0, hidden_size, dtype=dtype, device=device),
-                   torch.zeros(0, dtype=torch.int32, device=device))
+        return cls(
+            [],
+            torch.zeros(0, dtype=torch.long, device=device),
+            torch.zeros(0, hidden_size, dtype=dtype, device=device),
+            torch.zeros(0, dtype=torch.int32, device=device),
+        )
 
     def __len__(self) -> int:
         return len(self.req_ids)

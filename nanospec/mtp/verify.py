@@ -4,6 +4,7 @@
 Both walks are tensor code over the whole batch: the Python loops run over tree depth and siblings, never
 over requests. ``path[b, d]`` is the tree index of the node accepted at depth d (-1 past the accepted length).
 """
+
 import torch
 
 from ..kv_cache import slot_mapping
@@ -48,8 +49,13 @@ def accept_greedy(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int |
     return path, accept_len, target_tokens.gather(1, cur[:, None]).squeeze(1)
 
 
-def accept_sampling(tree: DraftTree, probs: torch.Tensor, u_accept: torch.Tensor, u_bonus: torch.Tensor,
-                    max_depth: int | None = None):
+def accept_sampling(
+    tree: DraftTree,
+    probs: torch.Tensor,
+    u_accept: torch.Tensor,
+    u_bonus: torch.Tensor,
+    max_depth: int | None = None,
+):
     """Lossless recursive rejection sampling with one-hot (deterministic) drafts.
 
     probs [B, N, V]: the target's distribution at every node after temperature / top-k / top-p (one-hot for

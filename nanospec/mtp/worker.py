@@ -22,6 +22,7 @@ scheduler's release path calls 6; nothing else creates, updates, filters or rele
 ``trace`` (a callable ``(event, fields)``, or None) receives one event per hook and request: "prefill_done",
 "draft", "verify", "release", and one "draft_len" per step. With None nothing is computed for it.
 """
+
 from pathlib import Path
 
 import torch
@@ -49,11 +50,15 @@ def resolve_assistant(assistant: str, target_is_default: bool) -> Path:
     """
     if assistant == "default":
         if not target_is_default:
-            raise ValueError("assistant='default' only exists for SmolLM2-135M-Instruct; pass assistant=DIR "
-                             "(an HF gemma4_assistant checkpoint) for this target")
+            raise ValueError(
+                "assistant='default' only exists for SmolLM2-135M-Instruct; pass assistant=DIR "
+                "(an HF gemma4_assistant checkpoint) for this target"
+            )
         if not (DEFAULT_ASSISTANT / "config.json").exists():
-            raise ValueError(f"assistant='default': no trained assistant is shipped at {DEFAULT_ASSISTANT}; "
-                             "train one with `nanospec-train` and pass assistant=DIR")
+            raise ValueError(
+                f"assistant='default': no trained assistant is shipped at {DEFAULT_ASSISTANT}; "
+                "train one with `nanospec-train` and pass assistant=DIR"
+            )
         return DEFAULT_ASSISTANT
     path = Path(assistant)
     if not assistant or not path.is_dir():
@@ -101,7 +106,8 @@ class FrozenKVMTPWorker:
         request (after preemption) gets a fresh row."""
         L = torch.tensor([r.prefill_len for r in reqs], dtype=torch.int32).to(hidden.device)
         self.draft_inputs = self.draft_inputs.merge(
-            DraftInput([r.request_id for r in reqs], first_tokens, hidden, L))
+            DraftInput([r.request_id for r in reqs], first_tokens, hidden, L)
+        )
         if self.trace is not None:
             for r, t in zip(reqs, first_tokens.tolist()):
                 self.trace("prefill_done", {"req": r.request_id, "bonus": t, "L": r.prefill_len})
@@ -128,15 +134,25 @@ class FrozenKVMTPWorker:
             noise = self.sampler.noise(reqs, self.noise_width)
             inputs.update(temperature=temperature, top_k=top_k, top_p=top_p, noise=noise)
             phase = f"mtp_sampled:{s}"
-        tree_tokens, out, acc, bonus, hidden = self.graphs.run(phase, inputs, num_kv_splits(bound), reqs=reqs,
-                                                               num_steps=s)
+        tree_tokens, out, acc, bonus, hidden = self.graphs.run(
+            phase, inputs, num_kv_splits(bound), reqs=reqs, num_steps=s
+        )
         # a step that drafts nothing (s = 0) verifies the bonus token alone: the draft input stays fresh
         self.draft_inputs = self.draft_inputs.merge(DraftInput(inp.req_ids, bonus, hidden, L + acc.int()))
-        result = StepOutput(torch.cat([acc[:, None], out], 1), speculative=s > 0, draft_len=s,
-                            num_drafted=self._num_nodes(s) - 1, timer=timer.stop())
+        result = StepOutput(
+            torch.cat([acc[:, None], out], 1),
+            speculative=s > 0,
+            draft_len=s,
+            num_drafted=self._num_nodes(s) - 1,
+            timer=timer.stop(),
+        )
         if self.trace is not None:
-            fields = {"s": s, "batch": len(reqs), "expected_accept": round(self.policy.expected_accept(s), 3),
-                      "tok_per_s": None if estimate is None else round(estimate, 1)}
+            fields = {
+                "s": s,
+                "batch": len(reqs),
+                "expected_accept": round(self.policy.expected_accept(s), 3),
+                "tok_per_s": None if estimate is None else round(estimate, 1),
+            }
             self.trace("draft_len", fields)
             self._trace_step(reqs, L.tolist(), tree_tokens.tolist(), result)
         return result
@@ -162,8 +178,17 @@ class FrozenKVMTPWorker:
         """The draft tree of ``reqs`` from their draft inputs (reads KV rows [0, L), writes nothing):
         ``num_steps`` (default: all) steps."""
         s = self.num_steps if num_steps is None else num_steps
-        return run_draft(self.assistant, self._inputs_for(reqs), block_table, seq_lens, s, self.topk,
-                         self._num_nodes(s), self.position_offset, num_splits)
+        return run_draft(
+            self.assistant,
+            self._inputs_for(reqs),
+            block_table,
+            seq_lens,
+            s,
+            self.topk,
+            self._num_nodes(s),
+            self.position_offset,
+            num_splits,
+        )
 
     def _num_nodes(self, s: int) -> int:
         """Tree nodes verified per request when drafting s steps (a shorter draft is a chain)."""
@@ -180,8 +205,9 @@ class FrozenKVMTPWorker:
         (B, N), dev = tree.tokens.shape, tree.tokens.device
         parallel.agree(tree.tokens, *(() if tree.is_chain else (tree.parents, tree.depth, tree.tree_mask)))
         rows = torch.arange(B, device=dev)[:, None]
-        slots = slot_mapping(block_table, rows, L.long()[:, None] + torch.arange(N, device=dev),
-                             self.page_size)
+        slots = slot_mapping(
+            block_table, rows, L.long()[:, None] + torch.arange(N, device=dev), self.page_size
+        )
         md = AttnMetadata.verify(block_table, L, slots.flatten(), N, tree.tree_mask, self.split_size)
         with attn_metadata(md):
             hidden = self.target(tree.tokens.flatten(), (L.long()[:, None] + tree.depth).flatten())
@@ -193,7 +219,7 @@ class FrozenKVMTPWorker:
             V = logits.shape[-1]
             t, k, p, u = sampling
             probs = filtered_probs(logits.view(B * N, V), *(x.repeat_interleave(N) for x in (t, k, p)))
-            u_accept = u[:, V:V + s * self.topk].view(B, s, self.topk)
+            u_accept = u[:, V : V + s * self.topk].view(B, s, self.topk)
             path, acc, bonus = accept_sampling(tree, probs.view(B, N, V), u_accept, u[:, :V], s)
         parallel.agree(path, acc, bonus)  # rank 0's walk (tensor parallelism: DESIGN §4 rule 8)
         if not tree.is_chain:
@@ -202,8 +228,9 @@ class FrozenKVMTPWorker:
         seed_hidden = hidden.view(B, N, -1)[torch.arange(B, device=dev), last]
         return emitted_tokens(tree, path, acc, bonus), acc, bonus, seed_hidden
 
-    def draft_verify(self, bonus, hidden, block_table, L, num_splits=None, reqs=None, sampling=None,
-                     num_steps=None):
+    def draft_verify(
+        self, bonus, hidden, block_table, L, num_splits=None, reqs=None, sampling=None, num_steps=None
+    ):
         """One whole speculative step of ``num_steps`` draft steps (default: all) from draft-input tensors
         (bonus [B], hidden [B, Hb]): the ``mtp:{s}`` phase a CUDA graph captures. Eager calls pass ``reqs`` so
         that ``draft`` sees the requests. ``sampling`` = (temperature, top_k, top_p [B], noise [B,
@@ -211,26 +238,56 @@ class FrozenKVMTPWorker:
         hidden)."""
         s = self.num_steps if num_steps is None else num_steps
         if reqs is None:
-            tree = run_draft(self.assistant, DraftInput([], bonus, hidden), block_table, L, s, self.topk,
-                             self._num_nodes(s), self.position_offset, num_splits)
+            tree = run_draft(
+                self.assistant,
+                DraftInput([], bonus, hidden),
+                block_table,
+                L,
+                s,
+                self.topk,
+                self._num_nodes(s),
+                self.position_offset,
+                num_splits,
+            )
         else:
             tree = self.draft(reqs, block_table, L, num_splits, s)
         return (tree.tokens, *self.verify(tree, block_table, L, sampling, s))
 
-    def draft_verify_sampled(self, bonus, hidden, block_table, L, temperature, top_k, top_p, noise,
-                             num_splits=None, reqs=None, num_steps=None):
+    def draft_verify_sampled(
+        self,
+        bonus,
+        hidden,
+        block_table,
+        L,
+        temperature,
+        top_k,
+        top_p,
+        noise,
+        num_splits=None,
+        reqs=None,
+        num_steps=None,
+    ):
         """The ``mtp_sampled:{s}`` phase: ``draft_verify`` of a batch with sampled rows, its sampling
         tensors static graph inputs like the rest."""
-        return self.draft_verify(bonus, hidden, block_table, L, num_splits, reqs,
-                                 (temperature, top_k, top_p, noise), num_steps)
+        return self.draft_verify(
+            bonus, hidden, block_table, L, num_splits, reqs, (temperature, top_k, top_p, noise), num_steps
+        )
 
     def _trace_step(self, reqs, lens, tree_tokens, result) -> None:
         for r, L, toks, emitted in zip(reqs, lens, tree_tokens, result.tokens):
             n = len(emitted)
             self.trace("draft", {"req": r.request_id, "L": L, "tokens": toks[1:]})
-            self.trace("verify", {"req": r.request_id, "kv_rows": (L, L + len(toks)),
-                                  "accepted": emitted[:-1], "bonus": emitted[-1], "accept_length": n,
-                                  "committed_L": L + n})
+            self.trace(
+                "verify",
+                {
+                    "req": r.request_id,
+                    "kv_rows": (L, L + len(toks)),
+                    "accepted": emitted[:-1],
+                    "bonus": emitted[-1],
+                    "accept_length": n,
+                    "committed_L": L + n,
+                },
+            )
 
     # ---- 6: release ----------------------------------------------------------------------------------------
     def on_release(self, reqs, reason: str) -> None:

@@ -40,8 +40,30 @@ OFF = dict.fromkeys("logprobs top_logprobs prompt_logprobs echo suffix tools fun
                     "presence_penalty frequency_penalty use_beam_search response_format".split(),
                     (None, 0, "", [], {}, {"type": "text"}))  # fmt: skip
 # vLLM's histogram buckets (s): time to first token, then per-token latencies
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40,
-                80, 160, 640, 2560]
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1,
+    2.5,
+    5,
+    7.5,
+    10,
+    20,
+    40,
+    80,
+    160,
+    640,
+    2560,
+]
 ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80]
 
 
@@ -67,6 +89,7 @@ class Metrics:
 
     def __init__(self, model_name: str, num_positions: int):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
         self.registry = reg = CollectorRegistry()
         labels = {"model_name": model_name, "engine": "0"}
 
@@ -283,9 +306,16 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
         stop = [body["stop"]] if isinstance(body.get("stop"), str) else get("stop", [])
         if type(stop) is not list or len(stop) > MAX_STOP or any(len(str(x)) > MAX_STOP_LEN for x in stop):
             raise ApiError(400, f"stop: a string or <= {MAX_STOP} strings of <= {MAX_STOP_LEN} chars", "stop")
-        kw = dict(temperature=get("temperature", 1.0), top_p=get("top_p", 1.0), top_k=get("top_k", -1) or -1,
-                  ignore_eos=get("ignore_eos", False), stop=stop, stop_token_ids=get("stop_token_ids"),
-                  cache_salt=get("cache_salt"), max_tokens=max_tokens)  # OpenAI's defaults; top_k 0 is off
+        kw = dict(
+            temperature=get("temperature", 1.0),
+            top_p=get("top_p", 1.0),
+            top_k=get("top_k", -1) or -1,
+            ignore_eos=get("ignore_eos", False),
+            stop=stop,
+            stop_token_ids=get("stop_token_ids"),
+            cache_salt=get("cache_salt"),
+            max_tokens=max_tokens,
+        )  # OpenAI's defaults; top_k 0 is off
         try:  # choice i samples with seed + i: n different samples, each reproducible alone
             params = [SamplingParams(**kw, seed=seed + i if type(seed) is int else seed) for i in range(n)]
         except (TypeError, ValueError) as e:

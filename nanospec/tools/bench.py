@@ -102,8 +102,9 @@ def chat_ids(tokenizer, text: str, template: bool = True) -> list[int]:
     """Token ids of one user turn ``text``: the tokenizer's chat template applied when it has one (and
     ``template``), no special tokens added twice."""
     if template and tokenizer.chat_template:
-        text = tokenizer.apply_chat_template([dict(role="user", content=text)], tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [dict(role="user", content=text)], tokenize=False, add_generation_prompt=True
+        )
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -158,8 +159,11 @@ def write_random_assistant(model_dir, out, seed=0, shape=None) -> Path:
     from ..models.gemma4_assistant import Gemma4Assistant, assistant_config_for
     from .train import init_assistant
 
-    config = (gemma4_configs(shape)[1] if shape in GEMMA4
-              else assistant_config_for(loader.load_config(model_dir), 2, use_target_lm_head=True))
+    config = (
+        gemma4_configs(shape)[1]
+        if shape in GEMMA4
+        else assistant_config_for(loader.load_config(model_dir), 2, use_target_lm_head=True)
+    )
     return init_assistant(Gemma4Assistant(config), seed).save_pretrained(out)
 
 
@@ -312,8 +316,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--assistant", default="auto", help="DIR | default | random | none | auto (default if one is shipped)")
     a("--adaptive-speculation", action=argparse.BooleanOptionalAction, default=True, help="s per step")
     cli.add_deterministic(ap)
-    a("--compare", choices=["enable_prefix_caching", "overlap_schedule", "assistant", "deterministic"],
-      help="on vs off")
+    a(
+        "--compare",
+        choices=["enable_prefix_caching", "overlap_schedule", "assistant", "deterministic"],
+        help="on vs off",
+    )
     a("--compare-spec", dest="compare", action="store_const", const="assistant", help="--compare assistant")
     a("--compare-hf", action="store_true", help="also run HF transformers on the same workload")
     a("--hf-num-seqs", type=number(int, 1), help="HF runs only the first N requests (it is slow)")

@@ -51,8 +51,12 @@ def or_error(ap: argparse.ArgumentParser, message: str, fn, *args, errors=(Value
 def add_tensor_parallel_size(ap: argparse.ArgumentParser) -> None:
     """``--tensor-parallel-size N`` (``LLM(tensor_parallel_size=N)``): the engine checks N against the model
     (heads, visible GPUs) before it starts any process."""
-    ap.add_argument("--tensor-parallel-size", type=number(int, 1), default=1,
-                    help="ranks (GPUs) the target and its assistant are split across")
+    ap.add_argument(
+        "--tensor-parallel-size",
+        type=number(int, 1),
+        default=1,
+        help="ranks (GPUs) the target and its assistant are split across",
+    )
 
 
 def number_list(typ=float, lo: float = 0):

@@ -124,8 +124,9 @@ def unroll(assistant, tokens, hidden, kv, Ls, num_steps: int, position_offset: i
     return outs
 
 
-def distill_loss(assistant, target, tokens, lens, hidden, kv, Ls, valid, num_steps, step_decay=0.8,
-                 vocab=None):
+def distill_loss(
+    assistant, target, tokens, lens, hidden, kv, Ls, valid, num_steps, step_decay=0.8, vocab=None
+):
     """Weighted sum over steps of KL(target || assistant), averaged over valid (b, L, s). A centroid head
     adds, per position, KL(target's probability of each cluster || softmax of its centroid scores) (the
     candidates' selection itself passes no gradient), and its top-1 agreement is ``greedy_drafts``'s.
