@@ -34,8 +34,8 @@ class EngineConfig:
     adaptive_speculation: each step drafts the s in 0..num_steps that maximises expected tokens per second
     (``mtp.policy.DraftLength``; default True); False always drafts num_steps.
     tensor_parallel_size: ranks the target and the drafter are split across (one process and device each;
-    DESIGN §9); at most the visible GPUs on CUDA, and it must split the heads (``parallel.check_sizes``, run
-    by ``LLM`` before any process starts).
+    DESIGN §9); at most the visible GPUs on CUDA, at most 2 with ``deterministic``, and it must split the
+    heads (``parallel.check_sizes``, run by ``LLM`` before any process starts).
     trace: None | True (print the Frozen-KV MTP lifecycle events per engine step) | a callable
     ``(step, event, fields)`` receiving them; needs an assistant.
     Raises ValueError / TypeError naming the field and the allowed range.
@@ -123,6 +123,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.cpu_kv_cache_gb > 0:
             raise ValueError(f"cpu_kv_cache_gb must be > 0, got {self.cpu_kv_cache_gb}")
+        if self.deterministic and self.tensor_parallel_size > 2:  # 2 partial sums commute, 3+ need an order
+            raise ValueError(
+                f"deterministic=True needs tensor_parallel_size <= 2, got {self.tensor_parallel_size}"
+            )
         if self.assistant is None:
             given = [n for n in ("num_steps", "topk", "num_draft_tokens") if getattr(self, n) is not None]
             if given:

@@ -13,7 +13,7 @@ from .model_runner import ModelRunner
 from .models.assistant_io import read_config
 from .models.gemma4_assistant import check_assistant_config
 from .mtp.worker import FrozenKVMTPWorker, resolve_assistant
-from .request import Request
+from .request import Request, Status
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 
@@ -82,7 +82,9 @@ class LLM:
         if self.worker is not None:
             self.worker.set_graphs(graphs)
         self.owner = self.worker if self.worker is not None else self.runner  # the keeper of the next inputs
-        release = lambda reqs, reason: self._call("owner.on_release", reqs, reason)  # noqa: E731
+        self._released = []  # (requests, reason) the scheduler freed since the last _send_releases
+        self._block_tables = {}  # ranks > 0: request id -> block table of each request that runs
+        release = lambda reqs, reason: self._released.append((reqs, reason))  # noqa: E731
         self.scheduler = Scheduler(c, allocator, self.runner.lookahead, on_release=release)
         on_cuda = self.runner.device.type == "cuda"
         self.overlap = c.overlap_schedule if c.overlap_schedule is not None else on_cuda
@@ -138,6 +140,8 @@ class LLM:
             spec = batch.kind == "decode" and self.worker is not None
             plan = self.worker.policy.choose(len(batch.reqs)) if spec else None
             launched = (batch, self._call("_launch", batch, plan))
+            for r in batch.reqs:
+                r.num_blocks_sent = len(r.block_table)
             self.scheduler.on_launch(batch)
         finished = []
         if self._inflight is not None:
@@ -146,11 +150,15 @@ class LLM:
         if not self.overlap and launched is not None:
             finished += self._commit(*launched)
             self._inflight = None
+        self._send_releases()
         return stashed + finished
 
     def _launch(self, batch, plan=None):
         """Queue a step's device work (no host sync): prefill, or one decode / speculative step (``plan``: the
         draft length and its estimate, ``DraftLength.choose``)."""
+        for r in batch.reqs if parallel.rank > 0 else ():  # a running request came with its new blocks only
+            table = [] if r.status is Status.WAITING else self._block_tables.get(r.request_id, [])
+            r.block_table = self._block_tables[r.request_id] = table + r.block_table
         if batch.kind == "prefill":
             out = self.runner.prefill(batch)
             if out.done:
@@ -159,6 +167,19 @@ class LLM:
         if self.worker is None:
             return self.runner.decode(batch.reqs)
         return self.worker.step(batch.reqs, plan)
+
+    def _send_releases(self) -> None:
+        """Drop the draft inputs of the requests freed since the last call (finished, aborted, preempted)
+        on every rank: one call, so one message per step under tensor parallelism (DESIGN §9)."""
+        if self._released:
+            self._call("_release", self._released)
+            self._released = []
+
+    def _release(self, released: list) -> None:
+        for reqs, reason in released:
+            self.owner.on_release(reqs, reason)
+            for r in reqs:
+                self._block_tables.pop(r.request_id, None)
 
     # ---- tensor parallelism (nanospec/parallel.py): rank 0 sends each call, every rank runs it ------------
     def _call(self, name: str, *args):
@@ -211,6 +232,7 @@ class LLM:
         req = self.scheduler.abort(request_id)
         if req is not None:
             self._stash.append(req)
+            self._send_releases()
         return req is not None
 
     def has_unfinished(self) -> bool:

@@ -90,8 +90,9 @@ class Scheduler:
     one decode step writes: 1 for plain decode, N (draft tokens verified) under speculation. Preempted
     requests free all their blocks, keep their outputs, and are recomputed by a later prefill over prompt +
     outputs (nothing is lost). ``on_release(reqs, reason)`` is called by ``_release``, the one exit from the
-    running set (finish, abort, preemption), in the same call that frees the request's KV blocks: the MTP
-    worker drops its draft input there.
+    running set (finish, abort, preemption), in the same call that frees the request's KV blocks; ``LLM``
+    collects them and has the MTP worker drop their draft inputs at the end of the step (or of the abort), in
+    one call.
     """
 
     def __init__(self, config: EngineConfig, allocator: BlockAllocator, lookahead: int = 1, on_release=None):
