@@ -1,0 +1,147 @@
+"""nanospec on Ray (``nanospec.ray``), on a local cluster this module starts: 2 CPUs, every server on
+loopback, shut down after the module even when a test fails, each wait bounded. Ray Data with 2 replicas gives
+exactly ``LLM.generate``'s tokens (greedy, speculation on, drafts accepted); an actor that dies mid-batch is
+restarted and every row comes out once; Ray Serve with 2 replicas answers completions and streamed chat
+through the openai client as the offline engine does, both replicas serving. Marked ``ray``; skipped when the
+``ray`` extra is not installed. Runs in about a minute (the engines are tiny)."""
+
+import importlib.util
+import os
+import secrets
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import pytest
+from conftest import save_assistant, vocab8_target
+from helpers import chat_texts, make_llm
+from transformers import AutoConfig
+
+from nanospec import SamplingParams
+from nanospec.ray import LLMPredictor
+
+pytestmark = [
+    pytest.mark.ray,
+    pytest.mark.skipif(
+        importlib.util.find_spec("ray") is None, reason="needs the ray extra: pip install '.[ray]'"
+    ),
+]
+ENGINE = dict(device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=64, page_size=16)
+GREEDY = dict(temperature=0, max_tokens=12, ignore_eos=True)
+RETRIES = dict(max_restarts=2, max_task_retries=2)  # Ray Data's own (unbounded by default), bounded here
+
+
+def within(seconds: float, fn, *args):
+    """``fn(*args)`` in a thread; TimeoutError after ``seconds`` (the cluster is then shut down)."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn, *args).result(timeout=seconds)
+
+
+def _listening(procs) -> set:
+    addrs = set()
+    for p in procs:
+        try:
+            addrs |= {c.laddr.ip for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+        except psutil.NoSuchProcess:
+            continue
+    return addrs
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """``ray`` with a local cluster of 2 CPUs started. Loopback only: Ray's single-machine mode (the node IP
+    is 127.0.0.1, so every server binds there); a random auth token in the environment (nothing written to
+    ~/.ray); the session files in a temporary dir. Shut down (every process it started) after the module."""
+    env = dict(
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16)
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        import ray
+
+        tmp = tmp_path_factory.mktemp("ray")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=str(tmp))
+        try:
+            assert ray.util.get_node_ip_address() == "127.0.0.1"
+            children = psutil.Process().children(recursive=True)
+            assert _listening(children) <= {"127.0.0.1", "::ffff:127.0.0.1"}, _listening(children)
+            yield ray
+        finally:
+            ray.shutdown()
+        assert not psutil.Process().children(recursive=True)
+
+
+@pytest.fixture(scope="module")
+def spec_model(tmp_path_factory, smollm2_tokenizer):
+    """A vocab-8 target and a random assistant (its drafts are often right): (target dir, assistant dir)."""
+    tmp = tmp_path_factory.mktemp("ray_spec")
+    target = vocab8_target(tmp / "target", smollm2_tokenizer)
+    return str(target), str(save_assistant(tmp / "assistant", AutoConfig.from_pretrained(target)))
+
+
+def test_predictor_in_process(tiny_llama_dir):
+    """The callable itself (no cluster): bad options fail before any weights load, naming the field; a
+    ``prompt`` batch equals ``LLM.generate``, other columns pass through; a batch needs one input column."""
+    for kw, match in [
+        (dict(sampling_params=dict(max_tokens=0)), "SamplingParams.max_tokens must be >= 1"),
+        (dict(sampling_params=dict(max_token=5)), "sampling_params: .*'max_token'"),
+        (dict(sampling_params=[1]), "sampling_params must be a dict or SamplingParams"),
+        (dict(dtype="fp8"), "dtype must be one of"),
+        (dict(max_num_seq=4), r"unknown LLM option\(s\) \['max_num_seq'\]"),
+    ]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            LLMPredictor(str(tiny_llama_dir), **{"sampling_params": GREEDY, **ENGINE, **kw})
+    predictor = LLMPredictor(str(tiny_llama_dir), sampling_params=GREEDY, **ENGINE)
+    prompts = ["The capital of France is", "Once upon a time"]
+    out = predictor({"prompt": prompts, "id": [7, 8]})
+    ref = make_llm(tiny_llama_dir).generate(prompts, SamplingParams(**GREEDY), use_tqdm=False)
+    assert out["id"] == [7, 8] and out["generated_token_ids"] == [o["token_ids"] for o in ref]
+    assert out["generated_text"] == [o["text"] for o in ref] and out["num_generated_tokens"] == [12, 12]
+    assert out["finish_reason"] == ["length"] * 2 and "accept_lengths" not in out
+    with pytest.raises(ValueError, match="exactly one of the columns"):
+        predictor({"prompt": prompts, "prompt_token_ids": [[1], [2]]})
+
+
+def test_data_two_replicas_equal_generate(ray_cluster, spec_model):
+    """16 token-id prompts through 2 actors (4 batches) with speculation on: the tokens of LLM.generate."""
+    target, assistant = spec_model
+    prompts = [[1 + i % 7, 1 + i % 5, 3, 1 + i % 3][: 2 + i % 3] for i in range(16)]
+    options = dict(model=target, assistant=assistant, num_steps=2, sampling_params=GREEDY, **ENGINE)
+    ds = ray_cluster.data.from_items([{"id": i, "prompt_token_ids": p} for i, p in enumerate(prompts)])
+    ds = ds.map_batches(LLMPredictor, fn_constructor_kwargs=options, concurrency=2, batch_size=4)
+    rows = within(300, ds.take_all)
+    ref = make_llm(target, assistant, num_steps=2).generate(prompts, SamplingParams(**GREEDY), use_tqdm=False)
+    assert sorted(r["id"] for r in rows) == list(range(16))
+    got = {r["id"]: list(r["generated_token_ids"]) for r in rows}
+    assert [got[i] for i in range(16)] == [o["token_ids"] for o in ref]
+    assert all(list(r["prompt_token_ids"]) == prompts[r["id"]] for r in rows)  # passed through
+    assert sum(a > 1 for r in rows for a in r["accept_lengths"]) > 0  # drafts were accepted
+
+
+def test_data_actor_dies_mid_batch(ray_cluster, tiny_llama_dir, smollm2_tokenizer, tmp_path):
+    """The actor processing row 5 dies once, after generating and before returning (a marker file makes it
+    die only once): Ray restarts it (max_restarts), retries the batch on it (max_task_retries), and every one
+    of the 16 chat rows comes out exactly once with LLM.generate's tokens."""
+    died = tmp_path / "died"
+
+    class DiesOnce(LLMPredictor):
+        def __call__(self, batch):
+            out = super().__call__(batch)
+            if 5 in list(batch["id"]) and not died.exists():
+                died.write_text(str(os.getpid()))
+                os._exit(1)
+            return out
+
+    questions = [f"What is {i} plus {i}?" for i in range(16)]
+    items = [{"id": i, "messages": [{"role": "user", "content": q}]} for i, q in enumerate(questions)]
+    options = dict(model=str(tiny_llama_dir), sampling_params=GREEDY, **ENGINE)
+    ds = ray_cluster.data.from_items(items)
+    ds = ds.map_batches(DiesOnce, fn_constructor_kwargs=options, concurrency=2, batch_size=4, **RETRIES)
+    rows = within(300, ds.take_all)
+    assert died.exists()
+    ref = make_llm(tiny_llama_dir).generate(
+        chat_texts(smollm2_tokenizer, questions), SamplingParams(**GREEDY), use_tqdm=False
+    )
+    assert sorted(r["id"] for r in rows) == list(range(16))
+    got = {r["id"]: (list(r["generated_token_ids"]), r["generated_text"]) for r in rows}
+    assert [got[i] for i in range(16)] == [(o["token_ids"], o["text"]) for o in ref]
