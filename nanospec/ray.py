@@ -3,12 +3,20 @@ Ray Data set (``LLMPredictor``) or behind one endpoint with Ray Serve (``build_a
 ``ray.data.llm`` and Ray Serve LLM do. Each engine is the in-process ``LLM`` (tensor parallelism inside an
 actor as in one process); Ray schedules, routes and restarts. Needs ``pip install 'nanospec[ray]'``."""
 
+from dataclasses import fields
+
 import numpy as np
 
+from . import loader
+from .config import EngineConfig
 from .llm import LLM
 from .sampling_params import SamplingParams
 
 INPUT_COLUMNS = ("prompt", "messages", "prompt_token_ids")
+# build_app's options: the LLM's and Serve's per replica
+OPTION_TYPES = {f.name: f.type for f in fields(EngineConfig)} | dict(
+    num_replicas=int, max_n=int, num_cpus=float, num_gpus=float | None
+)
 
 
 class LLMPredictor:
@@ -58,3 +66,77 @@ class LLMPredictor:
         if self.llm.config.speculative:
             out["accept_lengths"] = [o["accept_lengths"] for o in outs]
         return out
+
+
+def _typed(name: str, value):
+    """``value`` of option ``name`` as its type: ``serve run`` passes every ``name=value`` as a string
+    ("none" for None, "true" / "false"); others pass as given. ValueError naming the option."""
+    kind = OPTION_TYPES.get(name, str)
+    if not isinstance(value, str) or kind in (str, object):
+        return value
+    if value.lower() == "none":  # an option that may be None (for others the engine names the bad value)
+        return None
+    if kind == str | None:
+        return value
+    if kind in (bool, bool | None):
+        if value.lower() not in ("true", "false"):
+            raise ValueError(f"{name} must be true or false, got {value!r}")
+        return value.lower() == "true"
+    number = float if kind in (float, float | None) else int
+    try:
+        return number(value)
+    except ValueError:
+        raise ValueError(
+            f"{name} must be {'a number' if number is float else 'an int'}, got {value!r}"
+        ) from None
+
+
+def build_app(args: dict):
+    """A Ray Serve application (Serve's application-builder convention): ``num_replicas`` replicas, each one
+    ``LLM`` behind ``nanospec-serve``'s OpenAI app (``serve.server.make_app``: the same endpoints, streaming,
+    metrics and API key), Serve routing the requests.
+
+        serve run nanospec.ray:build_app model=DIR num_replicas=4 [api_key=KEY] [LLM option=value ...]
+        serve.run(build_app({"model": DIR, "num_replicas": 4, ...}))     # from Python
+
+    ``args``: ``model`` (None: the default model), ``num_replicas`` (1), ``api_key``, ``max_n`` (16), Ray
+    resources per replica ``num_cpus`` (1) and ``num_gpus`` (default: ``tensor_parallel_size`` when the
+    engine runs on CUDA, else 0), and any ``LLM`` option. All are checked here, before any replica starts
+    (ValueError / TypeError naming the field). Each response carries the header ``x-nanospec-replica``: the
+    Serve replica that answered."""
+    from ray import serve
+
+    from .serve.server import make_app
+
+    options = {k: _typed(k, v) for k, v in args.items()}
+    model = options.pop("model", None)
+    api_key = options.pop("api_key", None)
+    num_replicas = options.pop("num_replicas", 1)
+    max_n = options.pop("max_n", 16)
+    num_cpus = options.pop("num_cpus", 1)
+    num_gpus = options.pop("num_gpus", None)
+    for field, value in dict(num_replicas=num_replicas, max_n=max_n).items():
+        if type(value) is not int or value < 1:
+            raise ValueError(f"{field} must be an int >= 1, got {value!r}")
+    config = EngineConfig.from_kwargs(model, options)
+    if num_gpus is None:
+        num_gpus = config.tensor_parallel_size if config.torch_device().type == "cuda" else 0
+    name = model or loader.DEFAULT_MODEL_NAME
+
+    def replica_app():  # runs in each replica: its engine and the app over it
+        replica = serve.get_replica_context().replica_id.unique_id.encode()
+        app = make_app(LLM(model, **options), name, api_key, max_n)
+
+        async def tagged(scope, receive, send):  # the app, its responses tagged with the replica
+            async def send_tagged(message):
+                if message["type"] == "http.response.start":
+                    message["headers"] = [*message.get("headers", []), (b"x-nanospec-replica", replica)]
+                await send(message)
+
+            await app(scope, receive, send_tagged)
+
+        return tagged
+
+    resources = dict(num_cpus=num_cpus, num_gpus=num_gpus)
+    deployment = serve.deployment(serve.ingress(replica_app)(), name="nanospec", ray_actor_options=resources)
+    return deployment.options(num_replicas=num_replicas, max_ongoing_requests=config.max_num_seqs).bind()

@@ -59,8 +59,19 @@ def ray_cluster(tmp_path_factory):
             mp.setenv(key, value)
         import ray
 
+        def loopback_grpc():  # Ray Serve 2.60 binds each replica's inter-deployment gRPC server to [::]:0
+            from ray._common import tls_utils
+
+            bind = tls_utils.add_port_to_grpc_server
+            tls_utils.add_port_to_grpc_server = lambda server, at: bind(
+                server, at.replace("[::]", "127.0.0.1")
+            )
+
         tmp = tmp_path_factory.mktemp("ray")
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=str(tmp))
+        setup = dict(worker_process_setup_hook=loopback_grpc)  # in every worker, before Serve's modules load
+        ray.init(
+            num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=str(tmp), runtime_env=setup
+        )
         try:
             assert ray.util.get_node_ip_address() == "127.0.0.1"
             children = psutil.Process().children(recursive=True)
@@ -145,3 +156,83 @@ def test_data_actor_dies_mid_batch(ray_cluster, tiny_llama_dir, smollm2_tokenize
     assert sorted(r["id"] for r in rows) == list(range(16))
     got = {r["id"]: (list(r["generated_token_ids"]), r["generated_text"]) for r in rows}
     assert [got[i] for i in range(16)] == [(o["token_ids"], o["text"]) for o in ref]
+
+
+def test_build_app_checks_its_arguments(ray_cluster, tiny_llama_dir):
+    """``serve run``'s strings take their option's type; a bad value is named before any replica starts."""
+    from ray.serve import Application
+
+    from nanospec.ray import build_app
+
+    model = str(tiny_llama_dir)
+    for args, match in [
+        (dict(num_replicas="0"), "num_replicas must be an int >= 1, got 0"),
+        (dict(num_replicas="two"), "num_replicas must be an int, got 'two'"),
+        (dict(max_num_seqs="4.5"), "max_num_seqs must be an int, got '4.5'"),
+        (dict(enforce_eager="yes"), "enforce_eager must be true or false, got 'yes'"),
+        (dict(dtype="fp8"), "dtype must be one of"),
+        (dict(max_num_seq="4"), r"unknown LLM option\(s\) \['max_num_seq'\]"),
+    ]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            build_app(dict(model=model, device="cpu") | args)
+    args = dict(
+        model=model, num_replicas="2", max_num_seqs="4", enforce_eager="true", overlap_schedule="none"
+    )
+    assert isinstance(build_app(args | dict(device="cpu", gpu_memory_utilization="0.5")), Application)
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster, tiny_llama_dir):
+    """``build_app`` with 2 replicas of the tiny Llama on Serve, its HTTP proxy on a free loopback port:
+    (base URL, model name). Serve is shut down after the module's Serve tests, even when one fails."""
+    import socket
+
+    from ray import serve
+
+    from nanospec.ray import build_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options=dict(host="127.0.0.1", port=port))
+    try:
+        app = build_app(dict(model=str(tiny_llama_dir), num_replicas=2, **ENGINE))
+        within(300, lambda: serve.run(app, name="nanospec", route_prefix="/"))
+        children = psutil.Process().children(recursive=True)
+        assert _listening(children) <= {"127.0.0.1", "::ffff:127.0.0.1"}, _listening(children)
+        yield f"http://127.0.0.1:{port}", str(tiny_llama_dir)
+    finally:
+        serve.shutdown()
+
+
+def test_serve_two_replicas_equal_offline(served, tiny_llama_dir, smollm2_tokenizer):
+    """Completions and streamed chat through the openai client equal offline greedy (same text, same token
+    count), 8 of each at once; the replica header shows that both replicas answered."""
+    import openai
+
+    url, model = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    prompts = [f"Count to {i}:" for i in range(8)]
+    questions = [f"What is {i} times {i}?" for i in range(8)]
+    extra = dict(extra_body={"ignore_eos": True}, max_tokens=12, temperature=0, model=model)
+
+    def complete(prompt):
+        raw = client.completions.with_raw_response.create(prompt=prompt, **extra)
+        out = raw.parse()
+        return raw.headers["x-nanospec-replica"], out.choices[0].text, out.usage.completion_tokens
+
+    def chat(question):
+        messages = [{"role": "user", "content": question}]
+        raw = client.chat.completions.with_raw_response.create(messages=messages, stream=True, **extra)
+        text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
+        return raw.headers["x-nanospec-replica"], text
+
+    with ThreadPoolExecutor(16) as pool:
+        completions = list(pool.map(complete, prompts))
+        chats = list(pool.map(chat, questions))
+    llm = make_llm(tiny_llama_dir)
+    ref = llm.generate(prompts, SamplingParams(**GREEDY), use_tqdm=False)
+    assert [c[1:] for c in completions] == [(o["text"], 12) for o in ref]
+    ref = llm.generate(chat_texts(smollm2_tokenizer, questions), SamplingParams(**GREEDY), use_tqdm=False)
+    assert [c[1] for c in chats] == [o["text"] for o in ref]
+    assert len({c[0] for c in completions + chats}) == 2  # both replicas answered

@@ -417,6 +417,13 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_n
     return app
 
 
+def make_app(llm, model_name: str, api_key: str | None = None, max_n: int = 16):
+    """``build_app`` over ``llm``, its engine thread started: what ``nanospec-serve`` serves (and each Ray
+    Serve replica of ``nanospec.ray.build_app``)."""
+    engine = Engine(llm, Metrics(model_name, llm.config.num_steps if llm.worker is not None else 0))
+    return build_app(engine, model_name, api_key, max_n)
+
+
 def parse_args(argv=None):
     """``nanospec-serve``'s options; the engine's go through ``EngineConfig``'s own checks here, before any
     weights load. Returns (parser, args, LLM keyword arguments)."""
@@ -457,8 +464,7 @@ def main(argv=None) -> None:
     loader.configure_cpu_threads()
     llm = or_error(ap, "", LLM, args.model, errors=ValueError, **kw)
     name = args.model or loader.DEFAULT_MODEL_NAME  # what clients send as `model`
-    engine = Engine(llm, Metrics(name, llm.config.num_steps if llm.worker is not None else 0))
-    app = build_app(engine, name, args.api_key, args.max_n)
+    app = make_app(llm, name, args.api_key, args.max_n)
     sock.listen(2048)
     host, port = sock.getsockname()
     print(f"nanospec-serve: {name} listening on http://{host}:{port}", flush=True)
