@@ -7,8 +7,9 @@ prompts (the default model, greedy, ignore_eos: every run generates the same tok
 ``--repeats`` times alternating. Each replica is one actor with one CPU and one torch thread (Ray sets
 OMP_NUM_THREADS to the actor's CPUs) and takes one batch of ``--batch-size`` prompts at a time. Throughput =
 generated tokens / the span from the first batch's start to the last batch's end (each batch times itself in
-its actor, so actor start-up and model load are left out); the best run of each size is kept, since the
-machine may be shared. Prints one line per run, then one JSON line with the best throughputs and their ratio.
+its actor; the batches go out once every replica has built its engine, so start-up and model load are left
+out); the best run of each size is kept, since the machine may be shared. Prints one line per run, then one
+JSON line with the best throughputs and their ratio.
 """
 
 import argparse
@@ -65,13 +66,18 @@ def main() -> None:
     ]
     # Ray's single-machine mode (servers on 127.0.0.1); an auth token in the environment, none in ~/.ray
     os.environ.update(
-        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16)
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+        RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN=secrets.token_hex(16),
+        RAY_USAGE_STATS_ENABLED="0",
     )
     import ray
 
     session_dir = tempfile.TemporaryDirectory(prefix="ray-")  # Ray's logs and sockets, removed at the end
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False, _temp_dir=session_dir.name)
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False
+    context.wait_for_min_actors_s = 600  # every replica has its engine before the first batch goes out
     try:
         best = {}
         for _ in range(args.repeats):

@@ -36,14 +36,22 @@ def within(seconds: float, fn, *args):
         return pool.submit(fn, *args).result(timeout=seconds)
 
 
-def _listening(procs) -> set:
+def listening() -> set:
+    """(ip, port) of every socket this process and its descendants listen on."""
     addrs = set()
-    for p in procs:
+    for p in [psutil.Process(), *psutil.Process().children(recursive=True)]:
         try:
-            addrs |= {c.laddr.ip for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+            addrs |= {c.laddr for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
         except psutil.NoSuchProcess:
             continue
     return addrs
+
+
+def new_ips(before: set) -> set:
+    return {ip for ip, _ in listening() - before}
+
+
+LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1"}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +60,10 @@ def ray_cluster(tmp_path_factory):
     is 127.0.0.1, so every server binds there); a random auth token in the environment (nothing written to
     ~/.ray); the session files in a temporary dir. Shut down (every process it started) after the module."""
     env = dict(
-        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16)
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+        RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN=secrets.token_hex(16),
+        RAY_USAGE_STATS_ENABLED="0",
     )
     with pytest.MonkeyPatch.context() as mp:
         for key, value in env.items():
@@ -69,17 +80,19 @@ def ray_cluster(tmp_path_factory):
 
         tmp = tmp_path_factory.mktemp("ray")
         setup = dict(worker_process_setup_hook=loopback_grpc)  # in every worker, before Serve's modules load
+        children = set(psutil.Process().children(recursive=True))
+        before = listening()
         ray.init(
             num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=str(tmp), runtime_env=setup
         )
         try:
             assert ray.util.get_node_ip_address() == "127.0.0.1"
-            children = psutil.Process().children(recursive=True)
-            assert _listening(children) <= {"127.0.0.1", "::ffff:127.0.0.1"}, _listening(children)
+            assert new_ips(before) <= LOOPBACK, new_ips(before)
             yield ray
         finally:
+            started = set(psutil.Process().children(recursive=True)) - children
             ray.shutdown()
-        assert not psutil.Process().children(recursive=True)
+            assert not psutil.wait_procs(started, timeout=30)[1]  # every process Ray started has exited
 
 
 @pytest.fixture(scope="module")
@@ -194,12 +207,12 @@ def served(ray_cluster, tiny_llama_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    before = listening()
     serve.start(http_options=dict(host="127.0.0.1", port=port))
     try:
         app = build_app(dict(model=str(tiny_llama_dir), num_replicas=2, **ENGINE))
         within(300, lambda: serve.run(app, name="nanospec", route_prefix="/"))
-        children = psutil.Process().children(recursive=True)
-        assert _listening(children) <= {"127.0.0.1", "::ffff:127.0.0.1"}, _listening(children)
+        assert new_ips(before) <= LOOPBACK, new_ips(before)  # the proxy and both replicas among them
         yield f"http://127.0.0.1:{port}", str(tiny_llama_dir)
     finally:
         serve.shutdown()
