@@ -1,6 +1,7 @@
 """LLM: the user-facing engine (vLLM / nano-vllm style): add_request / step / generate."""
 
 import os
+import random
 import time
 from operator import attrgetter
 
@@ -73,7 +74,8 @@ class LLM:
         if assistant is not None:
             trace = c.trace if callable(c.trace) else _print_event if c.trace else None
             emit = None if trace is None else lambda event, fields: trace(self.num_steps_run, event, fields)
-            self.worker = FrozenKVMTPWorker(c, self.runner.model, assistant, self.runner.sampler, emit)
+            model = self.runner.model
+            self.worker = FrozenKVMTPWorker(c, model, assistant, self.runner.split_size, emit)
         cpu.prepare_cpu_engine(self.runner.device)  # the CPU thread count
         allocator = self.runner.allocate_kv_cache()
         if self.worker is not None:
@@ -87,6 +89,7 @@ class LLM:
         on_cuda = self.runner.device.type == "cuda"
         self.overlap = c.overlap_schedule if c.overlap_schedule is not None else on_cuda
         self._inflight, self._next_id = None, 0  # _inflight: (batch, output) launched but not yet committed
+        self._seeds = random.Random(c.seed)  # seeds for requests that bring none
         self._stash: list[Request] = []  # finished add_request() requests seen by generate(), kept for step()
 
     def _make_request(self, prompt, params) -> Request:
@@ -115,10 +118,18 @@ class LLM:
         self._next_id += 1
         return req
 
+    def _add(self, req: Request) -> None:
+        """Queue a validated request; one without ``SamplingParams.seed`` gets a seed from the engine's
+        generator (``LLM(seed=...)`` fixes a run)."""
+        req.seed = req.params.seed
+        if req.seed is None:
+            req.seed = self._seeds.randrange(2**63)
+        self.scheduler.add(req)
+
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
         """Queue one request; returns its id. Validation errors leave the engine untouched."""
         req = self._make_request(prompt, sampling_params)
-        self.scheduler.add(req)
+        self._add(req)
         return req.request_id
 
     def step(self) -> list[Request]:
@@ -136,7 +147,7 @@ class LLM:
             self.num_steps_run += 1
             # rank 0 picks the draft length, so every rank drafts the same s (DESIGN §4 rule 8)
             spec = batch.kind == "decode" and self.worker is not None
-            plan = self.worker.policy.choose(len(batch.reqs)) if spec else None
+            plan = self.worker.plan(batch.reqs) if spec else None
             launched = (batch, self._call("_launch", batch, plan))
             self.scheduler.on_launch(batch)
         finished = []
@@ -145,6 +156,9 @@ class LLM:
         self._inflight = launched
         if not self.overlap and launched is not None:
             finished += self._commit(*launched)
+            self._inflight = None
+        if self._inflight is not None and all(r.is_finished for r in self._inflight[0].reqs):
+            finished += self._commit(*self._inflight)  # nothing left to emit: the engine goes exactly idle
             self._inflight = None
         return stashed + finished
 
@@ -214,11 +228,10 @@ class LLM:
         return req is not None
 
     def has_unfinished(self) -> bool:
-        """True while a request waits or runs, a launched step can still emit tokens, or a finished or aborted
-        request has not been returned by ``step`` yet; a step in flight only for finished requests does not
-        count (it emits nothing)."""
-        live = self._inflight is not None and not all(r.is_finished for r in self._inflight[0].reqs)
-        return self.scheduler.has_work() or bool(self._stash) or live
+        """True while a request waits or runs, a launched step is in flight, or a finished or aborted request
+        has not been returned by ``step`` yet. ``step`` commits a step in flight as soon as every request in
+        it has finished, so an engine without unfinished work has nothing in flight."""
+        return self.scheduler.has_work() or bool(self._stash) or self._inflight is not None
 
     def output_dict(self, req: Request) -> dict:
         out = {
@@ -252,7 +265,7 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         reqs = [self._make_request(p, sp) for p, sp in zip(prompts, params)]
         for r in reqs:
-            self.scheduler.add(r)
+            self._add(r)
         done, ntok = {}, 0
         bar = tqdm(total=len(reqs), desc="Generating", disable=not use_tqdm)
         t0, ids = time.perf_counter(), {r.request_id for r in reqs}

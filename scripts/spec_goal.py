@@ -4,7 +4,8 @@
     python scripts/spec_goal.py --device cuda --num-seqs 16 --max-output-len 256  # on a GPU
 
 For each prompt set (held-out ShareGPT first turns and the chat prompts written for the benchmark, each with
-and without ignore_eos; bench.py's ``workload``), greedy, one request at a time (bench.py's --batch-1), the
+and without ignore_eos; bench.py's ``workload``), greedy (or ``--temperature T``, each prompt seeded), one
+request at a time (bench.py's --batch-1), the
 default model runs as: plain (no assistant), the shipped assistant with the adaptive draft length (the
 default), and the shipped assistant at every fixed s = 1..num_steps (adaptive_speculation=False). Every engine
 is built and warmed up first (64 tokens, as bench.py), then each prompt runs on every engine, ``--rounds``
@@ -83,6 +84,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-output-len", type=number(int, 1), default=64)
     ap.add_argument("--num-steps", type=number(int, 1), help="most draft steps (default: the device's)")
     ap.add_argument("--rounds", type=number(int, 1), default=2, help="passes over each prompt set")
+    ap.add_argument("--temperature", type=number(float, 0.0), default=0.0, help="0: greedy (default)")
     ap.add_argument("--out", help="write the figures as JSON here")
     turn_help = "engine steps per turn, 0: whole requests (default: 8 on cpu, 0 on cuda)"
     ap.add_argument("--turn", type=number(int, 0), help=turn_help)
@@ -102,7 +104,8 @@ def main(argv=None) -> dict:
     tokenizer, report = loader.load_tokenizer(loader.resolve_model_dir(None)), {}
     for workload, ignore_eos in SETS:
         name = workload + (" ignore_eos" if ignore_eos else "")
-        opts = ["--workload", workload, "--batch-1", "--temperature", "0", "--num-seqs", str(args.num_seqs)]
+        opts = ["--workload", workload, "--batch-1", "--num-seqs", str(args.num_seqs)]
+        opts += ["--temperature", str(args.temperature)]
         b = bench.parse_args(
             opts + ["--max-output-len", str(args.max_output_len)] + ["--ignore-eos"] * ignore_eos
         )

@@ -36,6 +36,7 @@ from ..kernels.activation import gelu_and_mul, silu_and_mul
 from ..kernels.attention import draft_attention
 from ..kernels.centroid import centroid_logits
 from ..kernels.rope import apply_rope, rope_cos_sin
+from ..kernels.sampling import sample
 from ..parallel import ColumnLinear, Linear, RowLinear, gather, linear, span
 from . import assistant_io
 from .gemma4 import _norm
@@ -452,6 +453,25 @@ class Gemma4Assistant(nn.Module):
         cand, ids = self._candidates(hn)
         fill = (cand.amin(-1, keepdim=True) - 1.0).expand(-1, self.vocab_size)
         return fill.contiguous().scatter_(1, ids, cand), h_next
+
+    def draft_token(self, tokens, h_prev, positions, sampling, token_positions):
+        """One chain draft step: ``tokens [R]``, ``h_prev [R, Hb]``, ``positions [R]`` -> ``(token [R] int64,
+        h_next [R, Hb])``, the token ``kernels.sampling.sample`` draws from the assistant's logits with the
+        rows' ``sampling`` = (temperature, top_k, top_p, seeds [R]) at ``token_positions [R]`` int64 (the
+        target's noise there); ``sampling`` None: the argmax. The centroid head samples among its candidates
+        only (nothing of size V is built)."""
+        if self.masked_embedding is None:
+            logits, h_next = self(tokens, h_prev, positions)
+            ids = None
+        else:
+            hn, h_next = self.body(tokens, h_prev, positions)
+            logits, ids = self._candidates(hn)
+        if sampling is not None:
+            return sample(logits, *sampling, token_positions, ids), h_next
+        best = logits.argmax(-1)
+        if ids is not None:
+            best = ids.gather(1, best[:, None]).squeeze(1)
+        return best, h_next
 
     def propose(self, tokens, h_prev, positions, k: int):
         """One draft step returning the top ``k`` tokens per row: ``tokens [R]``, ``h_prev [R, Hb]``,
