@@ -19,7 +19,7 @@ from torch import nn
 
 from .. import cpu
 from . import use_triton
-from .attention import _prec
+from .attention_common import dot_precision
 
 _TILES = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64)  # one config for every M; narrow N: more programs
 
@@ -98,7 +98,7 @@ def linear_invariant_triton(x2, weight, bias=None):
             *weight.stride(),
             y.stride(0),
             HAS_BIAS=bias is not None,
-            PREC=_prec(x2)["PREC"],
+            PREC=dot_precision(x2)["PREC"],
             ROWWISE=x2.device.type == "cpu",
             **_TILES,
             num_warps=4,

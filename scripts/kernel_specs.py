@@ -42,7 +42,8 @@ import time
 
 SPECS_JSON = pathlib.Path(__file__).with_name("kernel_specs.json")
 LIMITS = {80: 166912, 86: 101376, 89: 101376, 90: 232448}  # bytes of shared memory per block (opt-in)
-# attention tiles follow the shared memory per block (kernels.attention._tiles): one recording per class
+# attention tiles follow the shared memory per block (attention_common.attention_tiles): one recording
+# per class
 TILE_CLASSES = {101376: (86, 89), 166912: (80, 90)}
 NO_SPILL_PHASES = ("decode", "draft", "verify")
 
@@ -454,16 +455,16 @@ def run_workloads(workloads=WORKLOADS, recorder=None, tmp=None, prompt_lens=PROM
 def record(workloads=WORKLOADS, tmp=None, classes=TILE_CLASSES, execute=False, prompt_lens=PROMPT_LENS):
     """The unique specializations launched by ``workloads``, sorted and JSON-ready, each with ``archs``: the
     GPUs whose tile class (``classes``: shared memory per block -> archs) launches it. Runs every workload
-    once per class, the interpreter's tiles set for that class (``attention.set_tile_target``)."""
-    from nanospec.kernels import attention
+    once per class, the interpreter's tiles set for that class (``attention_common.set_tile_target``)."""
+    from nanospec.kernels import attention_common
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("record() needs TRITON_INTERPRET=1 set before nanospec.kernels is imported")
     specs = {}
-    old = attention._tile_smem
+    old = attention_common.tile_target()
     try:
         for smem, archs in classes.items():
-            attention.set_tile_target(smem)
+            attention_common.set_tile_target(smem)
             with Recorder(execute) as rec:
                 run_workloads(workloads, rec, tmp, prompt_lens)
             for key, s in rec.specs.items():
@@ -472,7 +473,7 @@ def record(workloads=WORKLOADS, tmp=None, classes=TILE_CLASSES, execute=False, p
                 out["workloads"] |= s["workloads"]
                 out["archs"] |= set(archs)
     finally:
-        attention.set_tile_target(old)
+        attention_common.set_tile_target(old)
     out = [dict(s, **{k: sorted(s[k]) for k in ("phases", "workloads", "archs")}) for s in specs.values()]
     return sorted(out, key=spec_key)
 
