@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu
+from .kernels import matmul
 
 rank, size = 0, 1  # this process's rank and the group size; read when a model is built
 _cpu = None  # the gloo group of the step messages
@@ -37,8 +37,8 @@ _rdzv = None  # the rendezvous file when this engine started its ranks
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``: the engine's one GEMM call (x [T, K] @ weight [N, K].T + bias [N] -> [T, N]); fp32 on a
-    CPU through ``cpu.linear`` (up to 4 rows cost about what one row costs)."""
-    return cpu.linear(x, weight, bias)
+    CPU through ``kernels.matmul.linear`` (up to 4 rows cost about what one row costs)."""
+    return matmul.linear(x, weight, bias)
 
 
 def span(n: int, unit: int = 1) -> tuple[int, int]:

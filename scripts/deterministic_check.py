@@ -22,7 +22,8 @@ import time
 import torch
 
 from nanospec import LLM, SamplingParams
-from nanospec.loader import configure_cpu_threads, load_tokenizer, resolve_model_dir
+from nanospec.cpu import configure_cpu_threads
+from nanospec.loader import load_tokenizer, resolve_model_dir
 from nanospec.tools.bench import sharegpt_workload
 from nanospec.tools.cli import number
 

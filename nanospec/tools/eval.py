@@ -72,7 +72,7 @@ def measure(model, assistant, prompts, S, k, temperature, max_tokens, tree_token
 
 def main(argv=None):
     """The evaluation CLI (module docstring); every value is checked before any model or data work."""
-    from ..loader import configure_cpu_threads
+    from ..cpu import configure_cpu_threads
 
     ap, add = cli.parser("nanospec-eval", __doc__)
     add("--model", help="target dir (default: SmolLM2-135M-Instruct)")
