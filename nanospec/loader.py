@@ -57,6 +57,14 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("NANOSPEC_CACHE") or "~/.cache/nanospec").expanduser()
 
 
+def layer_geometry(hf_config: PretrainedConfig, i: int) -> tuple[int, int]:
+    """(head_dim, num_key_value_heads) of layer ``i`` of an HF text config (Gemma 4: its
+    ``per_layer_config``; Llama / Qwen3: the config's own, head_dim defaulting to hidden / heads)."""
+    layer = hf_config.per_layer_config[i] if hasattr(hf_config, "per_layer_config") else hf_config
+    head_dim = getattr(layer, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return head_dim, getattr(layer, "num_key_value_heads", None) or hf_config.num_attention_heads
+
+
 def _is_complete(d: pathlib.Path) -> bool:
     return all((d / f).is_file() for f in _REQUIRED_FILES)
 

@@ -36,14 +36,20 @@ from ..kernels.activation import gelu_and_mul, silu_and_mul
 from ..kernels.attention import draft_attention
 from ..kernels.centroid import centroid_logits
 from ..kernels.rope import apply_rope, rope_cos_sin
+from ..loader import layer_geometry
 from ..parallel import ColumnLinear, Linear, RowLinear, gather, linear, span
 from . import assistant_io
-from .gemma4 import _norm
+from .llama import RMSNorm
 
 _ACTS = {"gelu_pytorch_tanh": gelu_and_mul, "silu": silu_and_mul}
 
 
-Gemma4RMSNorm = _norm  # HF ``Gemma4RMSNorm``: weight-only, weight applied in fp32 before the cast
+class Gemma4RMSNorm(RMSNorm):
+    """HF ``Gemma4RMSNorm``: weight-only, ``x * rsqrt(mean(x²) + eps) * w`` with the weight applied in fp32
+    before the cast."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__(dim, eps, fp32_weight=True)
 
 
 class QOnlyAttention(nn.Module):
@@ -157,13 +163,6 @@ def _check_own(config) -> None:
             _bad("centroid_intermediate_top_k", f"= {K!r} must be in [1, num_centroids = {C}]")
 
 
-def _geometry(c, i: int) -> tuple[int, int]:
-    """(head_dim, num_key_value_heads) of layer ``i`` of an HF text config (Gemma 4 ``per_layer_config``)."""
-    lc = c.per_layer_config[i] if hasattr(c, "per_layer_config") else c
-    hd = getattr(lc, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return hd, getattr(lc, "num_key_value_heads", None) or c.num_attention_heads
-
-
 def _rope_params(c, layer_type: str) -> dict:
     """RoPE parameters of ``layer_type``: Gemma 4 holds one dict per layer type, Llama/Qwen3 one for all."""
     rp = dict(getattr(c, "rope_parameters", None) or {})
@@ -211,7 +210,7 @@ def check_assistant_config(assistant_config, target_text_config) -> list[int]:
     types = list(getattr(t, "layer_types", None) or ["full_attention"] * t.num_hidden_layers)
     layer_map = _layer_map(ac.layer_types, types[: len(types) - (getattr(t, "num_kv_shared_layers", 0) or 0)])
     for i, (lt, j) in enumerate(zip(ac.layer_types, layer_map)):
-        (hd, kv), (t_hd, t_kv) = _geometry(ac, i), _geometry(t, j)
+        (hd, kv), (t_hd, t_kv) = layer_geometry(ac, i), layer_geometry(t, j)
         full = lt == "full_attention"
         if hd != t_hd:
             _bad(
@@ -508,7 +507,7 @@ def assistant_config_for(
     from transformers import Gemma4AssistantConfig, Gemma4TextConfig
 
     tc = target_config
-    hd, rope = _geometry(tc, 0)[0], _rope_params(tc, "full_attention")
+    hd, rope = layer_geometry(tc, 0)[0], _rope_params(tc, "full_attention")
     hidden = hidden_size or tc.hidden_size
     text = Gemma4TextConfig(
         vocab_size=tc.vocab_size,
