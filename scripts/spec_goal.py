@@ -98,8 +98,10 @@ def main(argv=None) -> dict:
     warm = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=64)
     for llm in engines.values():
         llm.generate(["Benchmark: "], warm, use_tqdm=False)
-    args.turn = args.turn if args.turn is not None else 8 if args.device == "cpu" else 0
-    tokenizer, report = loader.load_tokenizer(loader.resolve_model_dir(None)), {}
+    if args.turn is None:
+        args.turn = 8 if args.device == "cpu" else 0
+    tokenizer = loader.load_tokenizer(loader.resolve_model_dir(None))
+    report = {}
     for workload, ignore_eos in SETS:
         name = workload + (" ignore_eos" if ignore_eos else "")
         opts = ["--workload", workload, "--batch-1", "--temperature", "0", "--num-seqs", str(args.num_seqs)]
@@ -128,7 +130,8 @@ def main(argv=None) -> dict:
     )
     print("|---|---|---|---|---|---|---|---|")
     for name, rep in report.items():
-        t, fixed = rep["tok_s"], rep["best_fixed"]
+        t = rep["tok_s"]
+        fixed = rep["best_fixed"]
         print(
             f"| {name} | {t['plain']:.2f} | {t['adaptive']:.2f} | {rep['adaptive_over_plain']:.2f}x | "
             f"{fixed} ({t[fixed]:.2f}) | {rep['adaptive_over_best_fixed']:.2f}x | "
