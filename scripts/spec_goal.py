@@ -1,6 +1,6 @@
 """Does speculation pay on this machine? The adaptive draft length against plain decoding and every fixed s.
 
-    OMP_NUM_THREADS=1 python scripts/spec_goal.py --device cpu                  # the CPU goal (README)
+    OMP_NUM_THREADS=1 python scripts/spec_goal.py --device cpu    # the CPU goal (docs/benchmarks.md)
     python scripts/spec_goal.py --device cuda --num-seqs 16 --max-output-len 256  # on a GPU
 
 For each prompt set (held-out ShareGPT first turns and the chat prompts written for the benchmark, each with
