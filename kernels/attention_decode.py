@@ -55,9 +55,10 @@ def decode_attention_ref(
     R = q.shape[0]
     if R == 0 or block_table.shape[1] == 0:
         return torch.zeros_like(q)
-    bt = block_table[:R]
-    lens = seq_lens[:R].long()
-    if row_to_req is not None:
+    if row_to_req is None:
+        bt = block_table[:R]
+        lens = seq_lens[:R].long()
+    else:
         bt = block_table[row_to_req.long()]
         lens = seq_lens.long()[row_to_req.long()]
     if not split_size:
@@ -68,9 +69,8 @@ def decode_attention_ref(
     bt = F.pad(bt, (0, max(0, int(blocks.max()) - bt.shape[1])))  # the dummy block 0, its rows zeroed
     for n in blocks.unique().tolist():
         for i in (blocks == n).nonzero().squeeze(1).split(64):  # 64 rows a call bound the gathered K/V
-            o[i] = paged_attention_ref(q[i, None], k_cache, v_cache, bt[i, :n], lens[i], 1, W, scale)[
-                :, 0
-            ].to(o.dtype)
+            rows = paged_attention_ref(q[i, None], k_cache, v_cache, bt[i, :n], lens[i], 1, W, scale)
+            o[i] = rows[:, 0].to(o.dtype)
     return o
 
 
