@@ -59,7 +59,7 @@ class LLM:
             assistant = resolve_assistant(c.assistant, loader.is_default_target(hf_config, self.tokenizer))
             check_assistant_config(assistant_config := read_config(assistant), hf_config)
         parallel.check_sizes(c, hf_config, assistant_config)
-        parallel.start(c, str(model_dir), kwargs)
+        parallel.start(c, LLM, str(model_dir), kwargs)
         try:  # a failure from here on closes the ranks already started
             self._build(c, hf_config, model_dir, assistant)
         except BaseException:
