@@ -97,7 +97,7 @@ def test_lm_eval_local_completions(server, ref_llm):
     assert [c["text"] for c in sorted(got["choices"], key=itemgetter("index"))] == [w["text"] for w in want]
     assert got["usage"]["prompt_tokens"] == 36
     assert got["usage"]["completion_tokens"] == sum(len(w["token_ids"]) for w in want)
-    sampled = body | {"temperature": 1.0, "seed": 5}
+    sampled = body | {"temperature": 1.0, "seed": 5, "max_tokens": 6}
     texts = {c["index"]: c["text"] for c in post(server, "/v1/completions", sampled | {"n": 2})["choices"]}
     for p in range(3):
         for j in range(2):
@@ -182,7 +182,7 @@ REFUSED = [  # (body, the field the 400 names, a piece of its message)
     (dict(prompt="hi", repetition_penalty=1.2), "repetition_penalty", "not supported"),
     (dict(prompt=[[1, 2], []]), "prompt", "list of token-id lists"),
     (dict(prompt=[[1, 2], [10**9]]), "prompt", "prompt token ids must be in [0, 49152)"),
-    (dict(prompt=[[1]] * 40, n=2), "prompt", "40 prompts x n 2 exceed the 64 requests that may wait"),
+    (dict(prompt=[[1]] * 40, n=2), "prompt", "40 prompts x n 2 exceed --max-waiting 64"),
 ]  # fmt: skip
 
 
@@ -205,11 +205,11 @@ def test_refused_fields_and_bodies(server):
 def test_load_disconnects_big_prompt_and_the_waiting_limit(server):
     """64 concurrent streaming clients (a quarter leave after their first chunk) and one 4 MiB prompt, while
     /health is polled: it answers 200 every time (10 s bound per answer), every client that stays gets its
-    32 tokens, the big prompt is a 400, and the engine ends idle (nothing running or waiting, no KV block,
+    16 tokens, the big prompt is a 400, and the engine ends idle (nothing running or waiting, no KV block,
     no draft input). Then 12 streamed requests of n = 16 (192 choices; room for 16 running + 64 waiting):
     those past the limit get 503 + Retry-After, and the engine ends idle again."""
     prompts = random_prompts(64, seed=12)
-    body = dict(model=server.model, max_tokens=32, temperature=0, ignore_eos=True, stream=True)
+    body = dict(model=server.model, max_tokens=16, temperature=0, ignore_eos=True, stream=True)
     body["stream_options"] = {"include_usage": True}
 
     async def client_stream(client, i):
@@ -269,7 +269,7 @@ def test_load_disconnects_big_prompt_and_the_waiting_limit(server):
 
     results = asyncio.run(run(first_phase))
     assert results[0] == (400, "prompt")
-    assert results[1:] == ["left" if i % 4 == 0 else 32 for i in range(64)]
+    assert results[1:] == ["left" if i % 4 == 0 else 16 for i in range(64)]
     wait_idle(server)
     statuses = asyncio.run(run(burst))
     assert {s for s, _ in statuses} == {200, 503} and all(r == "1" for s, r in statuses if s == 503)

@@ -174,7 +174,9 @@ class Engine:
         return count
 
     def _publish(self) -> None:
-        llm, m, now = self.llm, self.metrics, time.perf_counter()
+        llm = self.llm
+        m = self.metrics
+        now = time.perf_counter()
         for rid, c in list(self.live.items()):
             r = c.req
             new = r.output_token_ids[c.sent :]  # its undelivered tokens

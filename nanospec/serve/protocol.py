@@ -146,12 +146,9 @@ def parse(body: dict, chat: bool, tok, model_name: str, max_len: int, max_n: int
     if type(stream) is not bool or not isinstance(opts, dict):
         raise ApiError(400, "stream must be a bool and stream_options an object", "stream")
     prompts = prompt_ids(tok, body, chat)
-    if len(prompts) * n > max_choices:
-        message = (
-            f"{len(prompts)} prompts x n {n} exceed the {max_choices} requests that may wait (--max-waiting)"
-        )
-        raise ApiError(400, message, "prompt")
-    key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    if len(prompts) * n > max_choices:  # more than may ever wait: it could never be admitted
+        raise ApiError(400, f"{len(prompts)} prompts x n {n} exceed --max-waiting {max_choices}", "prompt")
+    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     stop = [body["stop"]] if isinstance(body.get("stop"), str) else get("stop", [])
     if type(stop) is not list or len(stop) > MAX_STOP or any(len(str(x)) > MAX_STOP_LEN for x in stop):
         raise ApiError(400, f"stop: a string or <= {MAX_STOP} strings of <= {MAX_STOP_LEN} chars", "stop")
@@ -179,9 +176,8 @@ def parse(body: dict, chat: bool, tok, model_name: str, max_len: int, max_n: int
             ]
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e), field_of(str(e), key)) from None
-    return Parsed(
-        prompts, params, stream, opts.get("include_usage") is True, opts.get("continuous_usage_stats") is True
-    )
+    include_usage = opts.get("include_usage") is True
+    return Parsed(prompts, params, stream, include_usage, opts.get("continuous_usage_stats") is True)
 
 
 def tokenize_ids(tok, body: dict) -> list[int]:
@@ -202,7 +198,12 @@ class Detokenizer:
     them. At the end the engine's final text is sent on from where the deltas stopped: they add up to it."""
 
     def __init__(self, tokenizer, stop: list[str]):
-        self.tok, self.ids, self.prefix, self.read, self.text, self.sent = tokenizer, [], 0, 0, "", 0
+        self.tok = tokenizer
+        self.ids = []
+        self.prefix = 0  # ids[prefix:read]: the window decoded again for context
+        self.read = 0
+        self.text = ""  # the text decoded so far
+        self.sent = 0  # of which sent
         self.hold = max(map(len, stop), default=1) - 1
 
     def push(self, new_ids: list[int], final_text: str | None) -> str:
