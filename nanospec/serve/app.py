@@ -39,12 +39,10 @@ class Reply(StreamingResponse):
         self.chat = chat
         self.finals = [None] * len(job.choices)  # each choice's LLM.output_dict once finished
         self.counts = [0] * len(job.choices)  # tokens received per choice
-        kind = ("chat.completion" if chat else "text_completion") + (
-            ".chunk" if parsed.stream and chat else ""
-        )
-        self.head = dict(
-            id=f"cmpl-{secrets.token_hex(8)}", object=kind, created=int(time.time()), model=model_name
-        )
+        kind = "chat.completion" if chat else "text_completion"
+        kind += ".chunk" if parsed.stream and chat else ""
+        self.head = dict(id=f"cmpl-{secrets.token_hex(8)}", object=kind, created=int(time.time()))
+        self.head["model"] = model_name
 
     async def __call__(self, scope, receive, send):
         try:
@@ -87,11 +85,13 @@ class Reply(StreamingResponse):
         cached = sum(f["num_cached_tokens"] for f in self.finals[::n])
         return out | {"prompt_tokens_details": {"cached_tokens": cached}}
 
-    def chunk_usage(self) -> dict:
-        """stream_options: ``usage`` in every chunk, null unless ``continuous_usage_stats`` (vLLM's)."""
+    def chunk(self, choices: list[dict]) -> dict:
+        """One streamed chunk; with include_usage its ``usage`` is null, or the usage so far with
+        ``continuous_usage_stats`` (vLLM's)."""
         if not self.parsed.include_usage:
-            return {}
-        return {"usage": self.usage() if self.parsed.continuous_usage else None}
+            return event(self.head | {"choices": choices})
+        usage = self.usage() if self.parsed.continuous_usage else None
+        return event(self.head | {"choices": choices, "usage": usage})
 
     async def stream_response(self, send):
         if not self.parsed.stream:
@@ -101,13 +101,11 @@ class Reply(StreamingResponse):
         try:
             for i in range(len(self.finals)) if self.chat else []:
                 c = {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                await send(event(self.head | {"choices": [c]} | self.chunk_usage()))
+                await send(self.chunk([c]))
             async for i, new, final in self.updates():
                 text = detokenizers[i].push(new, final and final["text"])
                 if text or final:
-                    await send(
-                        event(self.head | {"choices": [self.choice(i, text, final)]} | self.chunk_usage())
-                    )
+                    await send(self.chunk([self.choice(i, text, final)]))
             if self.parsed.include_usage:
                 await send(event(self.head | {"choices": [], "usage": self.usage()}))
         except ApiError as e:
