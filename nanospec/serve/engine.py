@@ -198,10 +198,12 @@ class Engine:
                 for pos, counter in enumerate(m.per_pos):
                     counter.inc(sum(a - 1 > pos for a in acc))
                 c.num_accept = len(r.accept_lengths)
+            # built while the choice is in ``live``: if this raises, its handler is still told
+            final = llm.output_dict(r) if r.is_finished else None
             if r.is_finished:
                 del self.live[rid]
                 m.success[r.finish_reason].inc()
-            self._post(c.job, "tokens", c.index, new, llm.output_dict(r) if r.is_finished else None)
+            self._post(c.job, "tokens", c.index, new, final)
         stats = llm.stats()
         m.waiting.set(stats["num_waiting"])
         m.kv_usage.set(stats["kv_cache_usage"])
