@@ -1,5 +1,6 @@
 """LLM: the user-facing engine (vLLM / nano-vllm style): add_request / step / generate."""
 
+import itertools
 import os
 import random
 import time
@@ -226,6 +227,26 @@ class LLM:
         if req is not None:
             self._stash.append(req)
         return req is not None
+
+    def get_request(self, request_id: int) -> Request | None:
+        """The queued or running request with this id (its ``output_token_ids``, ``is_finished``,
+        ``finish_reason``, ``num_cached_tokens``, ``accept_lengths`` and ``draft_lengths`` as each ``step``
+        leaves them), or None once it has finished. For front ends that stream: call it after
+        ``add_request`` (the newest request is found first)."""
+        queued = itertools.chain(reversed(self.scheduler.waiting), self.scheduler.running)
+        return next((r for r in queued if r.request_id == request_id), None)
+
+    def stats(self) -> dict:
+        """The engine's load now: ``num_running`` and ``num_waiting`` (requests), ``kv_cache_usage`` (the
+        fraction of usable KV blocks held by requests, in [0, 1]; prefix-cached blocks nobody holds count as
+        free, so it is 0 when idle) and ``num_draft_inputs`` (requests holding a draft input; 0 when idle)."""
+        allocator = self.scheduler.allocator
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": 1 - allocator.num_free / allocator.num_usable,
+            "num_draft_inputs": len(self.worker.draft_inputs) if self.worker is not None else 0,
+        }
 
     def has_unfinished(self) -> bool:
         """True while a request waits or runs, a launched step is in flight, or a finished or aborted request

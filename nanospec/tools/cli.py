@@ -7,6 +7,10 @@ import os
 import pathlib
 
 LOAD_ERRORS = (ValueError, OSError)  # what a bad model or checkpoint dir raises while loading
+# the LLM options bench.py passes on (to LLM, or as flags to nanospec-serve); SPEC only with an assistant
+ENGINE = "dtype device max_model_len max_num_seqs max_num_batched_tokens enforce_eager seed deterministic"
+ENGINE = ENGINE.split() + ["tensor_parallel_size"]
+SPEC = ["num_steps", "topk", "num_draft_tokens", "adaptive_speculation"]
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
