@@ -66,7 +66,7 @@ def main(argv=None):
     import torch
 
     from nanospec import LLM, SamplingParams
-    from nanospec.loader import configure_cpu_threads
+    from nanospec.cpu import configure_cpu_threads
     from nanospec.mtp.worker import DEFAULT_ASSISTANT
 
     try:

@@ -55,7 +55,9 @@ def _centroid_kernel(
     BLOCK_H: tl.constexpr,
 ):
     # One program: query row r, its j-th selected cluster, BLOCK_S of that cluster's S rows.
-    r, j, sb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    r = tl.program_id(0)
+    j = tl.program_id(1)
+    sb = tl.program_id(2)
     c = tl.load(CL + r * stride_cr + j).to(tl.int64)
     offs_s = sb * BLOCK_S + tl.arange(0, BLOCK_S)
     s_ok = offs_s < S
@@ -76,7 +78,8 @@ def _centroid_kernel(
 def centroid_logits_triton(hidden, rows, clusters):
     """Triton path of :func:`centroid_logits` (same signature and result)."""
     _check(hidden, rows, clusters)
-    (R, K), (_, S, H) = clusters.shape, rows.shape
+    R, K = clusters.shape
+    _, S, H = rows.shape
     out = torch.empty(R, K * S, dtype=torch.float32, device=hidden.device)
     if out.numel() == 0:
         return out

@@ -1,14 +1,27 @@
-"""Batch-invariant matmul for deterministic mode: each output row is bitwise a function of its own input row,
-whatever the number of rows M (the other rows, a batch of 1 or of 256, one decode row or N verify rows).
+"""The engine's GEMMs besides ``F.linear`` itself: the fp32 GEMM of a few rows on a CPU, and the
+batch-invariant matmul of deterministic mode.
 
+**A few rows on a CPU** (:func:`linear`, which every GEMM of the engine goes through). ``F.linear(x, w)`` with
+a row-major ``w`` [N, K] and a few rows of ``x`` hands MKL's fp32 GEMM a wide product whose small-m kernel
+reads the weight about once per row: the GEMMs of a SmolLM2-135M forward (its 30 layers and the LM head, one
+thread, weights out of cache) measured 34-36 ms at 1 row, 58-67 ms at 2, 82-87 ms at 3, 44-57 ms at 4 (its
+kernel choice steps with the row count). The same product taken the other way round, ``(w @ x.t()).t()``
+with ``x`` contiguous (so ``x.t()`` is column-major) and an even row count, streams the weight once: 25-27 ms
+at 1 or 2 rows, 30-33 ms at 4, 56-57 ms at 6; past 6 rows it is no faster than ``F.linear``. (Column-major
+weights, kept here before, gave 25 ms at 1 row but 41-48 ms at 2.) A verify step of s + 1 <= 4 rows then
+costs about what a decode row costs (6 rows about twice), which is what lets speculation pay on a CPU. CUDA
+and other dtypes go to ``F.linear`` untouched.
+
+**Batch-invariant** (:func:`linear_invariant`): each output row is bitwise a function of its own input row,
+whatever the number of rows M (the other rows, a batch of 1 or of 256, one decode row or N verify rows).
 Triton: one kernel with one fixed tile config, no split-K: every output tile accumulates its K tiles in the
 same order, and a GPU's tensor-core dot treats every row of a tile alike, so a row goes through the same
 instruction sequence for every M (Thinking Machines, "Defeating Nondeterminism in LLM Inference", 2025).
 Under the CPU interpreter ``tl.dot`` is a BLAS call whose results depend on a row's slot in the tile
 (OpenBLAS: slots 0-5 and 6-11 differ), so there the kernel sums products over K in order instead.
-Torch (the CPU path): one call per row (fp32: the row twice, ``(w @ rows.t()).t()``). MKL and oneDNN pick
-their kernel by shape (fp32 here: one result for M < 4, another for M >= 4) and need not treat a tile's rows
-alike, so each row is multiplied alone, the same call for every row.
+Torch (the CPU path): one :func:`linear` call per row (fp32: the row twice, ``(w @ rows.t()).t()``). MKL and
+oneDNN pick their kernel by shape (fp32 here: one result for M < 4, another for M >= 4) and need not treat a
+tile's rows alike, so each row is multiplied alone, the same call for every row.
 """
 
 import torch
@@ -17,11 +30,27 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from .. import cpu
 from . import use_triton
-from .attention import _prec
+from .attention_common import dot_precision
 
+FEW_ROWS = 6  # the most rows that take the transposed product (measured above)
 _TILES = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64)  # one config for every M; narrow N: more programs
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (x [..., K], weight [N, K], bias [N] or None -> [..., N], x's dtype); an
+    fp32 CPU ``x`` of at most ``FEW_ROWS`` rows is computed as ``(weight @ x.t()).t()`` over an even number
+    of rows (the last row repeated), equal to ``F.linear`` to fp32 rounding (module docstring: why)."""
+    rows = x.reshape(-1, x.shape[-1])
+    m = len(rows)
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not 0 < m <= FEW_ROWS:
+        return F.linear(x, weight, bias)
+    if m % 2:
+        rows = torch.cat([rows, rows[-1:]])
+    out = (weight @ rows.contiguous().t()).t()[:m].contiguous()
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], -1)
 
 
 @triton.jit
@@ -75,14 +104,17 @@ def _matmul_kernel(
 
 
 def linear_invariant_ref(x2, weight, bias=None):
-    """Torch path of :func:`linear_invariant` for x2 [M, K]: one ``cpu.linear`` call per row (fp32 on a CPU:
+    """Torch path of :func:`linear_invariant` for x2 [M, K]: one :func:`linear` call per row (fp32 on a CPU:
     the row twice through ``weight @ rows.t()``, which reads a row-major weight once; else ``F.linear``)."""
-    return torch.cat([cpu.linear(row, weight, bias) for row in x2.split(1)] or [F.linear(x2, weight, bias)])
+    if len(x2) == 0:
+        return F.linear(x2, weight, bias)
+    return torch.cat([linear(row, weight, bias) for row in x2.split(1)])
 
 
 def linear_invariant_triton(x2, weight, bias=None):
     """Triton path of :func:`linear_invariant` for x2 [M, K] (fixed tiles ``_TILES``, fp32 accumulation)."""
-    (M, K), N = x2.shape, weight.shape[0]
+    M, K = x2.shape
+    N = weight.shape[0]
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     if M:
         grid = (triton.cdiv(M, _TILES["BLOCK_M"]), triton.cdiv(N, _TILES["BLOCK_N"]))
@@ -98,7 +130,7 @@ def linear_invariant_triton(x2, weight, bias=None):
             *weight.stride(),
             y.stride(0),
             HAS_BIAS=bias is not None,
-            PREC=_prec(x2)["PREC"],
+            PREC=dot_precision(x2)["PREC"],
             ROWWISE=x2.device.type == "cpu",
             **_TILES,
             num_warps=4,

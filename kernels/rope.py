@@ -16,8 +16,7 @@ import triton.language as tl
 from . import use_triton
 
 
-# ----------------------------------------------------------------------------------------------- cos/sin
-# table
+# ---- cos/sin table -------------------------------------------------------------------------------------
 def rope_cos_sin(rotary_dim, max_position, base, scaling=None, device=None):
     """The ``[max_position, rotary_dim]`` fp32 table ``cat(cos(p·f), sin(p·f))`` for positions ``p``.
 
@@ -36,7 +35,9 @@ def rope_cos_sin(rotary_dim, max_position, base, scaling=None, device=None):
     if rope_type == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif rope_type == "llama3":
-        factor, lo_f, hi_f = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        factor = scaling["factor"]
+        lo_f = scaling["low_freq_factor"]
+        hi_f = scaling["high_freq_factor"]
         old_len = scaling["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > old_len / lo_f, inv_freq / factor, inv_freq)
@@ -58,14 +59,16 @@ def rope_cos_sin(rotary_dim, max_position, base, scaling=None, device=None):
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
 
 
-# --------------------------------------------------------------------------------------------- torch
-# reference
+# ---- torch reference -----------------------------------------------------------------------------------
 def _rotate_ref(x, positions, cos_sin):
-    rd, half = cos_sin.shape[1], cos_sin.shape[1] // 2
+    rd = cos_sin.shape[1]
+    half = rd // 2
     cs = cos_sin.index_select(0, positions.long()).float()
-    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    cos = cs[:, None, :half]
+    sin = cs[:, None, half:]
     xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:rd]
+    x1 = xf[..., :half]
+    x2 = xf[..., half:rd]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, xf[..., rd:]], dim=-1).to(x.dtype)
 
 
@@ -100,11 +103,14 @@ def apply_rope_ref(q, k, positions, cos_sin):
 def store_kv_ref(k, v, k_cache, v_cache, slot_mapping):
     """Torch reference of :func:`store_kv`."""
     _check_store(k, v, k_cache, v_cache, slot_mapping)
-    kc, vc = k_cache.view(-1, *k.shape[1:]), v_cache.view(-1, *k.shape[1:])
+    kc = k_cache.view(-1, *k.shape[1:])
+    vc = v_cache.view(-1, *k.shape[1:])
     slots = slot_mapping.long()
     if not bool((slots >= 0).all()):  # boolean masks cost 3 ops more: only when a slot is skipped
         keep = slots >= 0
-        slots, k, v = slots[keep], k[keep], v[keep]
+        slots = slots[keep]
+        k = k[keep]
+        v = v[keep]
     kc.index_copy_(0, slots, k.to(kc.dtype))
     vc.index_copy_(0, slots, v.to(vc.dtype))
 
@@ -116,13 +122,13 @@ def rope_store_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mappin
         q_out, k_out = apply_rope_ref(q, k, positions, cos_sin)
     else:  # one rotation over q and k side by side: the same elementwise math in half the ops
         qk = _rotate_ref(torch.cat([q, k], 1), positions, cos_sin)
-        q_out, k_out = qk[:, : q.shape[1]].contiguous(), qk[:, q.shape[1] :]
+        q_out = qk[:, : q.shape[1]].contiguous()
+        k_out = qk[:, q.shape[1] :]
     store_kv_ref(k_out, v, k_cache, v_cache, slot_mapping)
     return q_out
 
 
-# ------------------------------------------------------------------------------------------------------
-# Triton
+# ---- Triton --------------------------------------------------------------------------------------------
 @triton.jit
 def _rope_heads(
     src,
@@ -271,7 +277,8 @@ def _rows(x):
 
 def _launch(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, do_q, do_k, rope_k, store):
     ref = q if q is not None else k
-    T, D = ref.shape[0], ref.shape[2]
+    T = ref.shape[0]
+    D = ref.shape[2]
     Hq = q.shape[1] if q is not None else 1
     Hk = k.shape[1] if k is not None else 1
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format) if do_q else None
@@ -349,7 +356,7 @@ def rope_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_map
     return _launch(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, True, False, True, True)[0]
 
 
-# ------------------------------------------------------------------------------------------------ public ops
+# ---- public ops ----------------------------------------------------------------------------------------
 def apply_rope(q, k, positions, cos_sin):
     """Rotary embedding, NeoX pairing (HF ``apply_rotary_pos_emb`` with ``rotate_half``).
 

@@ -1,25 +1,28 @@
-"""Batched temperature / top-k / top-p sampling with per-row parameters and no host sync.
+"""Sampling as greedy over position-keyed Gumbel noise: one token per row, no noise tensor, no host sync.
 
-Semantics (vLLM / HF ``TemperatureLogitsWarper`` → ``TopKLogitsWarper`` → ``TopPLogitsWarper``): scale the
-logits by ``1 / temperature``; keep the ``top_k`` largest; of those keep the smallest set of most likely
-tokens whose renormalised mass reaches ``top_p`` (the token that crosses ``top_p`` is kept, so at least one
-token survives); renormalise. ``temperature <= 0`` is greedy: a one-hot at the argmax of the logits (lowest
-index on ties). ``top_k <= 0`` or ``>= V`` disables top-k; ``top_p >= 1`` disables top-p.
+The token a row produces is ``argmax_v (logits[v] / T + g(seed, t, v))`` over the vocabulary kept by top-k and
+top-p, where ``t`` is the absolute position of the token being produced and ``g`` is standard Gumbel noise
+drawn from a counter-based generator: Philox4x32-10 keyed by the request's ``seed``, counter ``(v, t, 0, 0)``
+(exactly Triton's ``tl.rand(seed, (t << 32) | v)``), turned into ``-log(-log(u))``. By the Gumbel-max trick
+this is one sample from the filtered softmax, and it is a pure function of (seed, t, logits): speculation, the
+draft length, the batch and the schedule cannot change it. ``temperature <= 0`` is greedy: the argmax of the
+raw logits (lowest index on ties), no noise.
 
-Sampling uses the exponential race (Gumbel-max): ``argmax(probs / E)`` with ``E = -log(noise)``, where
-``noise`` is caller-supplied uniform (0, 1) — per-request seeds live in the caller's generators.
+Filtering follows vLLM / HF (``TemperatureLogitsWarper`` -> ``TopKLogitsWarper`` -> ``TopPLogitsWarper``):
+keep the ``top_k`` largest scaled logits, then the smallest set of most likely tokens whose renormalised mass
+reaches ``top_p`` (the token that crosses ``top_p`` is kept). ``top_k <= 0`` or ``>= V`` and ``top_p >= 1``
+disable them.
 
-The references sort each row. The Triton kernels (one program per row) never hold a row in registers: they
-stream the vocabulary in BLOCK chunks — a max / argmax / sum-exp pass, then two bisections (≤ 32 counting
-passes each) over the order-preserving int32 image of the fp32 scaled logits, which find the exact top-k value
-and top-p crossing value, then a final pass that writes probabilities or takes the race argmax. Ties: where
+The reference sorts each sampled row. The Triton kernel (one program per row) never holds a row in registers:
+it streams the vocabulary in BLOCK chunks: a max / argmax / sum-exp pass, then two bisections (<= 32
+counting passes each) over the order-preserving int32 image of the fp32 scaled logits, which find the exact
+top-k value and top-p crossing value, then a final pass that draws the noise and takes the argmax. Ties: where
 several tokens share the threshold value, the Triton path keeps all of them while the sort-based reference
 keeps exactly ``top_k`` (in sort order); the results agree whenever logits are tie-free. Rows of all ``-inf``
 or with NaN logits are unsupported.
 """
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -27,43 +30,110 @@ from . import use_triton
 
 _BLOCK = 4096  # vocabulary chunk per pass (tests lower it to exercise chunking under the interpreter)
 
+# Philox4x32 constants and tl.rand's uint32 -> [0, 1) scale (triton/language/random.py)
+_KEY_A = 0x9E3779B9
+_KEY_B = 0xBB67AE85
+_ROUND_A = 0xD2511F53
+_ROUND_B = 0xCD9E8D57
+_MASK32 = 0xFFFFFFFF
+_UNIFORM_SCALE = 4.6566127342e-10
 
-# --------------------------------------------------------------------------------------------- torch
-# reference
-def filtered_probs_ref(logits, temperature, top_k, top_p):
-    """Torch reference of :func:`filtered_probs` (sort based)."""
-    R, V = _check(logits, temperature, top_k, top_p)
-    x = logits.float()
-    greedy = temperature <= 0
-    z = x / torch.where(greedy, torch.ones_like(temperature), temperature).float()[:, None]
-    zs, order = z.sort(dim=-1, descending=True)
+
+# ------------------------------------------------------------------------------------------- torch reference
+def _mul_hi_lo(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32-bit words of ``a * b`` for uint32 values held in int64 (16-bit halves: no overflow)."""
+    p_low = (a & 0xFFFF) * b
+    p_high = (a >> 16) * b
+    high = (p_high + (p_low >> 16)) >> 16
+    low = (((p_high & 0xFFFF) << 16) + p_low) & _MASK32
+    return high, low
+
+
+def philox_uniform(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Uniform [0, 1) fp32 noise, bit for bit what ``tl.rand(seed, (position << 32) | token_id)`` gives.
+
+    Args broadcast together: ``seeds`` int64 in [0, 2**63), ``positions`` int64 in [0, 2**31), ``token_ids``
+    int64 in [0, 2**32). Philox4x32-10 (Salmon et al., 2011) as Triton's ``philox``: key (seed low, seed
+    high), counter (token_id, position, 0, 0); the first output word, mapped as ``uint_to_uniform_float``.
+    """
+    k0 = seeds & _MASK32
+    k1 = (seeds >> 32) & _MASK32
+    c0 = token_ids & _MASK32
+    c1 = positions & _MASK32
+    c2 = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0)
+    for _ in range(10):
+        high_b, low_b = _mul_hi_lo(c2, _ROUND_B)
+        high_a, low_a = _mul_hi_lo(c0, _ROUND_A)
+        c0 = high_b ^ c1 ^ k0
+        c1 = low_b
+        c2 = high_a ^ c3 ^ k1
+        c3 = low_a
+        k0 = (k0 + _KEY_A) & _MASK32
+        k1 = (k1 + _KEY_B) & _MASK32
+    as_int31 = torch.where(c0 >= 2**31, _MASK32 - c0, c0)  # int32 bitcast, then ~x for negatives
+    return as_int31.float() * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32, device=c0.device)
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise ``g(seed, t, v) = -log(-log(u))`` fp32, u from :func:`philox_uniform` (the same
+    broadcasting arguments). u = 0 gives -inf (that token never wins); u < 1 always, so g is finite above."""
+    return -torch.log(-torch.log(philox_uniform(seeds, positions, token_ids)))
+
+
+# the largest value gumbel_noise can take (u's largest value is 1 - 2**-24): a token whose scaled logit is
+# more than this below the best score found so far cannot win
+_GUMBEL_MAX = float(-torch.log(-torch.log(torch.tensor(2**31 - 1).float() * torch.tensor(_UNIFORM_SCALE))))
+
+
+def sample_ref(logits, temperature, top_k, top_p, seeds, positions, token_ids=None):
+    """Torch reference of :func:`sample` (the engine's CPU path).
+
+    Sampled rows draw noise only for the tokens that can still win: ``g <= G`` (the noise's largest value)
+    for every token, so a token whose scaled logit z falls more than G below the score z + g of the row's
+    most likely token is out of the race. Those tokens lead the descending order of z, so the top-k /
+    top-p filter (a prefix of that order too) is computed on that prefix alone, its mass normalised by the
+    whole vocabulary's (or the top-k's) sum, exactly as a full sort would.
+    """
+    R, V = _check(logits, temperature, top_k, top_p, seeds, positions, token_ids)
+    column = logits.argmax(-1)
+    rows = (temperature > 0).nonzero().flatten()
+    if rows.numel() > 0:
+        ids = None if token_ids is None else token_ids[rows]
+        params = (temperature[rows], top_k[rows], top_p[rows], seeds[rows], positions[rows])
+        column = column.index_copy(0, rows, _sample_rows(logits[rows], *params, ids))
+    if token_ids is None:
+        return column
+    return token_ids.gather(1, column[:, None]).squeeze(1)
+
+
+def _sample_rows(logits, temperature, top_k, top_p, seeds, positions, token_ids):
+    """The sampled rows of :func:`sample_ref`: each one's winning column [R] int64."""
+    R, V = logits.shape
+    z = logits.float() / temperature.float()[:, None]
+    ids = torch.arange(V, device=z.device).expand(R, V) if token_ids is None else token_ids
+    best = z.argmax(-1, keepdim=True)
+    g_best = gumbel_noise(seeds[:, None], positions[:, None], ids.gather(1, best))
+    in_race = z + _GUMBEL_MAX >= z.gather(1, best) + g_best
     k = top_k.long()
-    k = torch.where((k <= 0) | (k >= V), torch.full_like(k, V), k)
-    drop = torch.arange(V, device=x.device)[None, :] >= k[:, None]
-    ps = zs.masked_fill(drop, float("-inf")).softmax(-1)
+    k_on = (k > 0) & (k < V)
+    n = int(max(in_race.sum(-1).max(), torch.where(k_on, k, 0).max()))
+    zs, order = z.topk(n, dim=-1)  # descending: the race's tokens first
+    top = zs[:, :1]
+    mass = (z - top).exp().sum(-1, keepdim=True)  # the whole vocabulary's (k off)
+    rank = torch.arange(n, device=z.device)[None]
+    top_k_mass = torch.where(rank < k[:, None], (zs - top).exp(), 0.0).sum(-1, keepdim=True)
+    mass = torch.where(k_on[:, None], top_k_mass, mass)
+    probs = (zs - top).exp() / mass
     p = top_p.float()[:, None]
-    drop |= ((ps.cumsum(-1) - ps) >= p) & (p < 1)  # mass strictly above a token already reaches top_p
-    ps = zs.masked_fill(drop, float("-inf")).softmax(-1)
-    probs = torch.zeros_like(ps).scatter_(1, order, ps)
-    onehot = F.one_hot(x.argmax(-1), V).float() if R else probs
-    return torch.where(greedy[:, None], onehot, probs)
+    drop = (rank >= torch.where(k_on, k, V)[:, None]) | (((probs.cumsum(-1) - probs) >= p) & (p < 1))
+    n = int((~drop).sum(-1).max())  # the kept tokens are a prefix too: noise for those only
+    g = gumbel_noise(seeds[:, None], positions[:, None], ids.gather(1, order[:, :n]))
+    score = torch.where(drop[:, :n], float("-inf"), zs[:, :n] + g)
+    return order.gather(1, score.argmax(-1, keepdim=True)).squeeze(1)
 
 
-def sample_ref(logits, temperature, top_k, top_p, noise):
-    """Torch reference of :func:`sample`."""
-    _check(logits, temperature, top_k, top_p, noise)
-    probs = filtered_probs_ref(logits, temperature, top_k, top_p)
-    tok = (probs / (-noise.float().log())).argmax(-1)
-    return torch.where(temperature <= 0, logits.argmax(-1), tok)
-
-
-def greedy(logits):
-    """Argmax over the last dim as int64 (lowest index on ties)."""
-    return logits.argmax(-1)
-
-
-# ------------------------------------------------------------------------------------------------------
-# Triton
+# ------------------------------------------------------------------------------------------------ Triton
 @triton.jit
 def _key(z):
     """Order-preserving map of fp32 values to int32 (monotone for all non-NaN floats)."""
@@ -86,13 +156,14 @@ def _sampling_kernel(
     temp_ptr,
     topk_ptr,
     topp_ptr,
-    noise_ptr,
+    seed_ptr,
+    pos_ptr,
+    ids_ptr,
     out_ptr,
     V,
     s_l,
-    s_n,
-    s_o,
-    SAMPLE: tl.constexpr,
+    s_i,
+    HAS_IDS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -100,11 +171,10 @@ def _sampling_kernel(
     temp = tl.load(temp_ptr + row).to(tl.float32)
     k = tl.load(topk_ptr + row).to(tl.int32)
     p = tl.load(topp_ptr + row).to(tl.float32)
-    is_greedy = temp <= 0
-    t = tl.where(is_greedy, 1.0, temp)
+    t = tl.where(temp <= 0, 1.0, temp)
 
-    # pass 1: max / first argmax of the raw logits; max, min and online sum of exp(z - max z) of the scaled
-    # ones
+    # pass 1: max / first argmax of the raw logits; max, min and online sum of exp(z - max z) of the
+    # scaled ones
     m = float("-inf")
     arg = 0
     mz = float("-inf")
@@ -160,105 +230,88 @@ def _sampling_kernel(
             mass = tl.where(ok, ms, mass)
         thr = lo
 
-    # final pass: the exponential race, or the normalised probabilities
-    if SAMPLE:
-        best = -1.0
-        best_i = arg
-        if temp > 0:
-            nrow = noise_ptr + row * s_n
-            for off in range(0, V, BLOCK):
-                idx, mask, x, z, kz = _chunk(lrow, off, V, t, BLOCK)
-                u = tl.load(nrow + idx, mask=mask, other=0.5)
-                score = tl.where(mask & (kz >= thr), (tl.exp(z - mz) / mass) / (-tl.log(u)), -1.0)
-                cb = tl.max(score, axis=0)
-                ci = tl.min(tl.where(score == cb, idx, V), axis=0)
-                best_i = tl.where(cb > best, ci, best_i)
-                best = tl.maximum(best, cb)
-        tl.store(out_ptr + row, best_i.to(tl.int64))
-    else:
-        orow = out_ptr + row * s_o
+    # final pass: the argmax of z + Gumbel noise over the kept tokens (greedy rows keep the raw argmax)
+    best = float("-inf")
+    best_i = arg
+    if temp > 0:
+        seed = tl.load(seed_ptr + row)
+        position = tl.load(pos_ptr + row).to(tl.int64)
         for off in range(0, V, BLOCK):
             idx, mask, x, z, kz = _chunk(lrow, off, V, t, BLOCK)
-            pr = tl.where(kz >= thr, tl.exp(z - mz) / mass, 0.0)
-            pr = tl.where(is_greedy, tl.where(idx == arg, 1.0, 0.0), pr)
-            tl.store(orow + idx, pr, mask=mask)
+            if HAS_IDS:
+                token = tl.load(ids_ptr + row * s_i + idx, mask=mask, other=0).to(tl.int64)
+            else:
+                token = idx.to(tl.int64)
+            u = tl.rand(seed, (position << 32) | token)
+            score = tl.where(mask & (kz >= thr), z - tl.log(-tl.log(u)), float("-inf"))
+            cb = tl.max(score, axis=0)
+            ci = tl.min(tl.where(score == cb, idx, V), axis=0)
+            best_i = tl.where(cb > best, ci, best_i)
+            best = tl.maximum(best, cb)
+    tl.store(out_ptr + row, best_i.to(tl.int64))
 
 
-def _check(logits, temperature, top_k, top_p, noise=None):
-    if logits.dim() != 2:
-        raise ValueError(f"sampling: logits must be [R, V], got {tuple(logits.shape)}")
-    R, V = logits.shape
-    for name, x in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
-        if x.shape != (R,):
-            raise ValueError(f"sampling: {name} shape {tuple(x.shape)} != ({R},)")
-    if noise is not None and noise.shape != (R, V):
-        raise ValueError(f"sampling: noise shape {tuple(noise.shape)} != ({R}, {V})")
-    return R, V
-
-
-def _launch(logits, temperature, top_k, top_p, noise, out, sample):
-    R, V = logits.shape
+def sample_triton(logits, temperature, top_k, top_p, seeds, positions, token_ids=None):
+    """Triton implementation of :func:`sample` (one program per row, chunked vocabulary passes)."""
+    R, V = _check(logits, temperature, top_k, top_p, seeds, positions, token_ids)
+    out = torch.empty((R,), dtype=torch.int64, device=logits.device)
     if R == 0:
         return out
     lg = logits if logits.stride(-1) == 1 else logits.contiguous()
-    nz = lg if noise is None else (noise if noise.stride(-1) == 1 else noise.contiguous())
+    ids = lg if token_ids is None else token_ids.contiguous()
     _sampling_kernel[(R,)](
         lg,
         temperature.contiguous(),
         top_k.contiguous(),
         top_p.contiguous(),
-        nz,
+        seeds.contiguous(),
+        positions.contiguous(),
+        ids,
         out,
         V,
         lg.stride(0),
-        nz.stride(0),
-        out.stride(0),
-        SAMPLE=sample,
+        ids.stride(0),
+        HAS_IDS=token_ids is not None,
         BLOCK=min(triton.next_power_of_2(V), _BLOCK),
         num_warps=8,
     )
+    if token_ids is not None:
+        return token_ids.gather(1, out[:, None]).squeeze(1)
     return out
 
 
-def filtered_probs_triton(logits, temperature, top_k, top_p):
-    """Triton implementation of :func:`filtered_probs` (one program per row, chunked vocabulary passes)."""
-    R, V = _check(logits, temperature, top_k, top_p)
-    out = torch.empty((R, V), dtype=torch.float32, device=logits.device)
-    return _launch(logits, temperature, top_k, top_p, None, out, False)
+def _check(logits, temperature, top_k, top_p, seeds, positions, token_ids):
+    if logits.dim() != 2:
+        raise ValueError(f"sampling: logits must be [R, V], got {tuple(logits.shape)}")
+    R, V = logits.shape
+    rows = (("temperature", temperature), ("top_k", top_k), ("top_p", top_p))
+    for name, x in (*rows, ("seeds", seeds), ("positions", positions)):
+        if x.shape != (R,):
+            raise ValueError(f"sampling: {name} shape {tuple(x.shape)} != ({R},)")
+    if token_ids is not None and token_ids.shape != (R, V):
+        raise ValueError(f"sampling: token_ids shape {tuple(token_ids.shape)} != ({R}, {V})")
+    return R, V
 
 
-def sample_triton(logits, temperature, top_k, top_p, noise):
-    """Triton implementation of :func:`sample`: the filtering passes fused with the race argmax."""
-    R, V = _check(logits, temperature, top_k, top_p, noise)
-    out = torch.empty((R,), dtype=torch.int64, device=logits.device)
-    return _launch(logits, temperature, top_k, top_p, noise, out, True)
-
-
-# ------------------------------------------------------------------------------------------------ public ops
-def filtered_probs(logits, temperature, top_k, top_p):
-    """The sampling distribution after temperature, top-k and top-p (see the module docstring).
+# ------------------------------------------------------------------------------------------------ public op
+def sample(logits, temperature, top_k, top_p, seeds, positions, token_ids=None):
+    """One token per row: ``argmax(logits / T + g(seed, t, v))`` over the top-k / top-p kept tokens.
 
     Args:
         logits: ``[R, V]`` float logits (any float dtype).
-        temperature: ``[R]`` fp32; ``<= 0`` means greedy (one-hot at the argmax).
+        temperature: ``[R]`` fp32; ``<= 0`` means greedy (the argmax of the raw logits, no noise).
         top_k: ``[R]`` int32; ``<= 0`` or ``>= V`` disables it.
         top_p: ``[R]`` fp32 in (0, 1]; 1 disables it.
+        seeds: ``[R]`` int64 in [0, 2**63): each row's request seed.
+        positions: ``[R]`` int64: the absolute position of the token each row produces.
+        token_ids: optional ``[R, V]`` int64: the token id of each column (a drafter's candidate set);
+            None: column v is token v.
 
     Returns:
-        ``[R, V]`` fp32 probabilities, each row summing to 1.
+        ``[R]`` int64 token ids; ``R == 0`` launches nothing.
 
     Raises:
-        ValueError: when the parameter shapes do not match ``logits``.
-    """
-    fn = filtered_probs_triton if use_triton(logits) else filtered_probs_ref
-    return fn(logits, temperature, top_k, top_p)
-
-
-def sample(logits, temperature, top_k, top_p, noise):
-    """One token per row from :func:`filtered_probs`, by the race ``argmax(probs / -log(noise))``.
-
-    ``noise`` is ``[R, V]`` fp32 uniform in (0, 1), drawn by the caller. Greedy rows return the argmax of the
-    logits. Returns ``[R]`` int64; ``R == 0`` launches nothing. Raises ValueError on mismatched shapes.
+        ValueError: when a shape does not match ``logits``.
     """
     fn = sample_triton if use_triton(logits) else sample_ref
-    return fn(logits, temperature, top_k, top_p, noise)
+    return fn(logits, temperature, top_k, top_p, seeds, positions, token_ids)

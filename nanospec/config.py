@@ -135,7 +135,7 @@ class EngineConfig:
                     "pass assistant=DIR or 'default', or drop them"
                 )
             return
-        if self.num_steps is None:  # per device, measured (README, "Where speculation pays")
+        if self.num_steps is None:  # per device, measured (docs/benchmarks.md)
             self.num_steps = 3 if self.torch_device().type == "cpu" else 5
         self.topk = 1 if self.topk is None else self.topk
         if self.num_draft_tokens is None:

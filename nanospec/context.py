@@ -57,7 +57,8 @@ class AttnMetadata:
         """
         if not split_size:
             return cls("prefill", block_table, seq_lens, slot_mapping, cu_seqlens_q, max_seqlen_q)
-        T, n = slot_mapping.numel(), cu_seqlens_q.diff()
+        T = slot_mapping.numel()
+        n = cu_seqlens_q.diff()
         req = torch.repeat_interleave(torch.arange(n.numel(), device=n.device), n, output_size=T)
         pos = torch.arange(T, device=n.device) - cu_seqlens_q[req] + (seq_lens - n)[req]
         return cls("decode", block_table[req], (pos + 1).int(), slot_mapping, split_size=split_size)
@@ -84,7 +85,8 @@ class AttnMetadata:
         """``num_tokens`` tree tokens per request after ``committed_lens`` [B] int32 cached rows; the tree
         mask (None for a chain) says which tree tokens each one sees. A chain with ``split_size`` is built as
         a prefill (deterministic mode: token j of request b is the decode row of L_b + j + 1 keys)."""
-        B, dev = committed_lens.shape[0], committed_lens.device
+        B = committed_lens.shape[0]
+        dev = committed_lens.device
         cu = torch.arange(0, (B + 1) * num_tokens, num_tokens, dtype=torch.int32, device=dev)
         seq_lens = committed_lens + num_tokens
         if split_size and tree_mask is None:

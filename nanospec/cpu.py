@@ -1,52 +1,86 @@
-"""CPU-only tuning: the fp32 GEMM of a few rows, and the thread count set once when the engine is built.
+"""The CPU thread policy: how many intra-op threads torch uses, decided once per process, here only.
 
-``F.linear(x, w)`` with a row-major ``w`` [N, K] and a few rows of ``x`` hands MKL's fp32 GEMM a wide product
-whose small-m kernel reads the weight about once per row: the GEMMs of a SmolLM2-135M forward (its 30 layers
-and the LM head, one thread, weights out of cache) measured 34-36 ms at 1 row, 58-67 ms at 2, 82-87 ms at 3,
-44-57 ms at 4 (its kernel choice steps with the row count). The same product taken the other way round, ``(w @
-x.t()).t()`` with ``x`` contiguous (so ``x.t()`` is column-major) and an even row count, streams the weight
-once: 25-27 ms at 1 or 2 rows, 30-33 ms at 4, 56-57 ms at 6; past 6 rows it is no faster than ``F.linear``.
-(Column-major weights, kept here before, gave 25 ms at 1 row but 41-48 ms at 2.) A verify step of s + 1 <= 4
-rows then costs about what a decode row costs (6 rows about twice), which is what lets speculation pay on a
-CPU. CUDA and other dtypes are never touched.
+Two ways in, one decision. A script may probe at start-up (:func:`configure_cpu_threads`: example.py,
+bench.py, the server and the tools do); ``LLM`` then applies its own default (:func:`prepare_cpu_engine`: one
+thread on a machine with at most 2 cores) only when neither a probe nor the user (``OMP_NUM_THREADS``,
+``torch.set_num_threads``) chose. CUDA runs are never touched.
 """
 
 import os
+import sys
+import time
 
 import torch
 import torch.nn.functional as F
 
-from . import loader
-
-FEW_ROWS = 6  # the most rows that take the transposed product (measured above)
+_probed = False  # configure_cpu_threads ran in this process: its thread count stands
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` (x [..., K], weight [N, K], bias [N] or None -> [..., N], x's dtype); an
-    fp32 CPU ``x`` of at most ``FEW_ROWS`` rows is computed as ``(weight @ x.t()).t()`` over an even number
-    of rows (the last row repeated), equal to ``F.linear`` to fp32 rounding (module docstring: why)."""
-    rows = x.reshape(-1, x.shape[-1])
-    m = len(rows)
-    if x.device.type != "cpu" or x.dtype != torch.float32 or not 0 < m <= FEW_ROWS:
-        return F.linear(x, weight, bias)
-    if m % 2:
-        rows = torch.cat([rows, rows[-1:]])
-    out = (weight @ rows.contiguous().t()).t()[:m].contiguous()
-    out = out if bias is None else out + bias
-    return out.view(*x.shape[:-1], -1)
+def configure_cpu_threads(probe=None) -> int:
+    """Pick torch's intra-op CPU thread count for this process at start-up and return it.
+
+    With torch's default (one OpenMP thread per core), every op of a small model ends on a barrier that waits
+    for the slowest thread; when other processes keep a core busy, that thread waits for a time slice and
+    decoding slows down 5-20x (measured on a loaded 2-core machine: `python example.py` 0.9-3 tok/s with 2
+    threads, 10-16 with one; idle, 31 vs 21). So 1, 2, 4 ... up to the current count n threads are timed on
+    decode-sized GEMMs (``probe(threads, limit_s) -> seconds``, giving up past ``limit_s``; tens of ms, ~1 s
+    on a loaded machine) and the most threads that are not 25% slower than fewer are kept; fewer than n is
+    printed on stderr. Nothing changes when n is 1, when OMP_NUM_THREADS / MKL_NUM_THREADS set it, or when
+    CUDA is available (GPU runs barely use the CPU).
+    """
+    global _probed
+    _probed = True  # LLM's own default (default_cpu_threads) then leaves the count alone
+    n = torch.get_num_threads()
+    if n == 1 or torch.cuda.is_available() or {"OMP_NUM_THREADS", "MKL_NUM_THREADS"} & os.environ.keys():
+        return n
+    probe = probe or _time_small_gemms
+    best = 1
+    best_seconds = probe(1, float("inf"))
+    threads = 1
+    while threads < n:  # more threads unless clearly slower (idle, 2 threads decode ~1.5x faster than one)
+        threads = min(2 * threads, n)
+        seconds = probe(threads, 1.25 * best_seconds)
+        if seconds < 1.25 * best_seconds:
+            best = threads
+            best_seconds = seconds
+    torch.set_num_threads(best)
+    if best < n:
+        print(
+            f"nanospec: {best} torch thread(s), not {n}: more were slower just now (other processes keep "
+            "the CPU busy); set OMP_NUM_THREADS to choose",
+            file=sys.stderr,
+            flush=True,
+        )
+    return best
+
+
+def _time_small_gemms(threads: int, limit_s: float, reps: int = 10) -> float:
+    """Seconds for ``reps`` MLP blocks of SmolLM2's width on 16 rows (a decode step's op sizes) with
+    ``threads`` threads; stops early (returning what it took so far) once past ``limit_s``."""
+    torch.set_num_threads(threads)
+    x = torch.full((16, 576), 0.1)
+    w_up = torch.full((1536, 576), 0.01)
+    w_down = torch.full((576, 1536), 0.01)
+    F.linear(x, w_up)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        F.linear(F.silu(F.linear(x, w_up)), w_down)
+        if time.perf_counter() - t0 > limit_s:
+            break
+    return time.perf_counter() - t0
 
 
 def default_cpu_threads() -> int:
-    """On a machine with at most 2 cores, set torch's intra-op threads to 1 unless the user chose a count
+    """On a machine with at most 2 cores, set torch's intra-op threads to 1 unless the count was chosen
     (``OMP_NUM_THREADS`` set, ``torch.set_num_threads`` called with a value other than the default, or
-    ``loader.configure_cpu_threads`` run first, as example.py and bench.py do: their start-up probe decides).
+    :func:`configure_cpu_threads` run first, as example.py and bench.py do: their start-up probe decides).
 
     Why: with 2 threads on 2 cores every op ends in an OpenMP barrier that waits for a thread the OS has
     descheduled whenever anything else runs on the other core; engine throughput measured 0.13-0.42x of one
     thread (OMP_WAIT_POLICY unset), 0.78-1.06x (PASSIVE). Returns the thread count in use.
     """
     cores = os.cpu_count() or 1
-    chosen = loader.THREADS_CHOSEN or "OMP_NUM_THREADS" in os.environ  # a script's probe or the user decided
+    chosen = _probed or "OMP_NUM_THREADS" in os.environ  # a script's probe or the user decided
     if cores <= 2 and not chosen and torch.get_num_threads() == cores:
         torch.set_num_threads(1)
     return torch.get_num_threads()

@@ -61,8 +61,11 @@ class BucketGraphs:
     """
 
     def __init__(self, fn: Callable[[int], object], sizes: list[int], device):
-        self.fn, self.sizes, self.device = fn, sizes, device
-        self.graphs, self.outputs = {}, {}
+        self.fn = fn
+        self.sizes = sizes
+        self.device = device
+        self.graphs = {}
+        self.outputs = {}
 
     def capture(self) -> None:
         if self.device.type != "cuda":
@@ -102,7 +105,10 @@ class GraphRunner:
         num_splits: int,
         device,
     ):
-        self.phases, self.sizes, self.num_splits, self.buffer_specs = phases, sizes, num_splits, buffers
+        self.phases = phases
+        self.sizes = sizes
+        self.num_splits = num_splits
+        self.buffer_specs = buffers
         self.buf = StaticBuffers(device, sizes[-1], buffers) if sizes else None
         self.graphs = {
             name: BucketGraphs(lambda bs, name=name: self._static_call(name, bs), sizes, device)

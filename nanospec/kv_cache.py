@@ -11,6 +11,11 @@ from .request import Request
 DUMMY_BLOCK = 0  # reserved: padding rows (CUDA graphs, idle slots) point here and never touch a live block
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling of a / b for ints a >= 0, b > 0: the blocks of b slots that hold a slots."""
+    return (a + b - 1) // b
+
+
 def slot_mapping(block_table: torch.Tensor, rows: torch.Tensor, token_idx: torch.Tensor, page_size: int):
     """Pool slots of token ``token_idx`` of request row ``rows`` (broadcast together; int64 result).
 
@@ -45,9 +50,11 @@ class BlockAllocator:
     def __init__(self, num_blocks: int, page_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
-        self.num_blocks, self.page_size = num_blocks, page_size
+        self.num_blocks = num_blocks
+        self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.free_blocks, self.ref_count = deque(range(1, num_blocks)), [0] * num_blocks
+        self.free_blocks = deque(range(1, num_blocks))
+        self.ref_count = [0] * num_blocks
         self.cached: dict[bytes, int] = {}  # prefix key -> block
         self.block_hash: dict[int, bytes] = {}  # block -> prefix key (registered blocks only)
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks with no owner, LRU first
@@ -63,7 +70,7 @@ class BlockAllocator:
 
     def blocks_needed(self, req: Request, num_slots: int) -> int:
         """Extra blocks ``req`` needs so that its table covers ``num_slots`` token slots."""
-        return max(0, -(-num_slots // self.page_size) - len(req.block_table))
+        return max(0, cdiv(num_slots, self.page_size) - len(req.block_table))
 
     def can_allocate(self, req: Request, num_slots: int) -> bool:
         return self.blocks_needed(req, num_slots) <= self.num_free
@@ -95,8 +102,7 @@ class BlockAllocator:
                     self.free_blocks.append(block)
         req.block_table = []
 
-    # ---- prefix caching
-    # ------------------------------------------------------------------------------------------
+    # ---- prefix caching ----------------------------------------------------------------------------------
     def _hashes(self, req: Request, num_tokens: int) -> list[int]:
         """Chained 32-byte sha256 keys of the first ``num_tokens // page_size`` full blocks of ``req``'s
         tokens (kept on the request: its token prefix never changes, so each block is hashed once)."""

@@ -1,6 +1,8 @@
 """LLM: the user-facing engine (vLLM / nano-vllm style): add_request / step / generate."""
 
+import itertools
 import os
+import random
 import time
 from operator import attrgetter
 
@@ -58,7 +60,7 @@ class LLM:
             assistant = resolve_assistant(c.assistant, loader.is_default_target(hf_config, self.tokenizer))
             check_assistant_config(assistant_config := read_config(assistant), hf_config)
         parallel.check_sizes(c, hf_config, assistant_config)
-        parallel.start(c, str(model_dir), kwargs)
+        parallel.start(c, LLM, str(model_dir), kwargs)
         try:  # a failure from here on closes the ranks already started
             self._build(c, hf_config, model_dir, assistant)
         except BaseException:
@@ -73,7 +75,8 @@ class LLM:
         if assistant is not None:
             trace = c.trace if callable(c.trace) else _print_event if c.trace else None
             emit = None if trace is None else lambda event, fields: trace(self.num_steps_run, event, fields)
-            self.worker = FrozenKVMTPWorker(c, self.runner.model, assistant, self.runner.sampler, emit)
+            model = self.runner.model
+            self.worker = FrozenKVMTPWorker(c, model, assistant, self.runner.split_size, emit)
         cpu.prepare_cpu_engine(self.runner.device)  # the CPU thread count
         allocator = self.runner.allocate_kv_cache()
         if self.worker is not None:
@@ -89,6 +92,7 @@ class LLM:
         on_cuda = self.runner.device.type == "cuda"
         self.overlap = c.overlap_schedule if c.overlap_schedule is not None else on_cuda
         self._inflight, self._next_id = None, 0  # _inflight: (batch, output) launched but not yet committed
+        self._seeds = random.Random(c.seed)  # seeds for requests that bring none
         self._stash: list[Request] = []  # finished add_request() requests seen by generate(), kept for step()
 
     def _make_request(self, prompt, params) -> Request:
@@ -117,10 +121,18 @@ class LLM:
         self._next_id += 1
         return req
 
+    def _add(self, req: Request) -> None:
+        """Queue a validated request; one without ``SamplingParams.seed`` gets a seed from the engine's
+        generator (``LLM(seed=...)`` fixes a run)."""
+        req.seed = req.params.seed
+        if req.seed is None:
+            req.seed = self._seeds.randrange(2**63)
+        self.scheduler.add(req)
+
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
         """Queue one request; returns its id. Validation errors leave the engine untouched."""
         req = self._make_request(prompt, sampling_params)
-        self.scheduler.add(req)
+        self._add(req)
         return req.request_id
 
     def step(self) -> list[Request]:
@@ -138,7 +150,7 @@ class LLM:
             self.num_steps_run += 1
             # rank 0 picks the draft length, so every rank drafts the same s (DESIGN §4 rule 8)
             spec = batch.kind == "decode" and self.worker is not None
-            plan = self.worker.policy.choose(len(batch.reqs)) if spec else None
+            plan = self.worker.plan(batch.reqs) if spec else None
             launched = (batch, self._call("_launch", batch, plan))
             for r in batch.reqs:
                 r.num_blocks_sent = len(r.block_table)
@@ -149,6 +161,9 @@ class LLM:
         self._inflight = launched
         if not self.overlap and launched is not None:
             finished += self._commit(*launched)
+            self._inflight = None
+        if self._inflight is not None and all(r.is_finished for r in self._inflight[0].reqs):
+            finished += self._commit(*self._inflight)  # nothing left to emit: the engine goes exactly idle
             self._inflight = None
         self._send_releases()
         return stashed + finished
@@ -235,12 +250,31 @@ class LLM:
             self._send_releases()
         return req is not None
 
+    def get_request(self, request_id: int) -> Request | None:
+        """The queued or running request with this id (its ``output_token_ids``, ``is_finished``,
+        ``finish_reason``, ``num_cached_tokens``, ``accept_lengths`` and ``draft_lengths`` as each ``step``
+        leaves them), or None once it has finished. For front ends that stream: call it after
+        ``add_request`` (the newest request is found first)."""
+        queued = itertools.chain(reversed(self.scheduler.waiting), self.scheduler.running)
+        return next((r for r in queued if r.request_id == request_id), None)
+
+    def stats(self) -> dict:
+        """The engine's load now: ``num_running`` and ``num_waiting`` (requests), ``kv_cache_usage`` (the
+        fraction of usable KV blocks held by requests, in [0, 1]; prefix-cached blocks nobody holds count as
+        free, so it is 0 when idle) and ``num_draft_inputs`` (requests holding a draft input; 0 when idle)."""
+        allocator = self.scheduler.allocator
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": 1 - allocator.num_free / allocator.num_usable,
+            "num_draft_inputs": len(self.worker.draft_inputs) if self.worker is not None else 0,
+        }
+
     def has_unfinished(self) -> bool:
-        """True while a request waits or runs, a launched step can still emit tokens, or a finished or aborted
-        request has not been returned by ``step`` yet; a step in flight only for finished requests does not
-        count (it emits nothing)."""
-        live = self._inflight is not None and not all(r.is_finished for r in self._inflight[0].reqs)
-        return self.scheduler.has_work() or bool(self._stash) or live
+        """True while a request waits or runs, a launched step is in flight, or a finished or aborted request
+        has not been returned by ``step`` yet. ``step`` commits a step in flight as soon as every request in
+        it has finished, so an engine without unfinished work has nothing in flight."""
+        return self.scheduler.has_work() or bool(self._stash) or self._inflight is not None
 
     def output_dict(self, req: Request) -> dict:
         out = {
@@ -274,7 +308,7 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         reqs = [self._make_request(p, sp) for p, sp in zip(prompts, params)]
         for r in reqs:
-            self.scheduler.add(r)
+            self._add(r)
         done, ntok = {}, 0
         bar = tqdm(total=len(reqs), desc="Generating", disable=not use_tqdm)
         t0, ids = time.perf_counter(), {r.request_id for r in reqs}

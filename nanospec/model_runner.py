@@ -17,7 +17,7 @@ from .kv_cache import DUMMY_BLOCK, BlockAllocator, block_table_tensor, slot_mapp
 from .models import init_random_weights, load_weights, target_class
 from .mtp.state import DraftInput
 from .request import Request
-from .sampler import Sampler
+from .sampler import sample_tokens
 from .scheduler import Batch, HostCopy, StepOutput
 
 
@@ -67,7 +67,7 @@ class PrefillOutput:
 
 
 class ModelRunner:
-    """Owns the target model, its KV pools, the sampler and the graph runner.
+    """Owns the target model, its KV pools and the graph runner.
 
     ``LLM`` drives the order (DESIGN §4 rule 2): ``ModelRunner(...)`` builds the target;
     ``allocate_kv_cache()`` sizes the pools from the memory budget, allocates them and binds the target's
@@ -81,12 +81,11 @@ class ModelRunner:
         self.model = build_target(hf_config, self.device, self.dtype, max_pos, weights, config.seed)
         # deterministic mode is read here only (DESIGN §4 rule 9): batch-invariant GEMMs, and one KV split
         # size for every attention row, which the runner and the worker put in each forward's metadata
-        self.split_size = self.model.kv_split_size = KV_SPLIT_SIZE if config.deterministic else None
+        self.split_size = KV_SPLIT_SIZE if config.deterministic else None
         if config.deterministic:
             make_batch_invariant(self.model)
         self.vocab_size = self.model.config.vocab_size
         self.lookahead = config.num_draft_tokens if config.speculative else 1
-        self.sampler = Sampler(self.device, config.seed)
         self.kv_pools: list[torch.Tensor] = []
         self.allocator: BlockAllocator | None = None
         self.graphs: GraphRunner | None = None
@@ -183,10 +182,9 @@ class ModelRunner:
     # ---- graphs
     # ----------------------------------------------------------------------------------------------------
     def capture_graphs(self, worker=None) -> GraphRunner:
-        """Build the graph runner: phase "decode" and, with the MTP ``worker``, phases "mtp:{s}" (greedy
-        batches, ``draft_verify``) and "mtp_sampled:{s}" (``draft_verify_sampled``) for every draft length s
-        the worker's policy may choose. Buckets exist only on CUDA without
-        ``enforce_eager``; elsewhere every phase runs eagerly."""
+        """Build the graph runner: phase "decode" and, with the MTP ``worker``, phases "mtp:{s}"
+        (``draft_verify``, greedy and sampled rows alike) for every draft length s the worker's policy may
+        choose. Buckets exist only on CUDA without ``enforce_eager``; elsewhere every phase runs eagerly."""
         c, dev = self.config, self.device
         use_graphs = dev.type == "cuda" and not c.enforce_eager
         width = -(-(c.max_model_len + self.lookahead) // c.page_size)
@@ -203,17 +201,16 @@ class ModelRunner:
         }
         phases = {"decode": (self._decode_logits, ["ids", "pos", "slots", "block_table", "seq_lens"])}
         if worker is not None:
-            spec = ["bonus", "hidden", "block_table", "L"]
-            sampled = spec + ["temperature", "top_k", "top_p", "noise"]
+            spec = ["bonus", "hidden", "block_table", "L", "temperature", "top_k", "top_p", "seeds"]
             for s in worker.policy.candidates:  # one graph per draft length the policy may choose
                 phases[f"mtp:{s}"] = (partial(worker.draft_verify, num_steps=s), spec)
-                phases[f"mtp_sampled:{s}"] = (partial(worker.draft_verify_sampled, num_steps=s), sampled)
             f32 = torch.float32
+            # padding rows are greedy: no sampling work
             buffers.update(
-                temperature=((1,), f32, 1.0),
+                temperature=((1,), f32, 0.0),
                 top_k=((1,), i32, -1),
                 top_p=((1,), f32, 1.0),
-                noise=((1, worker.noise_width), f32, 0.5),
+                seeds=((1,), i64, 0),
             )
         sizes = graph_batch_sizes(c.max_num_seqs) if use_graphs else []
         self.graphs = GraphRunner(phases, buffers, sizes, num_kv_splits(c.max_model_len), dev)
@@ -270,7 +267,8 @@ class ModelRunner:
         bonus = self._tensor([batch.reqs[i].last_token for i in done])
         if new:
             reqs = [batch.reqs[i] for i in new]
-            sampled = self.sampler.sample(reqs, self.model.compute_logits(hidden[[last[i] for i in new]]))
+            logits = self.model.compute_logits(hidden[[last[i] for i in new]])
+            sampled = sample_tokens(reqs, logits, self._tensor([r.num_tokens for r in reqs]))
             parallel.agree(sampled)  # rank 0's tokens (DESIGN §4 rule 8)
             bonus[[done.index(i) for i in new]] = sampled
         return PrefillOutput(
@@ -307,7 +305,8 @@ class ModelRunner:
             "block_table": bt,
             "seq_lens": inp.seq_lens + 1,
         }
-        toks = self.sampler.sample(reqs, self.graphs.run("decode", inputs, num_kv_splits(bound)))
+        logits = self.graphs.run("decode", inputs, num_kv_splits(bound))
+        toks = sample_tokens(reqs, logits, pos + 1)  # the produced token sits at position L + 1
         parallel.agree(toks)
         nxt = DraftInput(inp.req_ids, toks, inp.hidden, inp.seq_lens + 1)
         self.decode_inputs = self.decode_inputs.merge(nxt)

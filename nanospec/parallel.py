@@ -27,7 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu
+from .kernels import matmul
+from .loader import layer_geometry
 
 rank, size = 0, 1  # this process's rank and the group size; read when a model is built
 _cpu = None  # the gloo group of the step messages
@@ -37,8 +38,8 @@ _rdzv = None  # the rendezvous file when this engine started its ranks
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``: the engine's one GEMM call (x [T, K] @ weight [N, K].T + bias [N] -> [T, N]); fp32 on a
-    CPU through ``cpu.linear`` (up to 4 rows cost about what one row costs)."""
-    return cpu.linear(x, weight, bias)
+    CPU through ``kernels.matmul.linear`` (up to 4 rows cost about what one row costs)."""
+    return matmul.linear(x, weight, bias)
 
 
 def span(n: int, unit: int = 1) -> tuple[int, int]:
@@ -130,8 +131,6 @@ def check_sizes(config, target, assistant=None) -> None:
     GPUs on CUDA (unless launched by torchrun, which may span machines), and splitting the HF configs of the
     target (and the assistant): query heads, MLP and vocabulary sizes divisible by n, every layer's KV heads
     a multiple or a divisor of n (replicated then); the allowed values are listed."""
-    from .models.gemma4_assistant import _geometry
-
     n, gpus = config.tensor_parallel_size, torch.cuda.device_count()
     if config.torch_device().type == "cuda" and n > gpus and "WORLD_SIZE" not in os.environ:
         raise ValueError(f"tensor_parallel_size must be in [1, {gpus}] (the visible GPUs), got {n}")
@@ -140,7 +139,7 @@ def check_sizes(config, target, assistant=None) -> None:
     need = {f: getattr(t, f) for f in fields if getattr(t, f, None)}
     if assistant is not None:
         need["assistant num_attention_heads"] = assistant.get_text_config().num_attention_heads
-    need |= {f"num_key_value_heads of layer {i}": _geometry(t, i)[1] for i in range(t.num_hidden_layers)}
+    need |= {f"num_key_value_heads of layer {i}": layer_geometry(t, i)[1] for i in range(t.num_hidden_layers)}
 
     def bad(m):  # KV heads may also divide m (replicated)
         return [f"{k} = {v}" for k, v in need.items() if v % m and ("key_value" not in k or m % v)]
@@ -150,11 +149,11 @@ def check_sizes(config, target, assistant=None) -> None:
         raise ValueError(f"tensor_parallel_size={n} does not split {bad(n)[0]} (allowed: {ok})")
 
 
-def start(config, model_dir: str, kwargs: dict) -> None:
+def start(config, engine: type, model_dir: str, kwargs: dict) -> None:
     """Before a model is built, join the group of n = ``config.tensor_parallel_size`` ranks: torchrun's
     (``env://``), the one this rank was started into, or as rank 0 start ranks 1..n-1 (torch.multiprocessing
-    spawn, each building ``LLM(model_dir, **kwargs)`` without a trace; rendezvous through a temporary file,
-    the ranks' sockets on loopback).
+    spawn, each building ``engine(model_dir, **kwargs)``, the ``LLM`` class, without a trace; rendezvous
+    through a temporary file, the ranks' sockets on loopback).
     ValueError while another tensor-parallel LLM is open in this process, or when ``n`` is not the
     launcher's WORLD_SIZE."""
     global rank, size, _cpu, _rdzv
@@ -168,7 +167,7 @@ def start(config, model_dir: str, kwargs: dict) -> None:
         fd, _rdzv = tempfile.mkstemp(prefix="nanospec-tp-")
         os.close(fd)
         ctx = torch.multiprocessing.get_context("spawn")
-        args = (n, _rdzv, model_dir, kwargs | dict(trace=None))
+        args = (n, _rdzv, engine, model_dir, kwargs | dict(trace=None))
         _procs[:] = [ctx.Process(target=_rank_main, args=(r, *args), daemon=True) for r in range(1, n)]
         for p in _procs:
             p.start()
@@ -183,12 +182,10 @@ def start(config, model_dir: str, kwargs: dict) -> None:
     _cpu, rank, size = dist.new_group(backend="gloo", timeout=timedelta(days=30)), r, n
 
 
-def _rank_main(r: int, n: int, rdzv: str, model_dir: str, kwargs: dict) -> None:
-    """A started rank: the same ``LLM`` as rank 0, which serves rank 0's calls until it closes."""
+def _rank_main(r: int, n: int, rdzv: str, engine: type, model_dir: str, kwargs: dict) -> None:
+    """A started rank: the same ``LLM`` (``engine``) as rank 0, serving rank 0's calls until it closes."""
     os.environ.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), NANOSPEC_TP_INIT=f"file://{rdzv}")
-    from .llm import LLM
-
-    LLM(model_dir, **kwargs)
+    engine(model_dir, **kwargs)
 
 
 def broadcast(msg=None):

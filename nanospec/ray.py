@@ -15,7 +15,7 @@ from .sampling_params import SamplingParams
 INPUT_COLUMNS = ("prompt", "messages", "prompt_token_ids")
 # build_app's options: the LLM's and Serve's per replica
 OPTION_TYPES = {f.name: f.type for f in fields(EngineConfig)} | dict(
-    num_replicas=int, max_n=int, num_cpus=float, num_gpus=float | None
+    num_replicas=int, max_n=int, max_waiting=int, num_cpus=float, num_gpus=float | None
 )
 
 
@@ -93,29 +93,31 @@ def _typed(name: str, value):
 
 def build_app(args: dict):
     """A Ray Serve application (Serve's application-builder convention): ``num_replicas`` replicas, each one
-    ``LLM`` behind ``nanospec-serve``'s OpenAI app (``serve.server.make_app``: the same endpoints, streaming,
-    metrics and API key), Serve routing the requests.
+    ``LLM`` behind ``nanospec-serve``'s OpenAI app (``serve.app.build_app``: the same endpoints, streaming,
+    metrics, limits and API key), Serve routing the requests.
 
         serve run nanospec.ray:build_app model=DIR num_replicas=4 [api_key=KEY] [LLM option=value ...]
         serve.run(build_app({"model": DIR, "num_replicas": 4, ...}))     # from Python
 
-    ``args``: ``model`` (None: the default model), ``num_replicas`` (1), ``api_key``, ``max_n`` (16), Ray
+    ``args``: ``model`` (None: the default model), ``num_replicas`` (1), and per replica ``api_key``,
+    ``max_n`` (16) and ``max_waiting`` (1024) as ``nanospec-serve``'s options, Ray
     resources per replica ``num_cpus`` (1) and ``num_gpus`` (default: ``tensor_parallel_size`` when the
     engine runs on CUDA, else 0), and any ``LLM`` option. All are checked here, before any replica starts
     (ValueError / TypeError naming the field). Each response carries the header ``x-nanospec-replica``: the
     Serve replica that answered."""
     from ray import serve
 
-    from .serve.server import make_app
+    from .serve.app import build_app as openai_app
 
     options = {k: _typed(k, v) for k, v in args.items()}
     model = options.pop("model", None)
     api_key = options.pop("api_key", None)
     num_replicas = options.pop("num_replicas", 1)
     max_n = options.pop("max_n", 16)
+    max_waiting = options.pop("max_waiting", 1024)
     num_cpus = options.pop("num_cpus", 1)
     num_gpus = options.pop("num_gpus", None)
-    for field, value in dict(num_replicas=num_replicas, max_n=max_n).items():
+    for field, value in dict(num_replicas=num_replicas, max_n=max_n, max_waiting=max_waiting).items():
         if type(value) is not int or value < 1:
             raise ValueError(f"{field} must be an int >= 1, got {value!r}")
     config = EngineConfig.from_kwargs(model, options)
@@ -125,7 +127,7 @@ def build_app(args: dict):
 
     def replica_app():  # runs in each replica: its engine and the app over it
         replica = serve.get_replica_context().replica_id.unique_id.encode()
-        app = make_app(LLM(model, **options), name, api_key, max_n)
+        app = openai_app(LLM(model, **options), name, api_key, max_n, max_waiting)
 
         async def tagged(scope, receive, send):  # the app, its responses tagged with the replica
             async def send_tagged(message):

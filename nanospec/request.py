@@ -16,7 +16,9 @@ class Request:
 
     ``num_computed`` counts the tokens whose K/V are committed in the target pool (L in DESIGN §3). While
     decoding, the last output token (the bonus token under speculation) is not in KV yet, so
-    ``num_computed == num_tokens - 1``. ``block_table`` lists the request's KV blocks in order.
+    ``num_computed == num_tokens - 1``. ``block_table`` lists the request's KV blocks in order. ``seed``
+    keys the sampling noise of every token the request produces (``kernels.sampling``): its
+    ``SamplingParams.seed``, or one the engine drew for it.
     """
 
     def __init__(
@@ -26,17 +28,18 @@ class Request:
         params: SamplingParams,
         eos_token_ids: set[int],
         tokenizer=None,
+        seed: int = 0,
     ):
-        self.request_id, self.params, self.status = request_id, params, Status.WAITING
+        self.request_id = request_id
+        self.params = params
+        self.seed = seed
+        self.status = Status.WAITING
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.block_table: list[int] = []
         # num_inflight: decode steps launched but not yet committed (overlap scheduling: 0 or 1)
         self.num_computed = self.num_inflight = 0
         self.epoch = 0  # bumped by preemption: a step launched in an earlier epoch is dropped
-        # sampling calls (prefill's first token, each decode / verify step): launched and not dropped, and
-        # committed. The launched count keys a seeded request's noise, so it never lags under overlap.
-        self.num_samples_launched = self.num_samples = 0
         self.finish_reason: str | None = None
         self.stop_str_index: int | None = None  # where the text is cut, when a stop string matched
         self.accept_lengths: list[int] = []

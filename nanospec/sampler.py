@@ -1,4 +1,9 @@
-"""Sampling for the target: per-request parameter tensors, seeded noise, and the sample itself."""
+"""Sampling for the target: the requests' sampling parameters as device tensors, and the tokens rows produce.
+
+Every token a request produces is ``kernels.sampling.sample``'s position-keyed Gumbel argmax: a function of
+the request's seed, the token's absolute position and the target's logits at that row, whatever step, batch
+or draft produced the row (DESIGN §5, "Seeds").
+"""
 
 import torch
 
@@ -6,41 +11,18 @@ from .kernels.sampling import sample
 from .request import Request
 
 
-class Sampler:
-    """Turns logits into tokens for a batch of requests; used by the model runner (prefill, decode) and by the
-    Frozen-KV MTP worker (verify), which both pass the requests explicitly.
+def sampling_tensors(reqs: list[Request], device) -> tuple[torch.Tensor, ...]:
+    """(temperature [B] fp32, top_k [B] int32, top_p [B] fp32, seeds [B] int64) of ``reqs``, on ``device``."""
+    temperature = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32)
+    top_k = torch.tensor([r.params.top_k for r in reqs], dtype=torch.int32)
+    top_p = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32)
+    seeds = torch.tensor([r.seed for r in reqs], dtype=torch.int64)
+    return tuple(t.to(device, non_blocking=True) for t in (temperature, top_k, top_p, seeds))
 
-    Noise comes from the engine generator (``seed``), or for a request with ``SamplingParams.seed`` from its
-    own generator keyed by (seed, sampling-call index), so its samples do not depend on the batch it runs in
-    nor on the schedule: the index counts the request's sampling calls launched before this one (its prefill's
-    first token, then one per decode or verify step), which the host knows before any earlier step commits.
-    """
 
-    def __init__(self, device: torch.device, seed: int):
-        self.device, self.generator = device, torch.Generator(device).manual_seed(seed)
-
-    def tensors(self, reqs: list[Request]):
-        """(temperature [B] fp32, top_k [B] int32, top_p [B] fp32) of the requests' SamplingParams."""
-        p = [r.params for r in reqs]
-        temperature = torch.tensor([x.temperature for x in p], dtype=torch.float32)
-        top_k = torch.tensor([x.top_k for x in p], dtype=torch.int32)
-        top_p = torch.tensor([x.top_p for x in p], dtype=torch.float32)
-        return tuple(t.to(self.device, non_blocking=True) for t in (temperature, top_k, top_p))
-
-    def noise(self, reqs: list[Request], width: int) -> torch.Tensor:
-        """Uniform (0, 1) noise [len(reqs), width] fp32."""
-        u = torch.rand(len(reqs), width, generator=self.generator, device=self.device)
-        for i, r in enumerate(reqs):
-            if r.params.seed is not None:
-                key = (r.params.seed * 1_000_003 + r.num_samples_launched) % 2**63
-                g = torch.Generator(self.device).manual_seed(key)
-                u[i] = torch.rand(width, generator=g, device=self.device)
-        return u.clamp_(min=1e-20)
-
-    def sample(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
-        """Next token per request [B] int64 from logits [B, V]: argmax when every row is greedy, else
-        temperature / top-k / top-p sampling (``kernels.sampling.sample``)."""
-        if all(r.params.greedy for r in reqs):
-            return logits.argmax(-1)
-        temperature, top_k, top_p = self.tensors(reqs)
-        return sample(logits, temperature, top_k, top_p, self.noise(reqs, logits.shape[-1]))
+def sample_tokens(reqs: list[Request], logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The token each row produces [B] int64, from logits [B, V]; ``positions`` [B] int64 are the absolute
+    positions of those tokens. A batch of greedy rows only takes the argmax (no parameter tensors)."""
+    if all(r.params.greedy for r in reqs):
+        return logits.argmax(-1)
+    return sample(logits, *sampling_tensors(reqs, logits.device), positions)

@@ -60,6 +60,7 @@ class StepOutput:
     draft_len: int = 0  # draft steps of a speculative step (0: it verified the bonus token alone)
     num_drafted: int = 0  # draft tokens it verified per request (tree nodes but the root)
     timer: object = None  # the step's StepTimer (speculation), read when the step commits
+    sampled: bool = False  # a row of the step sampled (the draft-length policy books it apart)
     _host: list | None = None
 
     def __post_init__(self):
@@ -185,7 +186,6 @@ class Scheduler:
         self._release(req, "preempted")
         req.epoch += 1  # a step still in flight for it is dropped when it commits
         req.num_inflight = req.num_computed = 0
-        req.num_samples_launched = req.num_samples  # the dropped step's noise is drawn again
         req.status = Status.WAITING
         # A half-prefilled head holds blocks and must finish first: queued in front of it, a victim that does
         # not
@@ -199,7 +199,6 @@ class Scheduler:
         batch.epochs = [r.epoch for r in batch.reqs]
         batch.done = [batch.completes(i) for i in range(len(batch.reqs))]
         for i, req in enumerate(batch.reqs):
-            req.num_samples_launched += batch.kind == "decode" or (batch.done[i] and not req.output_token_ids)
             if batch.kind == "decode":
                 req.num_inflight += 1
                 continue
@@ -235,7 +234,6 @@ class Scheduler:
                     req.draft_lengths.append(num_drafted)
             elif not batch.done[i]:
                 continue
-            req.num_samples += bool(toks)
             req.append_tokens(toks)
             if req.is_finished:
                 self.running.remove(req)

@@ -22,7 +22,8 @@ import time
 import torch
 
 from nanospec import LLM, SamplingParams
-from nanospec.loader import configure_cpu_threads, load_tokenizer, resolve_model_dir
+from nanospec.cpu import configure_cpu_threads
+from nanospec.loader import load_tokenizer, resolve_model_dir
 from nanospec.tools.bench import sharegpt_workload
 from nanospec.tools.cli import number
 
@@ -65,7 +66,8 @@ def main(argv=None) -> int:
     }
     for llm in llms.values():  # warm-up: compile and capture outside the timed runs
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-    tokens, seconds = {}, {}
+    tokens = {}
+    seconds = {}
     for name, (kw, batch) in runs.items():
         for det in (False, True):
             llm = llms[det, bool(kw)]
@@ -79,7 +81,8 @@ def main(argv=None) -> int:
             ]
             if args.device == "cuda":
                 torch.cuda.synchronize()
-            seconds[det, name], tokens[det, name] = time.perf_counter() - t0, out
+            seconds[det, name] = time.perf_counter() - t0
+            tokens[det, name] = out
     res = dict(vars(args), prompts=len(prompts), torch=torch.__version__, threads=torch.get_num_threads())
     ok = True
     for det in (False, True):

@@ -6,7 +6,7 @@
 # 3. bench.py: attention-kernel bandwidth, then the nano-vllm workload with the shipped assistant;
 # 4. with 2+ GPUs, tensor parallelism (scripts/gpu_tp.py): tokens at TP=2 equal TP=1, decode tok/s TP2/TP1 on
 #    the Gemma 4 31B shape with random weights.
-# Steps 2 and 3 need the default model (fetched into the nanospec cache on first use; offline: README).
+# Steps 2 and 3 need the default model (fetched into the nanospec cache on first use; offline: docs/usage.md).
 # Exit status: non-zero if any step failed.
 set -uo pipefail
 OUT=${1:-gpu_out}

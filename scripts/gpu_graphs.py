@@ -18,14 +18,16 @@ from nanospec.tools.bench import sharegpt_workload, write_random_assistant
 
 def main() -> int:
     model = str(resolve_model_dir(None))
-    res, tokens = {}, {}
+    res = {}
+    tokens = {}
     with tempfile.TemporaryDirectory() as tmp:
         assistant = str(write_random_assistant(model, Path(tmp) / "assistant"))
         tok = LLM(model, device="cuda", max_model_len=1024, enforce_eager=True).tokenizer
         prompts = sharegpt_workload(tok, 50, 512, 128)[0]
         runs = {"plain": {}, "chain": dict(assistant=assistant, num_steps=3)}
         runs["tree"] = dict(assistant=assistant, num_steps=3, topk=3, num_draft_tokens=8)
-        sp, engine = SamplingParams(max_tokens=96), dict(device="cuda", max_model_len=1024, max_num_seqs=64)
+        sp = SamplingParams(max_tokens=96)
+        engine = dict(device="cuda", max_model_len=1024, max_num_seqs=64)
         for dtype in ("float32", "bfloat16"):
             for name, kw in runs.items():
                 outs = []

@@ -16,7 +16,8 @@ from transformers import Gemma4TextConfig as Text
 from nanospec import LLM, SamplingParams
 from nanospec.loader import load_tokenizer, resolve_model_dir
 
-S, F = "sliding_attention", "full_attention"
+S = "sliding_attention"
+F = "full_attention"
 ROPE = {S: {"rope_type": "default", "rope_theta": 1e4}}
 ROPE[F] = {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}
 COMMON = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, head_dim=16, global_head_dim=32)
@@ -95,7 +96,8 @@ def main():
             same = tokens(target, assistant, 1, spec) == tokens(target, assistant, 2, spec)
             ok &= same
             print(f"tokens TP2 == TP1, spec {name}: {same}", flush=True)
-    t1, t2 = bench(1), bench(2)
+    t1 = bench(1)
+    t2 = bench(2)
     print(f"gemma4-31b decode throughput: TP1 {t1:.1f} tok/s, TP2 {t2:.1f} tok/s, TP2/TP1 = {t2 / t1:.2f}x")
     sys.exit(0 if ok else 1)
 

@@ -18,16 +18,26 @@ def kernel_bench(dtype=torch.bfloat16, contexts=(8192, 16384, 32768)) -> list[di
 
     from nanospec.kernels.attention import decode_attention, draft_attention, extend_attention
 
-    B, Hq, Hkv, D, page, k, N, rows = 8, 32, 8, 128, 16, 3, 12, []
-    dev, i32 = torch.device("cuda"), dict(device="cuda", dtype=torch.int32)
+    B = 8
+    Hq = 32
+    Hkv = 8
+    D = 128
+    page = 16
+    k = 3
+    N = 12
+    rows = []
+    dev = torch.device("cuda")
+    i32 = dict(device="cuda", dtype=torch.int32)
     for ctx in contexts:
         kc, vc = (torch.randn(B * ctx // page + 1, page, Hkv, D, device=dev, dtype=dtype) for _ in range(2))
-        bt, lens = (1 + torch.arange(B * ctx // page, **i32)).view(B, -1), torch.full((B,), ctx, **i32)
+        bt = (1 + torch.arange(B * ctx // page, **i32)).view(B, -1)
+        lens = torch.full((B,), ctx, **i32)
         kv_bytes = 2 * B * ctx * Hkv * D * kc.element_size()
         src = torch.empty(kv_bytes // 2, dtype=torch.int16, device=dev)
         copy_bw = 2 * kv_bytes / (do_bench(src.clone) * 1e-3)
         q, qd, qt = (torch.randn(b, Hq, D, device=dev, dtype=dtype) for b in (B, B * k, B * N))
-        r2r, cu = torch.arange(B, **i32).repeat_interleave(k), torch.arange(0, (B + 1) * N, N, **i32)
+        r2r = torch.arange(B, **i32).repeat_interleave(k)
+        cu = torch.arange(0, (B + 1) * N, N, **i32)
         mask = torch.tril(torch.ones(N, N, dtype=torch.bool, device=dev)).expand(B, N, N).contiguous()
         splits = max(1, min(32, ctx // 256))
         runs = [("decode", partial(decode_attention, q, kc, vc, bt, lens, D**-0.5, num_splits=splits))]

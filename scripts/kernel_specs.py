@@ -42,11 +42,13 @@ import time
 
 SPECS_JSON = pathlib.Path(__file__).with_name("kernel_specs.json")
 LIMITS = {80: 166912, 86: 101376, 89: 101376, 90: 232448}  # bytes of shared memory per block (opt-in)
-# attention tiles follow the shared memory per block (kernels.attention._tiles): one recording per class
+# attention tiles follow the shared memory per block (attention_common.attention_tiles): one recording
+# per class
 TILE_CLASSES = {101376: (86, 89), 166912: (80, 90)}
 NO_SPILL_PHASES = ("decode", "draft", "verify")
 
-S, F = "sliding_attention", "full_attention"
+S = "sliding_attention"
+F = "full_attention"
 _G4_ROPE = {
     S: {"rope_type": "default", "rope_theta": 10000.0},
     F: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
@@ -86,7 +88,6 @@ TARGETS = {
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         ),
     ),
-    # a hidden size past rms_norm's 4096 (Qwen3-32B: hidden 5120, 64 / 8 heads of 128), one layer
     # a micro Llama for interpreted runs (tests)
     "micro": (
         "llama",
@@ -100,6 +101,7 @@ TARGETS = {
             num_hidden_layers=1,
         ),
     ),
+    # a hidden size past rms_norm's 4096 (Qwen3-32B: hidden 5120, 64 / 8 heads of 128), one layer
     "wide": (
         "qwen3",
         dict(
@@ -253,7 +255,9 @@ class Recorder:
 
         import nanospec.kernels as kernels
 
-        self._cls, self._orig, rec = InterpretedFunction, InterpretedFunction.run, self
+        self._cls = InterpretedFunction
+        self._orig = InterpretedFunction.run
+        rec = self
         self._backend = _cuda_backend()
 
         def run(fn, *args, grid, warmup, **kwargs):
@@ -454,16 +458,16 @@ def run_workloads(workloads=WORKLOADS, recorder=None, tmp=None, prompt_lens=PROM
 def record(workloads=WORKLOADS, tmp=None, classes=TILE_CLASSES, execute=False, prompt_lens=PROMPT_LENS):
     """The unique specializations launched by ``workloads``, sorted and JSON-ready, each with ``archs``: the
     GPUs whose tile class (``classes``: shared memory per block -> archs) launches it. Runs every workload
-    once per class, the interpreter's tiles set for that class (``attention.set_tile_target``)."""
-    from nanospec.kernels import attention
+    once per class, the interpreter's tiles set for that class (``attention_common.set_tile_target``)."""
+    from nanospec.kernels import attention_common
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("record() needs TRITON_INTERPRET=1 set before nanospec.kernels is imported")
     specs = {}
-    old = attention._tile_smem
+    old = attention_common.tile_target()
     try:
         for smem, archs in classes.items():
-            attention.set_tile_target(smem)
+            attention_common.set_tile_target(smem)
             with Recorder(execute) as rec:
                 run_workloads(workloads, rec, tmp, prompt_lens)
             for key, s in rec.specs.items():
@@ -472,7 +476,7 @@ def record(workloads=WORKLOADS, tmp=None, classes=TILE_CLASSES, execute=False, p
                 out["workloads"] |= s["workloads"]
                 out["archs"] |= set(archs)
     finally:
-        attention.set_tile_target(old)
+        attention_common.set_tile_target(old)
     out = [dict(s, **{k: sorted(s[k]) for k in ("phases", "workloads", "archs")}) for s in specs.values()]
     return sorted(out, key=spec_key)
 

@@ -24,7 +24,8 @@ from nanospec.tools.datasets import HUMANEVAL, SHAREGPT, data_file
 
 def bundle(out: pathlib.Path, part_mb: int) -> list[pathlib.Path]:
     """Write the bundle (module docstring) into the existing dir ``out``; returns the part files, in order."""
-    tar_path, model = out / "nanospec-cache.tar", resolve_model_dir(None)
+    tar_path = out / "nanospec-cache.tar"
+    model = resolve_model_dir(None)
     with tarfile.open(tar_path, "w") as tar:
         tar.add(model, arcname=model.name)
         for f in (data_file(SHAREGPT), data_file(HUMANEVAL)):

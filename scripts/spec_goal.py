@@ -1,10 +1,11 @@
 """Does speculation pay on this machine? The adaptive draft length against plain decoding and every fixed s.
 
-    OMP_NUM_THREADS=1 python scripts/spec_goal.py --device cpu                  # the CPU goal (README)
+    OMP_NUM_THREADS=1 python scripts/spec_goal.py --device cpu    # the CPU goal (docs/benchmarks.md)
     python scripts/spec_goal.py --device cuda --num-seqs 16 --max-output-len 256  # on a GPU
 
 For each prompt set (held-out ShareGPT first turns and the chat prompts written for the benchmark, each with
-and without ignore_eos; bench.py's ``workload``), greedy, one request at a time (bench.py's --batch-1), the
+and without ignore_eos; bench.py's ``workload``), greedy (or ``--temperature T``, each prompt seeded), one
+request at a time (bench.py's --batch-1), the
 default model runs as: plain (no assistant), the shipped assistant with the adaptive draft length (the
 default), and the shipped assistant at every fixed s = 1..num_steps (adaptive_speculation=False). Every engine
 is built and warmed up first (64 tokens, as bench.py), then each prompt runs on every engine, ``--rounds``
@@ -29,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nanospec import LLM, SamplingParams, loader  # noqa: E402
+from nanospec import LLM, SamplingParams, cpu, loader  # noqa: E402
 from nanospec.config import EngineConfig  # noqa: E402
 from nanospec.tools import bench  # noqa: E402
 from nanospec.tools.cli import number  # noqa: E402
@@ -83,11 +84,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-output-len", type=number(int, 1), default=64)
     ap.add_argument("--num-steps", type=number(int, 1), help="most draft steps (default: the device's)")
     ap.add_argument("--rounds", type=number(int, 1), default=2, help="passes over each prompt set")
+    ap.add_argument("--temperature", type=number(float, 0.0), default=0.0, help="0: greedy (default)")
     ap.add_argument("--out", help="write the figures as JSON here")
     turn_help = "engine steps per turn, 0: whole requests (default: 8 on cpu, 0 on cuda)"
     ap.add_argument("--turn", type=number(int, 0), help=turn_help)
     args = ap.parse_args(argv)
-    loader.configure_cpu_threads()
+    cpu.configure_cpu_threads()
     S = args.num_steps or EngineConfig(assistant="default", device=args.device).num_steps
     configs = {"plain": dict(assistant=None), "adaptive": dict(assistant="default", num_steps=S)}
     for s in range(1, S + 1):
@@ -98,11 +100,14 @@ def main(argv=None) -> dict:
     warm = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=64)
     for llm in engines.values():
         llm.generate(["Benchmark: "], warm, use_tqdm=False)
-    args.turn = args.turn if args.turn is not None else 8 if args.device == "cpu" else 0
-    tokenizer, report = loader.load_tokenizer(loader.resolve_model_dir(None)), {}
+    if args.turn is None:
+        args.turn = 8 if args.device == "cpu" else 0
+    tokenizer = loader.load_tokenizer(loader.resolve_model_dir(None))
+    report = {}
     for workload, ignore_eos in SETS:
         name = workload + (" ignore_eos" if ignore_eos else "")
-        opts = ["--workload", workload, "--batch-1", "--temperature", "0", "--num-seqs", str(args.num_seqs)]
+        opts = ["--workload", workload, "--batch-1", "--num-seqs", str(args.num_seqs)]
+        opts += ["--temperature", str(args.temperature)]
         b = bench.parse_args(
             opts + ["--max-output-len", str(args.max_output_len)] + ["--ignore-eos"] * ignore_eos
         )
@@ -128,7 +133,8 @@ def main(argv=None) -> dict:
     )
     print("|---|---|---|---|---|---|---|---|")
     for name, rep in report.items():
-        t, fixed = rep["tok_s"], rep["best_fixed"]
+        t = rep["tok_s"]
+        fixed = rep["best_fixed"]
         print(
             f"| {name} | {t['plain']:.2f} | {t['adaptive']:.2f} | {rep['adaptive_over_plain']:.2f}x | "
             f"{fixed} ({t[fixed]:.2f}) | {rep['adaptive_over_best_fixed']:.2f}x | "

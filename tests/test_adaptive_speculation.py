@@ -23,7 +23,7 @@ TREE = {"num_steps": 2, "topk": 2, "num_draft_tokens": 4}
 def oracle(monkeypatch, reference):
     """Chain drafts = the target's own continuation after each row's device L (all accepted)."""
 
-    def draft(self, reqs, block_table, seq_lens, num_splits=None, num_steps=None):
+    def draft(self, reqs, block_table, seq_lens, num_splits=None, num_steps=None, sampling=None):
         S = self.num_steps if num_steps is None else num_steps
         rows = []
         for r, L in zip(reqs, seq_lens.tolist()):
@@ -39,7 +39,9 @@ def force(monkeypatch, schedule):
     """Make every engine's policy choose the draft lengths of ``schedule``, cycled; returns the log."""
     it = itertools.cycle(schedule)
     log = []
-    monkeypatch.setattr(DraftLength, "choose", lambda self, bs: (log.append(s := next(it)), (s, None))[1])
+    monkeypatch.setattr(
+        DraftLength, "choose", lambda self, bs, sampled=False: (log.append(s := next(it)), (s, None))[1]
+    )
     return log
 
 
@@ -146,8 +148,8 @@ def test_policy_warm_up_choice_and_probes():
     for step in range(5, 16):
         s, est = pol.choose(1)
         assert (s, est) == (best, pytest.approx(rates[best]))
-        pol.cost[s, 1] = cost[s]
-        pol.measured_at[s, 1] = step
+        pol.cost[s, (1, False)] = cost[s]
+        pol.measured_at[s, (1, False)] = step
     assert pol.choose(1) == (3, None)  # step 16: the least recently measured candidate
     assert pol.choose(3) == (3, None)  # batch of 3: bucket 4 warms up on its own
     pol.observe(3, 3, [1, 1, 1], 2.0)
@@ -172,11 +174,11 @@ def test_policy_cost_is_the_mean_of_the_first_steps_then_a_running_mean():
     pol = DraftLength([0, 1], alpha=0.25, beta=0.0, clip=float("inf"))
     for t in (1.0, 2.0, 3.0, 6.0):
         pol.observe(1, 1, [1], t)
-    assert pol.cost[1, 1] == pytest.approx(3.0)  # (1 + 2 + 3 + 6) / 4
+    assert pol.cost[1, (1, False)] == pytest.approx(3.0)  # (1 + 2 + 3 + 6) / 4
     pol.observe(1, 1, [1], 7.0)
-    assert pol.cost[1, 1] == pytest.approx(3.0 + 0.25 * 4.0)
+    assert pol.cost[1, (1, False)] == pytest.approx(3.0 + 0.25 * 4.0)
     pol.observe(1, 2, [1, 1], 5.0)  # another bucket starts its own mean
-    assert pol.cost[1, 2] == 5.0 and pol.cost[1, 1] == pytest.approx(4.0)
+    assert pol.cost[1, (2, False)] == 5.0 and pol.cost[1, (1, False)] == pytest.approx(4.0)
 
 
 def test_policy_books_a_slow_phase_to_the_pace_not_to_the_running_s():
@@ -187,14 +189,16 @@ def test_policy_books_a_slow_phase_to_the_pace_not_to_the_running_s():
     pol.observe(2, 1, [1], 1.5)
     for _ in range(10):
         pol.observe(1, 1, [1], 1.0)
-    assert pol.pace[1] == 1.0 and (pol.cost[1, 1], pol.cost[2, 1]) == (1.0, 1.5)
+    assert pol.pace[1, False] == 1.0 and (pol.cost[1, (1, False)], pol.cost[2, (1, False)]) == (1.0, 1.5)
     pol.observe(1, 1, [1], 2.0)  # the same step now takes twice as long
-    assert pol.cost[1, 1] == pytest.approx(1 + (1.2 - 1) / 11)  # the 11th sample, clipped to 1.2 x 1.0
-    assert pol.pace[1] == pytest.approx(1.05)  # 1 + 0.25 * (min(2 / 1.018, 1.2 * 1) - 1)
+    assert pol.cost[1, (1, False)] == pytest.approx(
+        1 + (1.2 - 1) / 11
+    )  # the 11th sample, clipped to 1.2 x 1.0
+    assert pol.pace[1, False] == pytest.approx(1.05)  # 1 + 0.25 * (min(2 / 1.018, 1.2 * 1) - 1)
     for _ in range(19):
         pol.observe(1, 1, [1], 2.0)
-    assert pol.pace[1] * pol.cost[1, 1] == pytest.approx(2.0, rel=0.01)
-    assert pol.pace[1] > 1.7 and pol.cost[1, 1] < 1.2 < pol.cost[2, 1]
+    assert pol.pace[1, False] * pol.cost[1, (1, False)] == pytest.approx(2.0, rel=0.01)
+    assert pol.pace[1, False] > 1.7 and pol.cost[1, (1, False)] < 1.2 < pol.cost[2, (1, False)]
     assert pol.choose(1)[0] == 1
 
 
@@ -204,11 +208,11 @@ def test_policy_clips_only_from_a_costs_fifth_sample():
     pol = DraftLength([0, 1], beta=0.0)
     for t in (2.0, 1.0, 1.0, 1.0):
         pol.observe(1, 1, [1], t)
-    assert pol.cost[1, 1] == pytest.approx(1.25)  # (2 + 1 + 1 + 1) / 4, nothing clipped
+    assert pol.cost[1, (1, False)] == pytest.approx(1.25)  # (2 + 1 + 1 + 1) / 4, nothing clipped
     pol.observe(1, 1, [1], 3.0)  # the 5th sample is clipped to 1.2 x 1.25
-    assert pol.cost[1, 1] == pytest.approx(1.25 + (1.5 - 1.25) / 5)
+    assert pol.cost[1, (1, False)] == pytest.approx(1.25 + (1.5 - 1.25) / 5)
     pol.observe(0, 1, [1], 0.0)
-    assert 0 < pol.cost[0, 1] and pol.choose(1)[0] in (0, 1)
+    assert 0 < pol.cost[0, (1, False)] and pol.choose(1)[0] in (0, 1)
 
 
 def test_policy_decays_the_acceptance_of_positions_it_does_not_draft():
@@ -216,11 +220,11 @@ def test_policy_decays_the_acceptance_of_positions_it_does_not_draft():
     was measured long ago."""
     pol = DraftLength([0, 1, 2], decay=0.5)
     pol.observe(2, 1, [3], 1.0)  # both drafts accepted
-    assert (pol.tries[1:], pol.hits[1:]) == ([1.0, 1.0], [1.0, 1.0])
+    assert (pol.tries[False][1:], pol.hits[False][1:]) == ([1.0, 1.0], [1.0, 1.0])
     pol.observe(1, 1, [2], 1.0)  # position 1 accepted; position 2 not drafted, still decays
-    assert (pol.tries[1:], pol.hits[1:]) == ([1.5, 0.5], [1.5, 0.5])
+    assert (pol.tries[False][1:], pol.hits[False][1:]) == ([1.5, 0.5], [1.5, 0.5])
     pol.observe(0, 1, [1], 1.0)  # nothing drafted: everything decays
-    assert (pol.tries[1:], pol.hits[1:]) == ([0.75, 0.25], [0.75, 0.25])
+    assert (pol.tries[False][1:], pol.hits[False][1:]) == ([0.75, 0.25], [0.75, 0.25])
     a1, a2 = (0.75 + 0.5) / (0.75 + 1), (0.25 + 0.5) / (0.25 + 1)
     assert pol.expected_accept(2) == pytest.approx(1 + a1 + a1 * a2)
 

@@ -1,4 +1,5 @@
-"""CPU engine tuning (nanospec.cpu): the fp32 GEMM of a few rows and the default thread count."""
+"""CPU engine tuning: the fp32 GEMM of a few rows (kernels.matmul.linear) and the default thread count
+(nanospec.cpu)."""
 
 import os
 
@@ -6,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanospec import cpu, loader, parallel
+from nanospec import cpu, parallel
 from nanospec.cpu import default_cpu_threads
+from nanospec.kernels import matmul
 
 
 @pytest.mark.parametrize("shape", [(576, 576), (960, 576), (576, 1536), (49152, 576)])
@@ -17,7 +19,7 @@ def test_cpu_linear_equals_f_linear(shape, m):
     w = torch.randn(shape, generator=g) * 0.05
     x, b = torch.randn(m, shape[1], generator=g), torch.randn(shape[0], generator=g)
     for bias in (None, b):
-        want, got = F.linear(x, w, bias), cpu.linear(x, w, bias)
+        want, got = F.linear(x, w, bias), matmul.linear(x, w, bias)
         assert got.shape == want.shape and got.is_contiguous()
         assert float((got - want).abs().max() / want.abs().max()) <= 1e-5
 
@@ -27,23 +29,25 @@ def test_cpu_linear_takes_the_transposed_product_for_a_few_fp32_rows():
     w, b = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
     x = torch.randn(2, 3, 24, generator=g)  # 6 rows in a [B, N, K] batch: the most that take it
     rows = x.reshape(6, 24)
-    assert torch.equal(cpu.linear(x, w, b), ((w @ rows.t()).t() + b).view(2, 3, 40))
+    assert torch.equal(matmul.linear(x, w, b), ((w @ rows.t()).t() + b).view(2, 3, 40))
     one = rows[:1]  # odd counts repeat the last row: the product of an even count
-    assert torch.equal(cpu.linear(one, w), (w @ torch.cat([one, one]).t()).t()[:1])
-    assert torch.equal(parallel.linear(rows[:3], w), cpu.linear(rows[:3], w))  # the engine's GEMM goes here
+    assert torch.equal(matmul.linear(one, w), (w @ torch.cat([one, one]).t()).t()[:1])
+    assert torch.equal(
+        parallel.linear(rows[:3], w), matmul.linear(rows[:3], w)
+    )  # the engine's GEMM goes here
     more = torch.randn(7, 24, generator=g)
-    assert torch.equal(cpu.linear(more, w, b), F.linear(more, w, b))  # 7 rows and more: F.linear itself
+    assert torch.equal(matmul.linear(more, w, b), F.linear(more, w, b))  # 7 rows and more: F.linear itself
     for t in (rows.bfloat16(), rows.double()):  # other dtypes: F.linear itself
-        assert torch.equal(cpu.linear(t, w.to(t.dtype)), F.linear(t, w.to(t.dtype)))
+        assert torch.equal(matmul.linear(t, w.to(t.dtype)), F.linear(t, w.to(t.dtype)))
     empty = torch.zeros(0, 24)
-    assert cpu.linear(empty, w).shape == (0, 40)
+    assert matmul.linear(empty, w).shape == (0, 40)
 
 
 def test_default_cpu_threads_only_overrides_the_default(monkeypatch):
     old = torch.get_num_threads()
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(loader, "THREADS_CHOSEN", False)  # as in a process where no script probed
+    monkeypatch.setattr(cpu, "_probed", False)  # as in a process where no script probed
     try:
         torch.set_num_threads(2)
         assert default_cpu_threads() == 1
@@ -54,7 +58,7 @@ def test_default_cpu_threads_only_overrides_the_default(monkeypatch):
         monkeypatch.setattr(os, "cpu_count", lambda: 8)
         assert default_cpu_threads() == 2  # more cores: untouched
         monkeypatch.setattr(os, "cpu_count", lambda: 2)
-        monkeypatch.setattr(loader, "THREADS_CHOSEN", True)
+        monkeypatch.setattr(cpu, "_probed", True)
         assert default_cpu_threads() == 2  # a script's start-up probe already chose: it stands
     finally:
         torch.set_num_threads(old)

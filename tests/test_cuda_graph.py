@@ -105,8 +105,8 @@ def test_padding_rows_never_touch_live_blocks(tiny_llama_dir):
 def test_static_graph_path_matches_eager(tiny_llama_dir, tmp_path, spec, temperature):
     """Whole generations through the static (padded) graph functions equal plain eager runs, with a bucket
     smaller than the batch too (eager fallback), spec on and off, dense and centroid LM heads (as the shipped
-    assistant has), greedy and sampled (the "mtp_sampled" phase: sampling tensors and noise are static inputs
-    too)."""
+    assistant has), greedy and sampled (the sampling tensors and seeds are static inputs of the "mtp:{s}"
+    phases too)."""
     kw = {}
     if spec:
         from test_spec_lossless import make_assistant

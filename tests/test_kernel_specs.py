@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from nanospec.kernels import attention as A
+from nanospec.kernels import attention_common
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
@@ -101,7 +102,7 @@ TILES = [
 
 @pytest.fixture
 def tile_target():
-    old = A._tile_smem
+    old = attention_common.tile_target()
     yield A.set_tile_target
     A.set_tile_target(old)
 
@@ -112,7 +113,8 @@ def test_tile_branches_match_reference(dtype, d, smem, causal, tree, tile_target
 
     tile_target(smem)
     q = torch.zeros(1, 1, d, dtype=dtype)
-    assert (A._tiles(q), A._tiles(q, tree=True)) == (causal, tree)
+    tiles = attention_common.attention_tiles
+    assert (tiles(q), tiles(q, tree=True)) == (causal, tree)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     # causal prefill over a paged prefix (several key tiles), a tree verify, and split-KV decode with a map
     lens, ns = [40, 9], [7, 9]

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from nanospec.kernels import attention as A
-from nanospec.kernels import get_backend, set_backend
+from nanospec.kernels import attention_decode, attention_extend, get_backend, set_backend
 
 
 def cdiv(a, b):
@@ -405,8 +405,9 @@ def test_empty_batches_launch_nothing(monkeypatch):
         def __getitem__(self, grid):
             raise AssertionError("kernel launched on an empty batch")
 
-    for name in ("_extend_kernel", "_decode_split_kernel", "_decode_merge_kernel"):
-        monkeypatch.setattr(A, name, NoLaunch())
+    monkeypatch.setattr(attention_extend, "_extend_kernel", NoLaunch())
+    monkeypatch.setattr(attention_decode, "_decode_split_kernel", NoLaunch())
+    monkeypatch.setattr(attention_decode, "_decode_merge_kernel", NoLaunch())
     kc = vc = torch.zeros(2, 4, 1, 16, dtype=torch.bfloat16)
     q = torch.zeros(0, 2, 16, dtype=torch.bfloat16)
     empty_i = torch.zeros(0, dtype=torch.int32)

@@ -157,7 +157,9 @@ def test_engine_ignores_nan_in_unwritten_kv_rows(tiny_llama_dir, tmp_path, specu
         from test_spec_lossless import make_assistant
 
         kw.update(
-            assistant=make_assistant(tmp_path / "a", tiny_llama_dir, hidden_size=32, num_heads=4), num_steps=3
+            assistant=make_assistant(tmp_path / "a", tiny_llama_dir, hidden_size=32, num_heads=4),
+            num_steps=3,
+            adaptive_speculation=False,  # every step drafts 3: accept lengths independent of step timings
         )
     prompts, sp = [[1, 2, 3, 4, 5], [9] * 11, [40, 41, 42]], SamplingParams(max_tokens=12, ignore_eos=True)
     clean = LLM(str(tiny_llama_dir), **kw).generate(prompts, sp, use_tqdm=False)

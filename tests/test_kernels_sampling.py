@@ -1,9 +1,12 @@
-"""Sampling: Triton (interpreter) vs sort-based reference vs HF logits warpers, plus a distribution test."""
+"""Sampling: the position-keyed Gumbel argmax. Triton (interpreter) == torch reference == a brute-force race
+over the whole vocabulary; the noise is tl.rand's Philox bit for bit; samples follow HF's warped softmax."""
 
 import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from nanospec.kernels import sampling
 
@@ -22,25 +25,128 @@ def params(device=None):  # None: the default device (CUDA under NANOSPEC_TEST_D
     )
 
 
+def keys(R, seed=0):
+    seeds = torch.arange(R, dtype=torch.int64) * 1_000_003 + seed + 2**62
+    positions = torch.arange(R, dtype=torch.int64) * 17 + 5
+    return seeds, positions
+
+
 @pytest.fixture
 def small_block(monkeypatch):
     """Several vocabulary chunks per pass (the last one partial) at interpreter-friendly sizes."""
     monkeypatch.setattr(sampling, "_BLOCK", 1024)
 
 
-@pytest.mark.parametrize("V,dtype", [(3000, torch.float32), (1000, torch.bfloat16)])
-def test_filtered_probs_triton_vs_ref(small_block, V, dtype):
-    torch.manual_seed(0)
-    # distinct values: keep the logits tie-free in bf16 too
-    pool = (torch.randn(20 * V) * 3).to(dtype).unique()
-    logits = torch.stack([pool[torch.randperm(len(pool))[:V]] for _ in TEMP])
-    got = sampling.filtered_probs_triton(logits, *params())
-    want = sampling.filtered_probs_ref(logits, *params())
-    assert got.dtype == torch.float32 and got.shape == want.shape
-    assert torch.equal(got > 0, want > 0)  # identical kept sets
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
-    torch.testing.assert_close(got.sum(-1), torch.ones(len(TEMP)), atol=1e-5, rtol=0)
-    assert (got[1] > 0).sum() == 1 and got[1, logits[1].float().argmax()] == 1  # greedy row is one-hot
+@triton.jit
+def _rand_kernel(seed_ptr, pos_ptr, ids_ptr, out_ptr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    idx = tl.arange(0, BLOCK)
+    token = tl.load(ids_ptr + row * BLOCK + idx).to(tl.int64)
+    position = tl.load(pos_ptr + row).to(tl.int64)
+    u = tl.rand(tl.load(seed_ptr + row), (position << 32) | token)
+    tl.store(out_ptr + row * BLOCK + idx, u)
+
+
+def test_philox_uniform_is_tl_rand(triton_backend):
+    """The torch reference's noise is bit for bit Triton's tl.rand at offset (position << 32) | token id, over
+    seeds up to 2**63 - 1, positions up to 2**31 - 1 and token ids up to 2**32 - 1."""
+    seeds = torch.tensor([0, 1, 2**32 + 5, 2**62 + 12345, 2**63 - 1], dtype=torch.int64)
+    positions = torch.tensor([0, 7, 2**31 - 1, 100, 4096], dtype=torch.int64)
+    ids = torch.randint(0, 2**32, (5, 64), generator=torch.Generator().manual_seed(0))
+    ids[:, 0] = 0
+    ids[0, 1] = 2**32 - 1
+    got = torch.empty(5, 64)
+    _rand_kernel[(5,)](seeds, positions, ids, got, BLOCK=64)
+    want = sampling.philox_uniform(seeds[:, None], positions[:, None], ids)
+    assert torch.equal(got, want)
+    assert 0 <= float(want.min()) and float(want.max()) < 1
+    g = sampling.gumbel_noise(seeds[:, None], positions[:, None], ids)
+    assert float(g.max()) <= sampling._GUMBEL_MAX
+
+
+def brute_force(logits, temp, top_k, top_p, seeds, positions):
+    """The definition: argmax of z + g over HF's kept set, noise drawn for every token."""
+    R, V = logits.shape
+    out = logits.argmax(-1)
+    for r in range(R):
+        if temp[r] <= 0:
+            continue
+        z = logits[r].float() / temp[r]
+        zs, order = z.sort(descending=True)
+        k = int(top_k[r]) if 0 < int(top_k[r]) < V else V
+        drop = torch.arange(V) >= k
+        ps = zs.masked_fill(drop, float("-inf")).softmax(-1)
+        drop |= ((ps.cumsum(-1) - ps) >= top_p[r]) & (top_p[r] < 1)
+        kept = torch.zeros(V, dtype=torch.bool).scatter(0, order, ~drop)
+        g = sampling.gumbel_noise(seeds[r], positions[r], torch.arange(V))
+        out[r] = torch.where(kept, z + g, float("-inf")).argmax()
+    return out
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])
+def test_sample_ref_equals_the_whole_vocabulary_race(scale):
+    """The reference draws noise only for tokens still in the race (a flat row: all of them; a peaked one:
+    few) and filters on that prefix alone: the same tokens as the definition, over 4 seeds per row."""
+    torch.manual_seed(int(scale))
+    logits = torch.randn(len(TEMP), 3000) * scale
+    for seed in range(4):
+        s, p = keys(len(TEMP), seed)
+        got = sampling.sample_ref(logits, *params(), s, p)
+        assert torch.equal(got, brute_force(logits, *params(), s, p))
+
+
+def test_sample_triton_equals_ref(small_block, triton_backend):
+    torch.manual_seed(2)
+    logits = torch.randn(len(TEMP), 2500) * 2
+    for seed in range(2):
+        s, p = keys(len(TEMP), seed)
+        got = sampling.sample_triton(logits, *params(), s, p)
+        want = sampling.sample_ref(logits, *params(), s, p)
+        assert got.dtype == torch.int64 and torch.equal(got, want)
+        greedy_rows = torch.tensor(TEMP) == 0
+        assert torch.equal(got[greedy_rows], logits.argmax(-1)[greedy_rows])
+
+
+def test_sample_over_a_candidate_set(small_block, triton_backend):
+    """``token_ids``: column j is token ids[r, j] (a drafter's candidates); the noise is that token's, so the
+    result equals sampling the full vocabulary with every other token at -inf."""
+    torch.manual_seed(4)
+    V, M = 3000, 40
+    ids = torch.stack([torch.randperm(V)[:M] for _ in TEMP])
+    cand = torch.randn(len(TEMP), M) * 2
+    full = torch.full((len(TEMP), V), float("-inf")).scatter(1, ids, cand)
+    s, p = keys(len(TEMP), 1)
+    want = sampling.sample_ref(full, *params(), s, p)
+    assert torch.equal(sampling.sample_ref(cand, *params(), s, p, ids), want)
+    assert torch.equal(sampling.sample_triton(cand, *params(), s, p, ids), want)
+
+
+def test_greedy_ties_lowest_index_and_triton_tie_rule(triton_backend):
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, -1.0]])
+    s, p = keys(1)
+    z = torch.zeros(1)
+    off = torch.zeros(1, dtype=torch.int32)
+    assert sampling.sample_triton(logits, z, off, torch.ones(1), s, p) == 1
+    assert sampling.sample_ref(logits, z, off, torch.ones(1), s, p) == 1
+    # documented: at a tied top-k threshold the Triton path keeps every tied token
+    one = torch.ones(1, dtype=torch.int32)
+    picked = set()
+    for i in range(30):
+        picked.add(int(sampling.sample_triton(logits, torch.ones(1), one, torch.ones(1), *keys(1, i))))
+    assert picked == {1, 2, 4}
+
+
+def test_empty_and_dispatch(triton_backend):
+    e = torch.empty(0, 10)
+    args = (torch.empty(0), torch.empty(0, dtype=torch.int32), torch.empty(0))
+    k0 = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
+    assert sampling.sample(e, *args, *k0).shape == (0,)
+    assert sampling.sample_ref(e, *args, *k0).shape == (0,)
+    two = [x[:2] for x in params()]
+    with pytest.raises(ValueError, match="seeds"):
+        sampling.sample(torch.randn(2, 10), *two, *keys(3))
+    with pytest.raises(ValueError, match="token_ids"):
+        sampling.sample(torch.randn(2, 10), *two, *keys(2), torch.zeros(2, 9).long())
 
 
 def _hf_probs(logits, temp, top_k, top_p):
@@ -50,72 +156,12 @@ def _hf_probs(logits, temp, top_k, top_p):
         TopPLogitsWarper,
     )
 
-    rows = []
-    for x, t, k, p in zip(logits.float(), temp.tolist(), top_k.tolist(), top_p.tolist()):
-        x = x[None]
-        if t == 0:
-            rows.append(torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).float()[0])
-            continue
-        x = TemperatureLogitsWarper(t)(None, x)
-        if 0 < k < x.shape[-1]:
-            x = TopKLogitsWarper(k)(None, x)
-        if p < 1:
-            x = TopPLogitsWarper(p)(None, x)
-        rows.append(x.softmax(-1)[0])
-    return torch.stack(rows)
-
-
-def test_filtered_probs_ref_matches_hf_warpers():
-    torch.manual_seed(1)
-    logits = torch.randn(len(TEMP), 4000) * 2
-    want = _hf_probs(logits, *params())
-    got = sampling.filtered_probs_ref(logits, *params())
-    assert torch.equal(got > 0, want > 0)
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
-
-
-def test_sample_triton_equals_ref(small_block):
-    torch.manual_seed(2)
-    logits = torch.randn(len(TEMP), 2500) * 2
-    temp, top_k, top_p = params()
-    for _ in range(2):
-        noise = torch.rand(logits.shape).clamp_(1e-7, 1 - 1e-7)
-        got = sampling.sample_triton(logits, temp, top_k, top_p, noise)
-        want = sampling.sample_ref(logits, temp, top_k, top_p, noise)
-        assert got.dtype == torch.int64 and torch.equal(got, want)
-        greedy_rows = temp == 0
-        assert torch.equal(got[greedy_rows], sampling.greedy(logits)[greedy_rows])
-        probs = sampling.filtered_probs_ref(logits, temp, top_k, top_p)
-        assert bool((probs.gather(1, got[:, None]) > 0).all())  # never a filtered-out token
-
-
-def test_greedy_ties_lowest_index_and_triton_tie_rule():
-    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, -1.0]])
-    z = torch.zeros(1)
-    assert sampling.greedy(logits).tolist() == [1]
-    assert (
-        sampling.sample_triton(logits, z, torch.zeros(1, dtype=torch.int32), torch.ones(1), torch.rand(1, 6))
-        == 1
-    )
-    # documented: at a tied top-k threshold the Triton path keeps every tied token
-    p = sampling.filtered_probs_triton(logits, torch.ones(1), torch.ones(1, dtype=torch.int32), torch.ones(1))
-    torch.testing.assert_close(p, torch.tensor([[0, 1 / 3, 1 / 3, 0, 1 / 3, 0]]))
-
-
-def test_empty_and_dispatch(triton_backend):
-    e = torch.empty(0, 10)
-    args = (torch.empty(0), torch.empty(0, dtype=torch.int32), torch.empty(0))
-    assert sampling.sample(e, *args, e).shape == (0,)
-    assert sampling.filtered_probs(e, *args).shape == (0, 10)
-    assert sampling.sample_ref(e, *args, e).shape == (0,)
-    with pytest.raises(ValueError, match="noise"):
-        sampling.sample(
-            torch.randn(2, 10),
-            torch.ones(2),
-            torch.zeros(2, dtype=torch.int32),
-            torch.ones(2),
-            torch.rand(2, 9),
-        )
+    x = TemperatureLogitsWarper(temp)(None, logits.float()[None])
+    if 0 < top_k < x.shape[-1]:
+        x = TopKLogitsWarper(top_k)(None, x)
+    if top_p < 1:
+        x = TopPLogitsWarper(top_p)(None, x)
+    return x.softmax(-1)[0].double()
 
 
 # chi-square critical values at p = 0.001 for 1..7 degrees of freedom (used when scipy is absent)
@@ -133,16 +179,31 @@ def _chi2_ok(observed, expected):
     return chi2.sf(stat, df) > 1e-3, stat
 
 
-@pytest.mark.parametrize("t,k,p", [(1.0, 0, 1.0), (0.8, 6, 0.9), (1.5, 0, 0.7)])
-def test_sample_distribution_matches_filtered_probs(t, k, p):
-    gen = torch.Generator(torch.get_default_device()).manual_seed(3)
-    n, V = 20000, 8
+@pytest.mark.parametrize(
+    "backend,t,k,p",
+    [
+        ("torch", 1.0, 0, 1.0),
+        ("torch", 0.8, 6, 0.9),
+        ("torch", 1.5, 0, 0.7),
+        ("triton", 1.0, 0, 1.0),  # the filters' passes are checked against the reference above
+    ],
+)
+def test_samples_follow_the_warped_softmax(backend, t, k, p):
+    """One seed, many positions (the noise a request meets along its tokens): token frequencies match HF's
+    temperature / top-k / top-p softmax (chi-square), and no filtered token is ever drawn."""
+    from nanospec.kernels import using_backend
+
+    n = 20000 if backend == "torch" else 1500  # the interpreter runs one program per row
     row = torch.tensor([2.0, 1.5, 1.0, 0.7, 0.3, 0.0, -0.5, -1.0])
-    logits = row.expand(n, V)
-    temp, top_k, top_p = torch.full((n,), t), torch.full((n,), k, dtype=torch.int32), torch.full((n,), p)
-    noise = torch.rand(n, V, generator=gen).clamp_(1e-12, 1 - 1e-7)
-    tokens = sampling.sample_ref(logits, temp, top_k, top_p, noise)
-    probs = sampling.filtered_probs_ref(logits[:1], temp[:1], top_k[:1], top_p[:1])[0].double()
+    V = len(row)
+    seeds = torch.full((n,), 12345, dtype=torch.int64)
+    positions = torch.arange(n, dtype=torch.int64) + 1000
+    temp = torch.full((n,), t)
+    top_k = torch.full((n,), k, dtype=torch.int32)
+    top_p = torch.full((n,), p)
+    with using_backend(backend):
+        tokens = sampling.sample(row.expand(n, V), temp, top_k, top_p, seeds, positions)
+    probs = _hf_probs(row, t, k, p)
     counts = torch.bincount(tokens, minlength=V).double()
     assert counts[probs == 0].sum() == 0
     ok, stat = _chi2_ok(counts, probs * n)

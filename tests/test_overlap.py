@@ -20,7 +20,7 @@ def device_oracle(monkeypatch, reference):
     """Chain drafts = the reference continuation after each row's device L; drafts at an L divisible by 3 go
     wrong at depth 2 (a function of the row's state only), so commits of 3 and of 4 tokens both occur."""
 
-    def draft(self, reqs, block_table, seq_lens, num_splits=None, num_steps=None):
+    def draft(self, reqs, block_table, seq_lens, num_splits=None, num_steps=None, sampling=None):
         inp = self._inputs_for(reqs)
         S = self.num_steps if num_steps is None else num_steps
         rows = []

@@ -28,9 +28,8 @@ from nanospec.kv_cache import block_table_tensor
 from nanospec.model_runner import ModelRunner, build_target
 from nanospec.mtp.draft import DraftTree, chain_tree, run_draft
 from nanospec.mtp.state import DraftInput
-from nanospec.mtp.verify import accept_greedy, accept_sampling, compact_accepted_kv, emitted_tokens
+from nanospec.mtp.verify import accept, compact_accepted_kv, emitted_tokens
 from nanospec.mtp.worker import FrozenKVMTPWorker
-from nanospec.sampler import Sampler
 from nanospec.scheduler import Batch
 
 V, S = 49152, 5  # vocab; draft steps of the oracle tests
@@ -44,7 +43,7 @@ def oracle(monkeypatch, reference):
     """
 
     def install(wrong_at=None):
-        def draft(self, reqs, block_table, seq_lens, num_splits=None, num_steps=None):
+        def draft(self, reqs, block_table, seq_lens, num_splits=None, num_steps=None, sampling=None):
             seed = self.draft_inputs.filter([r.request_id for r in reqs])
             assert seed.req_ids == [r.request_id for r in reqs]
             # own, fresh seed per row
@@ -183,7 +182,7 @@ def test_rule2_construct_then_allocate_then_bind(tiny_llama_dir, asst_dir, targe
     )
     target = build_target(target_cfg, cpu, f32, 128, tiny_llama_dir)
     assert all(layer.self_attn.k_cache is None for layer in target.layers)  # no pool anywhere
-    worker = FrozenKVMTPWorker(cfg, target, asst_dir, Sampler(cpu, 0))  # construction needs no pool
+    worker = FrozenKVMTPWorker(cfg, target, asst_dir)  # construction needs no pool
     assert worker.assistant._kv is None and len(worker.draft_inputs) == 0
     md = AttnMetadata.draft(torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
     with attn_metadata(md), pytest.raises(RuntimeError):  # forward before bind
@@ -341,9 +340,9 @@ def test_rule3_long_prompt_num_steps_1(tiny_llama_dir, asst_dir, record_draft_me
     llm = make_llm(tiny_llama_dir, asst_dir, num_steps=1, **kw)
     digests, orig = [], FrozenKVMTPWorker.draft
 
-    def checked(self, reqs, bt, L, num_splits=None, num_steps=None):  # pool checksum around every draft
-        before = _pool_digest(llm.runner.kv_pools[0])
-        out = orig(self, reqs, bt, L, num_splits, num_steps)
+    def checked(self, reqs, bt, L, num_splits=None, num_steps=None, sampling=None):
+        before = _pool_digest(llm.runner.kv_pools[0])  # pool checksum around every draft
+        out = orig(self, reqs, bt, L, num_splits, num_steps, sampling)
         digests.append(before == _pool_digest(llm.runner.kv_pools[0]))
         return out
 
@@ -392,14 +391,9 @@ def test_rule4_zero_row_draft_and_accept(tiny_llama_dir, asst_dir, topk, n_draft
     if topk > 1:
         assert tree.tree_mask.shape == (0, n_draft, n_draft)
     assert worker.draft([], block_table_tensor([], "cpu"), L0).tokens.shape == (0, n_draft)
-    path, acc, bonus = accept_greedy(tree, torch.zeros(0, n_draft, dtype=torch.long))
+    path, acc, bonus = accept(tree, torch.zeros(0, n_draft, dtype=torch.long))
     assert path.shape[0] == 0 and acc.shape == (0,) and bonus.shape == (0,)
     assert emitted_tokens(tree, path, acc, bonus).shape[0] == 0
-    Vs = 11
-    path, acc, bonus = accept_sampling(
-        tree, torch.zeros(0, n_draft, Vs), torch.rand(0, 3, topk), torch.rand(0, Vs)
-    )
-    assert path.shape[0] == 0 and acc.shape == (0,) and bonus.shape == (0,)
     before = _pool_digest(kv)
     compact_accepted_kv(
         [kv], bt0, L0, torch.zeros(0, 4, dtype=torch.long), torch.zeros(0, dtype=torch.long), 16
@@ -546,7 +540,7 @@ def test_rule6_rows_independent_tree(tiny_llama_dir, asst_dir, reference, monkey
     for i, anc in enumerate([[0], [0, 1], [0, 2], [0, 2, 3], [0, 2, 4]]):
         m[i, anc] = True
 
-    def draft(self, reqs, block_table, seq_lens, num_splits=None, num_steps=None):
+    def draft(self, reqs, block_table, seq_lens, num_splits=None, num_steps=None, sampling=None):
         seed = self.draft_inputs.filter([r.request_id for r in reqs])
         assert seed.bonus_tokens.tolist() == [r.all_token_ids[-1] for r in reqs]
         rows = []

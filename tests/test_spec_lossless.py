@@ -91,7 +91,7 @@ def oracle_draft(reference, prompts, topk, wrong_every, rng_seed=0):
     g = torch.Generator().manual_seed(rng_seed)
     by_prompt = {tuple(p): r for p, r in zip(prompts, reference)}
 
-    def draft(self, reqs, block_table, seq_lens, num_splits=None, num_steps=None):
+    def draft(self, reqs, block_table, seq_lens, num_splits=None, num_steps=None, sampling=None):
         S, k, B = self.num_steps if num_steps is None else num_steps, self.topk, len(reqs)
         truth = []
         for r in reqs:
@@ -201,22 +201,33 @@ def test_sampling_lossless_chi_square(
     tmp_path_factory, smollm2_tokenizer, temperature, top_p, overlap, adaptive
 ):
     """On a vocab-8 target, the joint distribution of the 2nd and 3rd tokens (drawn by verify steps) matches
-    spec-off sampling without overlap (p > 0.01, fixed engine seeds). With overlap on, every request is
-    seeded: reused noise would correlate a request's tokens and fail the test. ``adaptive``: the draft length
-    varies per step (adaptive_speculation)."""
+    spec-off sampling without overlap (p > 0.01). The two runs use other seeds (engine seeds 3 and 4, or
+    request seeds 0.. and n..), so their samples are independent: equal seeds give equal tokens, which
+    tests/test_seeded_sampling.py checks. ``adaptive``: the draft length varies per step."""
     d = vocab8_target(tmp_path_factory.mktemp("v8"), smollm2_tokenizer)
     asst = make_assistant(tmp_path_factory.mktemp("a8"), d, seed=8, std=0.5, hidden_size=32)
-    n, sp = 4000, SamplingParams(temperature=temperature, top_p=top_p, max_tokens=3, ignore_eos=True)
-    if overlap:
-        sp = [
-            SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True, seed=s) for s in range(n)
-        ]
+    n = 4000
     runs = []
-    for kw in (
-        {},
-        {"assistant": asst, "num_steps": 2, "overlap_schedule": overlap, "adaptive_speculation": adaptive},
+    for run, kw in enumerate(
+        (
+            {},
+            {
+                "assistant": asst,
+                "num_steps": 2,
+                "overlap_schedule": overlap,
+                "adaptive_speculation": adaptive,
+            },
+        )
     ):
-        llm = LLM(str(d), dtype="float32", device="cpu", max_model_len=16, max_num_seqs=256, seed=3, **kw)
+        sp = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=3, ignore_eos=True)
+        if overlap:
+            sp = [
+                SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True, seed=run * n + s)
+                for s in range(n)
+            ]
+        llm = LLM(
+            str(d), dtype="float32", device="cpu", max_model_len=16, max_num_seqs=256, seed=3 + run, **kw
+        )
         outs = llm.generate([[3, 1, 4]] * n, sp, use_tqdm=False)
         runs.append([tuple(o["token_ids"][1:]) for o in outs])
         if kw:

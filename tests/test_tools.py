@@ -10,7 +10,7 @@ import zipfile
 import pytest
 import torch
 
-from nanospec import loader
+from nanospec import cpu, loader
 
 _spec = importlib.util.spec_from_file_location(
     "offline_bundle", pathlib.Path(__file__).parent.parent / "scripts" / "offline_bundle.py"
@@ -75,14 +75,14 @@ def test_configure_cpu_threads_drops_threads_only_when_clearly_slower(two_thread
         calls.append((threads, limit_s))
         return seconds[threads]
 
-    assert loader.configure_cpu_threads(probe) == want == torch.get_num_threads()
+    assert cpu.configure_cpu_threads(probe) == want == torch.get_num_threads()
     assert calls == [(1, float("inf")), (2, 1.25)]  # one thread first; two give up once 25% slower than that
     assert ("1 torch thread(s), not 2" in capsys.readouterr().err) == (want == 1)
 
 
 def test_configure_cpu_threads_respects_the_environment(two_threads, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert loader.configure_cpu_threads(lambda *a: pytest.fail("probed")) == 2 == torch.get_num_threads()
+    assert cpu.configure_cpu_threads(lambda *a: pytest.fail("probed")) == 2 == torch.get_num_threads()
 
 
 def fake_pip(monkeypatch, member, data):

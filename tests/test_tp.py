@@ -189,13 +189,14 @@ def _listening(proc):
 
 def test_tp2_adaptive_draft_length_ranks_agree(models):
     """With the draft length chosen per step from measured times, rank 0 chooses and sends it: every rank
-    holds rank 0's inputs after every step, and the greedy requests' tokens equal TP = 1's."""
+    holds rank 0's inputs after every step, and every request's tokens (greedy, seeded and unseeded sampled)
+    equal TP = 1's, whatever draft lengths either engine chose."""
     kw = dict(assistant=models["llama"].parent / "llama-dense", num_steps=3, adaptive_speculation=True)
     ref = scenario(make_llm(models["llama"], **kw), 4000)
     with make_llm(models["llama"], tensor_parallel_size=2, **kw) as llm:
         got = scenario(llm, 4000, check_ranks=True)
         counts = llm.worker.policy.counts
-    assert [got[i][0] for i in (0, 4)] == [ref[i][0] for i in (0, 4)]  # greedy rows of both rounds
+    assert [row[0] for row in got] == [row[0] for row in ref]
     assert len(counts) > 1  # the policy did switch draft lengths
 
 

@@ -39,7 +39,8 @@ def hf_tensors(model) -> dict[str, torch.Tensor]:
     model's storage, except the LM head of a centroid-head drafter (a copy put back in token order)."""
     out = _slots(model)
     if model.masked_embedding is not None and model.lm_head is not None:
-        rows, order = out["lm_head.weight"], model.masked_embedding.token_ordering
+        rows = out["lm_head.weight"]
+        order = model.masked_embedding.token_ordering
         out["lm_head.weight"] = torch.empty_like(rows).index_copy_(0, order, rows)
     return out
 
@@ -59,9 +60,12 @@ def load_checkpoint(model, tensors) -> None:
     checkpoint's ``token_ordering`` (which reorders the LM-head rows). Raises ValueError naming the tensor
     when one matches no parameter, has the wrong shape or is missing, or when ``token_ordering`` is not a
     permutation."""
-    slots, modules = _slots(model), dict(model.named_modules())
+    slots = _slots(model)
+    modules = dict(model.named_modules())
     tied = bool(getattr(model.config, "tie_word_embeddings", True))
-    got, embed, order = set(), None, None
+    got = set()
+    embed = None
+    order = None
     for name, t in tensors:
         if any(s in name for s in _IGNORED) or (name.startswith("masked_embedding.") and name not in slots):
             continue

@@ -36,14 +36,21 @@ from ..kernels.activation import gelu_and_mul, silu_and_mul
 from ..kernels.attention import draft_attention
 from ..kernels.centroid import centroid_logits
 from ..kernels.rope import apply_rope, rope_cos_sin
+from ..kernels.sampling import sample
+from ..loader import layer_geometry
 from ..parallel import ColumnLinear, Linear, RowLinear, gather, linear, span
 from . import assistant_io
-from .gemma4 import _norm
+from .llama import RMSNorm
 
 _ACTS = {"gelu_pytorch_tanh": gelu_and_mul, "silu": silu_and_mul}
 
 
-Gemma4RMSNorm = _norm  # HF ``Gemma4RMSNorm``: weight-only, weight applied in fp32 before the cast
+class Gemma4RMSNorm(RMSNorm):
+    """HF ``Gemma4RMSNorm``: weight-only, ``x * rsqrt(mean(x²) + eps) * w`` with the weight applied in fp32
+    before the cast."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__(dim, eps, fp32_weight=True)
 
 
 class QOnlyAttention(nn.Module):
@@ -51,9 +58,12 @@ class QOnlyAttention(nn.Module):
 
     def __init__(self, tc, layer_idx: int):
         super().__init__()
-        H, d = tc.num_attention_heads, tc.per_layer_config[layer_idx].head_dim
+        H = tc.num_attention_heads
+        d = tc.per_layer_config[layer_idx].head_dim
         # this rank's span of the heads: the query heads of the KV heads it holds of the target layer read
-        self.num_heads, self.head_dim, self.layer_type = span(H)[1], d, tc.layer_types[layer_idx]
+        self.num_heads = span(H)[1]
+        self.head_dim = d
+        self.layer_type = tc.layer_types[layer_idx]
         bias = bool(getattr(tc, "attention_bias", False))
         self.q_proj = ColumnLinear(tc.hidden_size, [(H, d)], bias)
         self.q_norm = Gemma4RMSNorm(self.head_dim, tc.rms_norm_eps)
@@ -82,7 +92,8 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, tc, layer_idx: int):
         super().__init__()
-        H, eps = tc.hidden_size, tc.rms_norm_eps
+        H = tc.hidden_size
+        eps = tc.rms_norm_eps
         self.self_attn = QOnlyAttention(tc, layer_idx)
         self.mlp = MLP(tc)
         self.input_layernorm = Gemma4RMSNorm(H, eps)
@@ -150,18 +161,12 @@ def _check_own(config) -> None:
             f"[V, {config.backbone_hidden_size}]), got hidden_size {tc.hidden_size}",
         )
     if getattr(config, "use_ordered_embeddings", False):
-        C, K = config.num_centroids, config.centroid_intermediate_top_k
+        C = config.num_centroids
+        K = config.centroid_intermediate_top_k
         if not (isinstance(C, int) and C >= 1 and tc.vocab_size % C == 0):
             _bad("num_centroids", f"= {C!r} must be a positive divisor of vocab_size {tc.vocab_size}")
         if not (isinstance(K, int) and 1 <= K <= C):
             _bad("centroid_intermediate_top_k", f"= {K!r} must be in [1, num_centroids = {C}]")
-
-
-def _geometry(c, i: int) -> tuple[int, int]:
-    """(head_dim, num_key_value_heads) of layer ``i`` of an HF text config (Gemma 4 ``per_layer_config``)."""
-    lc = c.per_layer_config[i] if hasattr(c, "per_layer_config") else c
-    hd = getattr(lc, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return hd, getattr(lc, "num_key_value_heads", None) or c.num_attention_heads
 
 
 def _rope_params(c, layer_type: str) -> dict:
@@ -199,7 +204,8 @@ def check_assistant_config(assistant_config, target_text_config) -> list[int]:
     Returns the layer map (target layer index per assistant layer). Raises ValueError naming the field.
     """
     _check_own(assistant_config)
-    ac, t = assistant_config.get_text_config(), target_text_config
+    ac = assistant_config.get_text_config()
+    t = target_text_config
     t = t.get_text_config() if hasattr(t, "get_text_config") else t
     if ac.vocab_size != t.vocab_size:
         _bad("vocab_size", f"{ac.vocab_size} != target vocab_size {t.vocab_size}")
@@ -211,7 +217,8 @@ def check_assistant_config(assistant_config, target_text_config) -> list[int]:
     types = list(getattr(t, "layer_types", None) or ["full_attention"] * t.num_hidden_layers)
     layer_map = _layer_map(ac.layer_types, types[: len(types) - (getattr(t, "num_kv_shared_layers", 0) or 0)])
     for i, (lt, j) in enumerate(zip(ac.layer_types, layer_map)):
-        (hd, kv), (t_hd, t_kv) = _geometry(ac, i), _geometry(t, j)
+        hd, kv = layer_geometry(ac, i)
+        t_hd, t_kv = layer_geometry(t, j)
         full = lt == "full_attention"
         if hd != t_hd:
             _bad(
@@ -228,7 +235,8 @@ def check_assistant_config(assistant_config, target_text_config) -> list[int]:
                 "num_attention_heads",
                 f"{ac.num_attention_heads} is not a multiple of the {t_kv} KV heads of target layer {j}",
             )
-        mine, theirs = _rope_params(ac, lt), _rope_params(t, lt)
+        mine = _rope_params(ac, lt)
+        theirs = _rope_params(t, lt)
         if mine.get("rope_theta") != theirs.get("rope_theta"):
             _bad(
                 f"rope_parameters[{lt!r}].rope_theta",
@@ -261,8 +269,10 @@ class Gemma4Assistant(nn.Module):
         super().__init__()
         _check_own(config)
         tc = config.get_text_config()
-        self.config, self.text_config = config, tc
-        self.vocab_size, self.hidden_size = tc.vocab_size, tc.hidden_size
+        self.config = config
+        self.text_config = tc
+        self.vocab_size = tc.vocab_size
+        self.hidden_size = tc.hidden_size
         self.backbone_hidden_size = config.backbone_hidden_size
         self.use_target_lm_head = bool(getattr(config, "use_target_lm_head", False))
         self.pre_projection = Linear(2 * self.backbone_hidden_size, self.hidden_size, bias=False)
@@ -303,7 +313,8 @@ class Gemma4Assistant(nn.Module):
         me = self.masked_embedding
         if me is None:
             _bad("use_ordered_embeddings", "is false: there is no token_ordering to set")
-        order, V = order.to(me.token_ordering.device, torch.long), self.vocab_size
+        order = order.to(me.token_ordering.device, torch.long)
+        V = self.vocab_size
         if order.shape != (V,) or not torch.equal(order.sort().values, torch.arange(V, device=order.device)):
             _bad(
                 "masked_embedding.token_ordering",
@@ -316,7 +327,8 @@ class Gemma4Assistant(nn.Module):
         self._gather_target_rows()
 
     def _gather_target_rows(self):
-        me, head = self.masked_embedding, self._target_lm_head
+        me = self.masked_embedding
+        head = self._target_lm_head
         if me is not None and head is not None:
             identity = torch.equal(me.token_ordering, torch.arange(self.vocab_size, device=head.device))
             self._target_rows = head if identity else head[me.token_ordering]
@@ -347,14 +359,16 @@ class Gemma4Assistant(nn.Module):
             raise RuntimeError(
                 "assistant: the target's RoPE table is not initialised (call init_buffers first)"
             )
-        self._embed, self._rope = target.embed, ropes
+        self._embed = target.embed
+        self._rope = ropes
         # detached: a Parameter assigned here would register as the assistant's own (trained, saved) weight;
         # a vocabulary-parallel target head is gathered whole once (the drafter's head is replicated)
         self._target_lm_head = None if self.lm_head is not None else gather(target.lm_head_weight.detach())
         self._gather_target_rows()
         if not kv:
             return
-        kvs, windows = [], []
+        kvs = []
+        windows = []
         for i in layer_map:
             attn = target.layers[i].self_attn
             if attn.k_cache is None or attn.v_cache is None:
@@ -364,7 +378,8 @@ class Gemma4Assistant(nn.Module):
                 )
             kvs.append((attn.k_cache, attn.v_cache))
             windows.append(getattr(attn, "sliding_window", None))
-        self._kv, self._windows = kvs, windows
+        self._kv = kvs
+        self._windows = windows
 
     # ---- forward -------------------------------------------------------------------------------------
     def _paged_attention(self):
@@ -400,7 +415,8 @@ class Gemma4Assistant(nn.Module):
         before ``bind_target``."""
         if self._embed is None:
             raise RuntimeError("assistant: bind_target(target) before forward")
-        dtype, R = self.pre_projection.weight.dtype, tokens.shape[0]
+        dtype = self.pre_projection.weight.dtype
+        R = tokens.shape[0]
         if R == 0:  # DESIGN §4 rule 4: no attention metadata, no reductions
             return (
                 torch.empty(0, self.hidden_size, dtype=dtype, device=tokens.device),
@@ -417,7 +433,8 @@ class Gemma4Assistant(nn.Module):
 
     def _candidates(self, hn):
         """Centroid head: candidate logits [R, M] fp32 (M = top_k * S) and their token ids [R, M] int64."""
-        me, C = self.masked_embedding, self.config.num_centroids
+        me = self.masked_embedding
+        C = self.config.num_centroids
         head = self.lm_head.weight if self.lm_head is not None else self._target_rows
         rows = head.view(C, self.vocab_size // C, head.shape[-1])
         sel = me.centroids(hn).topk(self.config.centroid_intermediate_top_k, dim=-1).indices  # [R, K]
@@ -453,6 +470,25 @@ class Gemma4Assistant(nn.Module):
         fill = (cand.amin(-1, keepdim=True) - 1.0).expand(-1, self.vocab_size)
         return fill.contiguous().scatter_(1, ids, cand), h_next
 
+    def draft_token(self, tokens, h_prev, positions, sampling, token_positions):
+        """One chain draft step: ``tokens [R]``, ``h_prev [R, Hb]``, ``positions [R]`` -> ``(token [R] int64,
+        h_next [R, Hb])``, the token ``kernels.sampling.sample`` draws from the assistant's logits with the
+        rows' ``sampling`` = (temperature, top_k, top_p, seeds [R]) at ``token_positions [R]`` int64 (the
+        target's noise there); ``sampling`` None: the argmax. The centroid head samples among its candidates
+        only (nothing of size V is built)."""
+        if self.masked_embedding is None:
+            logits, h_next = self(tokens, h_prev, positions)
+            ids = None
+        else:
+            hn, h_next = self.body(tokens, h_prev, positions)
+            logits, ids = self._candidates(hn)
+        if sampling is not None:
+            return sample(logits, *sampling, token_positions, ids), h_next
+        best = logits.argmax(-1)
+        if ids is not None:
+            best = ids.gather(1, best[:, None]).squeeze(1)
+        return best, h_next
+
     def propose(self, tokens, h_prev, positions, k: int):
         """One draft step returning the top ``k`` tokens per row: ``tokens [R]``, ``h_prev [R, Hb]``,
         ``positions [R]`` -> ``(top_logprobs [R, k] fp32, top_tokens [R, k] int64, h_next [R, Hb])``, best
@@ -478,7 +514,8 @@ class Gemma4Assistant(nn.Module):
         hn, h_next = self.body(tokens, h_prev, positions)
         cand, ids = self._candidates(hn)
         top, j = cand.topk(k, dim=-1)
-        hi, lo = cand.amax(-1, keepdim=True), cand.amin(-1, keepdim=True)
+        hi = cand.amax(-1, keepdim=True)
+        lo = cand.amin(-1, keepdim=True)
         rest = self.vocab_size - cand.shape[-1]  # tokens HF fills with lo - 1
         lse = hi + ((cand - hi).exp().sum(-1, keepdim=True) + rest * (lo - 1.0 - hi).exp()).log()
         return top - lse, ids.gather(1, j), h_next
@@ -508,7 +545,8 @@ def assistant_config_for(
     from transformers import Gemma4AssistantConfig, Gemma4TextConfig
 
     tc = target_config
-    hd, rope = _geometry(tc, 0)[0], _rope_params(tc, "full_attention")
+    hd = layer_geometry(tc, 0)[0]
+    rope = _rope_params(tc, "full_attention")
     hidden = hidden_size or tc.hidden_size
     text = Gemma4TextConfig(
         vocab_size=tc.vocab_size,

@@ -22,7 +22,8 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float, fp32_weight: bool = False):
         super().__init__()
-        self.eps, self.fp32_weight = eps, fp32_weight
+        self.eps = eps
+        self.fp32_weight = fp32_weight
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x, residual=None):
@@ -35,7 +36,8 @@ class Attention(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        Hq = cfg.num_attention_heads
+        Hkv = cfg.num_key_value_heads
         self.head_dim = d = getattr(cfg, "head_dim", None) or cfg.hidden_size // Hq
         bias = getattr(cfg, "attention_bias", False)
         self.qkv_proj = ColumnLinear(cfg.hidden_size, [(Hq, d), (Hkv, d), (Hkv, d)], bias)
@@ -50,9 +52,12 @@ class Attention(nn.Module):
         self.sliding_window = None  # every layer is full attention
 
     def forward(self, positions, x, cos_sin):
-        T, d = x.shape[0], self.head_dim
+        T = x.shape[0]
+        d = self.head_dim
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, -1)
-        q, k, v = q.reshape(T, -1, d), k.reshape(T, -1, d), v.reshape(T, -1, d)
+        q = q.reshape(T, -1, d)
+        k = k.reshape(T, -1, d)
+        v = v.reshape(T, -1, d)
         if self.qk_norm:
             q = self.q_norm(q.reshape(-1, d)).view(T, -1, d)
             k = self.k_norm(k.reshape(-1, d)).view(T, -1, d)
@@ -87,7 +92,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        i, bias = cfg.intermediate_size, getattr(cfg, "mlp_bias", False)
+        i = cfg.intermediate_size
+        bias = getattr(cfg, "mlp_bias", False)
         self.gate_up_proj = ColumnLinear(cfg.hidden_size, [(i, 1), (i, 1)], bias)
         self.down_proj = RowLinear(i, 1, cfg.hidden_size, bias)
 
@@ -139,7 +145,8 @@ class LlamaForCausalLM(nn.Module):
         if not self.tied:
             self.lm_head = ColumnLinear(cfg.hidden_size, [(cfg.vocab_size, 1)])
         attn = self.layers[0].self_attn
-        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.num_kv_heads = attn.num_kv_heads
+        self.head_dim = attn.head_dim
         self.kv_layer_types = ["full_attention"] * cfg.num_hidden_layers
         self.kv_geometry = [(self.num_kv_heads, self.head_dim)] * cfg.num_hidden_layers
         self.kv_owner = list(range(cfg.num_hidden_layers))
@@ -173,7 +180,8 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed(input_ids), None
+        x = self.embed(input_ids)
+        residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, self.cos_sin)
         return self.norm(x, residual)[0]

@@ -1,7 +1,8 @@
 """Real model shapes for speed runs with random weights (``bench.py --shape``): Qwen3-0.6B, and Gemma 4 E2B /
 E4B / 31B with their assistants at the sizes of HF's ``convert_gemma4_weights.py``."""
 
-S, F = "sliding_attention", "full_attention"
+S = "sliding_attention"
+F = "full_attention"
 QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8)
 QWEN3_0_6B.update(head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True)
 QWEN3_0_6B.update(rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645, max_position_embeddings=40960)

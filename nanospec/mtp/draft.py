@@ -71,12 +71,17 @@ def run_draft(
     num_draft_tokens: int,
     position_offset: int = -1,
     num_splits=None,
+    sampling=None,
 ) -> DraftTree:
     """Draft ``num_steps`` tokens (topk 1: a chain) or a tree of N nodes (topk > 1) for every seed row.
 
     block_table [B, W] int32, seq_lens [B] int32: each request's committed target KV rows [0, L), read-only.
     Every step sits at RoPE position max(L + position_offset, 0) and sees exactly rows [0, L): nothing is
     appended between steps, so one metadata object serves all of them and no write slot exists.
+    topk 1: draft step i proposes the token at position L + i as the target would produce it from the
+    assistant's logits: ``sampling`` = (temperature, top_k, top_p, seeds [B]) of the rows, the same
+    position-keyed Gumbel noise the target's verify uses there (greedy rows: the argmax), so a drafter close
+    to the target proposes the target's own sample (coupled drafts); None: every row greedy.
     topk > 1: B*k independent single-token queries; per step keep the best k of k^2 children by cumulative
     log-prob, then keep the top N-1 of all candidates (as SGLang's
     select_top_k_tokens/organize_draft_results).
@@ -89,9 +94,8 @@ def run_draft(
     if k == 1 or num_steps == 0:  # a chain (no draft at all for 0 steps)
         drafts = []
         with attn_metadata(AttnMetadata.draft(block_table, seq_lens, num_splits=num_splits)):
-            for _ in range(num_steps):
-                _, tok, h = assistant.propose(tok, h, pos, 1)
-                tok = tok[:, 0]
+            for i in range(1, num_steps + 1):
+                tok, h = assistant.draft_token(tok, h, pos, sampling, seq_lens.long() + i)
                 drafts.append(tok)
         return chain_tree(seed.bonus_tokens, torch.stack(drafts, 1) if drafts else tok.new_zeros(B, 0))
     dev = h.device

@@ -49,6 +49,8 @@ class DraftLength:
     and an s whose cost one such step inflated would not be run (nor re-measured) until its next probe.
     Warm-up: a bucket first tries every candidate once, largest first. Probing: every ``probe_every``-th step
     of a bucket runs its least recently measured candidate, so a change in the text or in costs is noticed.
+    A bucket is (power-of-two batch size, sampled): a batch with a sampled row accepts less often and runs
+    the sampling passes, so its acceptance counts and costs are kept apart from all-greedy batches.
     ``adaptive=False``: always num_steps. ``counts``: steps per s.
     """
 
@@ -64,26 +66,31 @@ class DraftLength:
     ):
         self.candidates, self.adaptive = candidates, adaptive
         self.decay, self.alpha, self.probe_every, self.beta, self.clip = decay, alpha, probe_every, beta, clip
-        self.pace: dict[int, float] = {}
-        self.hits = [0.0] * (max(candidates) + 1)
-        self.tries = [0.0] * (max(candidates) + 1)
-        self.cost: dict[tuple[int, int], float] = {}
-        self.measured_at: dict[tuple[int, int], int] = {}
+        self.pace: dict[tuple[int, bool], float] = {}
+        # decayed acceptance counts per draft position, for greedy (False) and sampled (True) batches
+        self.hits = {sampled: [0.0] * (max(candidates) + 1) for sampled in (False, True)}
+        self.tries = {sampled: [0.0] * (max(candidates) + 1) for sampled in (False, True)}
+        self.cost: dict[tuple[int, tuple[int, bool]], float] = {}
+        self.measured_at: dict[tuple[int, tuple[int, bool]], int] = {}
         self.num_measured: Counter = Counter()  # steps timed per (s, bucket)
         self.steps: Counter = Counter()  # steps chosen per bucket
         self.counts: Counter = Counter()
 
-    def expected_accept(self, s: int) -> float:
+    def expected_accept(self, s: int, sampled: bool = False) -> float:
         """E(s): expected tokens committed per request by a step drafting s tokens."""
-        e = p = 1.0
+        hits = self.hits[sampled]
+        tries = self.tries[sampled]
+        e = 1.0
+        p = 1.0
         for j in range(1, s + 1):
-            p *= (self.hits[j] + 0.5) / (self.tries[j] + 1.0)
+            p *= (hits[j] + 0.5) / (tries[j] + 1.0)
             e += p
         return e
 
-    def choose(self, batch_size: int) -> tuple[int, float | None]:
-        """(s, estimated tokens per second per request, None while warming up or probing)."""
-        b = 1 << (batch_size - 1).bit_length()
+    def choose(self, batch_size: int, sampled: bool = False) -> tuple[int, float | None]:
+        """(s, estimated tokens per second per request, None while warming up or probing) for a batch of
+        ``batch_size`` requests, ``sampled`` if any of them samples."""
+        b = (1 << (batch_size - 1).bit_length(), sampled)
         self.steps[b] += 1
         todo = [s for s in self.candidates if (s, b) not in self.cost]
         if not self.adaptive or todo:
@@ -91,15 +98,18 @@ class DraftLength:
         elif self.steps[b] % self.probe_every == 0:
             s = min(self.candidates, key=lambda c: self.measured_at[c, b])
         else:
-            s = max(self.candidates, key=lambda c: self.expected_accept(c) / self.cost[c, b])
+            s = max(self.candidates, key=lambda c: self.expected_accept(c, sampled) / self.cost[c, b])
             self.counts[s] += 1
-            return s, self.expected_accept(s) / (self.cost[s, b] * self.pace[b])
+            return s, self.expected_accept(s, sampled) / (self.cost[s, b] * self.pace[b])
         self.counts[s] += 1
         return s, None
 
-    def observe(self, s: int, batch_size: int, accept_lens: list[int], seconds: float) -> None:
-        """Book a committed step: its draft length, batch size, accept lengths and measured seconds."""
-        b = 1 << (batch_size - 1).bit_length()
+    def observe(
+        self, s: int, batch_size: int, accept_lens: list[int], seconds: float, sampled: bool = False
+    ) -> None:
+        """Book a committed step: its draft length, batch size, accept lengths, measured seconds, and whether
+        a row of it sampled."""
+        b = (1 << (batch_size - 1).bit_length(), sampled)
         key, pace = (s, b), self.pace.get(b, 1.0)
         self.num_measured[key] += 1
         seconds = max(seconds, 1e-9)  # a zero reading must not zero a cost
@@ -110,6 +120,8 @@ class DraftLength:
         ratio = min(max(seconds / self.cost[key], pace / self.clip), pace * self.clip)
         self.pace[b] = pace + self.beta * (ratio - pace)
         self.measured_at[key] = self.steps[b]
-        for j in range(1, len(self.hits)):
-            self.tries[j] = self.decay * self.tries[j] + sum(a >= j for a in accept_lens) * (j <= s)
-            self.hits[j] = self.decay * self.hits[j] + sum(a > j for a in accept_lens) * (j <= s)
+        hits = self.hits[sampled]
+        tries = self.tries[sampled]
+        for j in range(1, len(hits)):
+            tries[j] = self.decay * tries[j] + sum(a >= j for a in accept_lens) * (j <= s)
+            hits[j] = self.decay * hits[j] + sum(a > j for a in accept_lens) * (j <= s)

@@ -1,8 +1,7 @@
-"""Verify acceptance over a draft tree: the greedy walk and lossless speculative sampling (DESIGN §3,
-"Verify").
+"""Verify acceptance over a draft tree (DESIGN §3, "Verify"), and the accepted path's KV compaction.
 
-Both walks are tensor code over the whole batch: the Python loops run over tree depth and siblings, never
-over requests. ``path[b, d]`` is the tree index of the node accepted at depth d (-1 past the accepted length).
+The walk is tensor code over the whole batch: the Python loop runs over tree depth, never over requests.
+``path[b, d]`` is the tree index of the node accepted at depth d (-1 past the accepted length).
 """
 
 import torch
@@ -23,13 +22,14 @@ def _max_depth(tree: DraftTree, max_depth: int | None) -> int:
     return int(tree.depth.max()) if tree.depth.numel() else 0  # 0 rows: no max() on empty (rule 4)
 
 
-def accept_greedy(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int | None = None):
-    """Greedy walk: from the root, accept the child whose token equals the target's argmax at the current
-    node.
+def accept(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int | None = None):
+    """From the root, accept the child whose token equals the target's token at the current node.
 
-    target_tokens [B, N] int64: the target's argmax at every node. Returns (path [B, D+1], accept_len [B],
-    bonus [B]) where accept_len = 1 + accepted drafts and bonus = the target's argmax at the last accepted
-    node.
+    target_tokens [B, N] int64: the token the target produces after every node (its argmax, or its
+    position-keyed Gumbel sample: ``kernels.sampling.sample``). Siblings hold distinct tokens, so at most one
+    child matches. Lossless by construction: every emitted token is the target's own token at its position,
+    the same a step without speculation produces there. Returns (path [B, D+1], accept_len [B], bonus [B])
+    where accept_len = 1 + accepted drafts and bonus = the target's token at the last accepted node.
     ``max_depth`` (e.g. num_steps) bounds the walk; None reads it from the tree (one host sync).
     """
     B, N = tree.tokens.shape
@@ -47,55 +47,6 @@ def accept_greedy(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int |
     path = torch.stack(path, 1)
     accept_len = (path >= 0).sum(1)
     return path, accept_len, target_tokens.gather(1, cur[:, None]).squeeze(1)
-
-
-def accept_sampling(
-    tree: DraftTree,
-    probs: torch.Tensor,
-    u_accept: torch.Tensor,
-    u_bonus: torch.Tensor,
-    max_depth: int | None = None,
-):
-    """Lossless recursive rejection sampling with one-hot (deterministic) drafts.
-
-    probs [B, N, V]: the target's distribution at every node after temperature / top-k / top-p (one-hot for
-    greedy rows, which makes this walk reduce to the greedy one). At the current node with distribution r, try
-    the children in tree order: accept child c with probability r(c) / sum(r); on rejection set r(c) = 0 and
-    try the next sibling; descend on acceptance; when no child is accepted, sample the bonus token from the
-    residual r. u_accept [B, D, K] and u_bonus [B, V] are uniform (0, 1) noise (K >= max children per node).
-    Returns (path, accept_len, bonus) as ``accept_greedy``.
-    """
-    B, N, V = probs.shape
-    max_depth = _max_depth(tree, max_depth)
-    dev = probs.device
-    rows = torch.arange(B, device=dev)
-    cur = torch.zeros(B, dtype=torch.long, device=dev)
-    active = torch.ones(B, dtype=torch.bool, device=dev)
-    r = probs[:, 0].clone()
-    path = [cur]
-    for d in range(max_depth):
-        kids = _children(tree, cur, active)
-        rank = kids.cumsum(1) - 1
-        moved = torch.zeros(B, dtype=torch.bool, device=dev)
-        nxt = cur
-        for j in range(u_accept.shape[2]):
-            sel = kids & (rank == j)
-            has = sel.any(1) & ~moved
-            c = sel.int().argmax(1)
-            t = tree.tokens.gather(1, c[:, None]).squeeze(1)
-            rt = r.gather(1, t[:, None]).squeeze(1)
-            acc = has & (u_accept[:, d, j] * r.sum(1) < rt)
-            rej = (has & ~acc)[:, None] & (torch.arange(V, device=dev) == t[:, None])
-            r = r.masked_fill(rej, 0.0)
-            moved |= acc
-            nxt = torch.where(acc, c, nxt)
-        active &= moved
-        cur = nxt
-        r = torch.where(moved[:, None], probs[rows, cur], r)
-        path.append(torch.where(moved, cur, -1))
-    path = torch.stack(path, 1)
-    bonus = (r / -torch.log(u_bonus)).argmax(1)  # exponential race: samples from r (unnormalised is fine)
-    return path, (path >= 0).sum(1), bonus
 
 
 def emitted_tokens(tree: DraftTree, path: torch.Tensor, accept_len: torch.Tensor, bonus: torch.Tensor):

@@ -3,7 +3,7 @@
 The lifecycle, hook by hook, in the order it happens (DESIGN §4 rule in brackets). ``LLM`` calls 1-5, the
 scheduler's release path calls 6; nothing else creates, updates, filters or releases a draft input.
 
-1. ``FrozenKVMTPWorker(config, target, assistant_dir, sampler)``: load and check the assistant; no KV pool
+1. ``FrozenKVMTPWorker(config, target, assistant_dir, split_size)``: load and check the assistant; no KV pool
    exists yet, and the draft input is the idle 0-row one.                                          [rule 2]
 2. ``bind(kv_pools)``: after the target's pool is allocated and bound, attach the assistant's layers to the
    target layers they read.                                                                       [rule 2]
@@ -30,14 +30,15 @@ import torch
 from .. import parallel
 from ..context import AttnMetadata, attn_metadata
 from ..kernels.attention import num_kv_splits
-from ..kernels.sampling import filtered_probs
+from ..kernels.sampling import sample
 from ..kv_cache import block_table_tensor, slot_mapping
 from ..models.gemma4_assistant import Gemma4Assistant
+from ..sampler import sampling_tensors
 from ..scheduler import StepOutput
 from .draft import run_draft
 from .policy import DraftLength, StepTimer
 from .state import DraftInput
-from .verify import accept_greedy, accept_sampling, compact_accepted_kv, emitted_tokens
+from .verify import accept, compact_accepted_kv, emitted_tokens
 
 DEFAULT_ASSISTANT = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-instruct-assistant"
 
@@ -69,17 +70,16 @@ def resolve_assistant(assistant: str, target_is_default: bool) -> Path:
 class FrozenKVMTPWorker:
     """Speculation for one target (the hooks and their order: see the module docstring)."""
 
-    def __init__(self, config, target, assistant_path: Path, sampler, trace=None):
+    def __init__(self, config, target, assistant_path: Path, split_size: int | None = None, trace=None):
         self.target = target
-        self.sampler = sampler
         self.trace = trace
         self.num_steps = config.num_steps
         self.topk = config.topk
         self.num_draft_tokens = config.num_draft_tokens
         self.position_offset = config.draft_position_offset
         self.page_size = config.page_size
-        self.split_size = getattr(target, "kv_split_size", None)  # deterministic mode: the model runner's
-        device = sampler.device
+        self.split_size = split_size  # deterministic mode's KV split size (the model runner's), or None
+        self.device = device = config.torch_device()
         dtype = next(target.parameters()).dtype
         self.assistant = Gemma4Assistant.from_pretrained(assistant_path, device, dtype)
         self.assistant.check_target(target.config)
@@ -113,29 +113,37 @@ class FrozenKVMTPWorker:
                 self.trace("prefill_done", {"req": r.request_id, "bonus": t, "L": r.prefill_len})
 
     # ---- 5: one speculative step ---------------------------------------------------------------------------
+    def plan(self, reqs) -> tuple[int, float | None]:
+        """(draft length s, its estimated tokens/s) for a step of ``reqs`` (``DraftLength.choose``); a batch
+        with a sampled row is timed and counted apart from an all-greedy one (its acceptance differs)."""
+        return self.policy.choose(len(reqs), _is_sampled(reqs))
+
     @torch.inference_mode()
     def step(self, reqs, plan=None) -> StepOutput:
         """Draft, verify over the tree, accept, and keep the next draft inputs (see the module docstring).
-        ``plan`` = (s, estimate) from ``policy.choose`` (None: ask it here). The inputs, committed lengths
+        ``plan`` = (s, estimate) from ``self.plan`` (None: ask it here). The inputs, committed lengths
         included, are gathered on the device: no host sync until the output is read."""
         if not reqs:  # DESIGN §4 rule 4
             return StepOutput(torch.zeros(0, 2, dtype=torch.long), speculative=True)
-        s, estimate = self.policy.choose(len(reqs)) if plan is None else plan
-        timer = StepTimer(self.sampler.device)
+        s, estimate = self.plan(reqs) if plan is None else plan
+        timer = StepTimer(self.device)
         inp = self._inputs_for(reqs)
         L = inp.seq_lens
-        bt = block_table_tensor(reqs, inp.hidden.device)
+        bt = block_table_tensor(reqs, self.device)
         bound = max(r.num_computed + r.num_inflight * self.num_draft_tokens for r in reqs)
-        inputs = {"bonus": inp.bonus_tokens, "hidden": inp.hidden, "block_table": bt, "L": L}
-        phase = f"mtp:{s}"
-        # a sampled batch: its own graphs, noise drawn on the host side
-        if not all(r.params.greedy for r in reqs):
-            temperature, top_k, top_p = self.sampler.tensors(reqs)
-            noise = self.sampler.noise(reqs, self.noise_width)
-            inputs.update(temperature=temperature, top_k=top_k, top_p=top_p, noise=noise)
-            phase = f"mtp_sampled:{s}"
+        temperature, top_k, top_p, seeds = sampling_tensors(reqs, self.device)
+        inputs = {
+            "bonus": inp.bonus_tokens,
+            "hidden": inp.hidden,
+            "block_table": bt,
+            "L": L,
+            "temperature": temperature,
+            "top_k": top_k,
+            "top_p": top_p,
+            "seeds": seeds,
+        }
         tree_tokens, out, acc, bonus, hidden = self.graphs.run(
-            phase, inputs, num_kv_splits(bound), reqs=reqs, num_steps=s
+            f"mtp:{s}", inputs, num_kv_splits(bound), reqs=reqs, num_steps=s
         )
         # a step that drafts nothing (s = 0) verifies the bonus token alone: the draft input stays fresh
         self.draft_inputs = self.draft_inputs.merge(DraftInput(inp.req_ids, bonus, hidden, L + acc.int()))
@@ -145,12 +153,13 @@ class FrozenKVMTPWorker:
             draft_len=s,
             num_drafted=self._num_nodes(s) - 1,
             timer=timer.stop(),
+            sampled=_is_sampled(reqs),
         )
         if self.trace is not None:
             fields = {
                 "s": s,
                 "batch": len(reqs),
-                "expected_accept": round(self.policy.expected_accept(s), 3),
+                "expected_accept": round(self.policy.expected_accept(s, _is_sampled(reqs)), 3),
                 "tok_per_s": None if estimate is None else round(estimate, 1),
             }
             self.trace("draft_len", fields)
@@ -160,12 +169,8 @@ class FrozenKVMTPWorker:
     def observe(self, out: StepOutput) -> None:
         """A committed step's accept lengths and measured time, for the draft-length policy."""
         if out.timer is not None:
-            self.policy.observe(out.draft_len, len(out.accept_lens), out.accept_lens, out.timer.seconds())
-
-    @property
-    def noise_width(self) -> int:
-        """Uniform noise per row of a sampled step: V for the bonus token, then one per draft child tried."""
-        return self.target.config.vocab_size + self.num_steps * self.topk
+            seconds = out.timer.seconds()
+            self.policy.observe(out.draft_len, len(out.accept_lens), out.accept_lens, seconds, out.sampled)
 
     def _inputs_for(self, reqs) -> DraftInput:
         """The draft inputs of ``reqs``, in batch order; RuntimeError if one is missing."""
@@ -174,9 +179,9 @@ class FrozenKVMTPWorker:
             raise RuntimeError("a decode request has no draft input")
         return inp
 
-    def draft(self, reqs, block_table, seq_lens, num_splits=None, num_steps=None):
+    def draft(self, reqs, block_table, seq_lens, num_splits=None, num_steps=None, sampling=None):
         """The draft tree of ``reqs`` from their draft inputs (reads KV rows [0, L), writes nothing):
-        ``num_steps`` (default: all) steps."""
+        ``num_steps`` (default: all) steps; ``sampling`` as ``run_draft``'s."""
         s = self.num_steps if num_steps is None else num_steps
         return run_draft(
             self.assistant,
@@ -188,18 +193,24 @@ class FrozenKVMTPWorker:
             self._num_nodes(s),
             self.position_offset,
             num_splits,
+            sampling,
         )
 
     def _num_nodes(self, s: int) -> int:
         """Tree nodes verified per request when drafting s steps (a shorter draft is a chain)."""
         return self.num_draft_tokens if s == self.num_steps else s + 1
 
-    def verify(self, tree, block_table, L, sampling=None, num_steps=None):
-        """Target forward over the tree (K/V written to rows [L, L+N)), accept, compact, next seed hidden.
+    def verify(self, tree, block_table, L, sampling, num_steps=None):
+        """Target forward over the tree (K/V written to rows [L, L+N)), the target's token at every node,
+        accept, compact, next seed hidden.
 
+        The target's token at a node of depth d is the one it produces at position L + d + 1
+        (``kernels.sampling.sample``: greedy, or the position-keyed Gumbel argmax), exactly what a step
+        without speculation would produce there; a child is accepted iff it equals its parent's target
+        token, and the target token at the last accepted node is the bonus token (DESIGN §3, "Verify").
         Pure tensor code with no host sync (graph-capturable): slots come from the block table on device.
-        ``sampling`` = (temperature, top_k, top_p [B], noise [B, V + S*k]) or None for greedy; ``num_steps``:
-        the tree's depth (default: all steps).
+        ``sampling`` = (temperature [B] fp32, top_k [B] int32, top_p [B] fp32, seeds [B] int64);
+        ``num_steps``: the tree's depth (default: all steps).
         Returns (emitted [B, S+1] tokens padded with -1, accept_len [B], bonus [B], next seed hidden [B, Hb]).
         """
         (B, N), dev = tree.tokens.shape, tree.tokens.device
@@ -213,14 +224,10 @@ class FrozenKVMTPWorker:
             hidden = self.target(tree.tokens.flatten(), (L.long()[:, None] + tree.depth).flatten())
         logits = self.target.compute_logits(hidden).view(B, N, -1)
         s = self.num_steps if num_steps is None else num_steps
-        if sampling is None:
-            path, acc, bonus = accept_greedy(tree, logits.argmax(-1), s)
-        else:
-            V = logits.shape[-1]
-            t, k, p, u = sampling
-            probs = filtered_probs(logits.view(B * N, V), *(x.repeat_interleave(N) for x in (t, k, p)))
-            u_accept = u[:, V : V + s * self.topk].view(B, s, self.topk)
-            path, acc, bonus = accept_sampling(tree, probs.view(B, N, V), u_accept, u[:, :V], s)
+        positions = (L.long()[:, None] + tree.depth + 1).flatten()
+        per_node = [x.repeat_interleave(N) for x in sampling]
+        target_tokens = sample(logits.view(B * N, -1), *per_node, positions).view(B, N)
+        path, acc, bonus = accept(tree, target_tokens, s)
         parallel.agree(path, acc, bonus)  # rank 0's walk (tensor parallelism: DESIGN §4 rule 8)
         if not tree.is_chain:
             compact_accepted_kv(self.kv_pools, block_table, L, path, acc, self.page_size)
@@ -229,14 +236,25 @@ class FrozenKVMTPWorker:
         return emitted_tokens(tree, path, acc, bonus), acc, bonus, seed_hidden
 
     def draft_verify(
-        self, bonus, hidden, block_table, L, num_splits=None, reqs=None, sampling=None, num_steps=None
+        self,
+        bonus,
+        hidden,
+        block_table,
+        L,
+        temperature,
+        top_k,
+        top_p,
+        seeds,
+        num_splits=None,
+        reqs=None,
+        num_steps=None,
     ):
         """One whole speculative step of ``num_steps`` draft steps (default: all) from draft-input tensors
-        (bonus [B], hidden [B, Hb]): the ``mtp:{s}`` phase a CUDA graph captures. Eager calls pass ``reqs`` so
-        that ``draft`` sees the requests. ``sampling`` = (temperature, top_k, top_p [B], noise [B,
-        noise_width]) or None (greedy). Returns (tree tokens [B, N], emitted, accept_len, bonus, next seed
-        hidden)."""
+        (bonus [B], hidden [B, Hb]) and the rows' sampling tensors (``sampler.sampling_tensors``): the
+        ``mtp:{s}`` phase a CUDA graph captures. Eager calls pass ``reqs`` so that ``draft`` sees the
+        requests. Returns (tree tokens [B, N], emitted, accept_len, bonus, next seed hidden)."""
         s = self.num_steps if num_steps is None else num_steps
+        sampling = (temperature, top_k, top_p, seeds)
         if reqs is None:
             tree = run_draft(
                 self.assistant,
@@ -248,30 +266,11 @@ class FrozenKVMTPWorker:
                 self._num_nodes(s),
                 self.position_offset,
                 num_splits,
+                sampling,
             )
         else:
-            tree = self.draft(reqs, block_table, L, num_splits, s)
+            tree = self.draft(reqs, block_table, L, num_splits, s, sampling)
         return (tree.tokens, *self.verify(tree, block_table, L, sampling, s))
-
-    def draft_verify_sampled(
-        self,
-        bonus,
-        hidden,
-        block_table,
-        L,
-        temperature,
-        top_k,
-        top_p,
-        noise,
-        num_splits=None,
-        reqs=None,
-        num_steps=None,
-    ):
-        """The ``mtp_sampled:{s}`` phase: ``draft_verify`` of a batch with sampled rows, its sampling
-        tensors static graph inputs like the rest."""
-        return self.draft_verify(
-            bonus, hidden, block_table, L, num_splits, reqs, (temperature, top_k, top_p, noise), num_steps
-        )
 
     def _trace_step(self, reqs, lens, tree_tokens, result) -> None:
         for r, L, toks, emitted in zip(reqs, lens, tree_tokens, result.tokens):
@@ -297,3 +296,7 @@ class FrozenKVMTPWorker:
         if self.trace is not None:
             for r in reqs:
                 self.trace("release", {"req": r.request_id, "reason": reason})
+
+
+def _is_sampled(reqs) -> bool:
+    return not all(r.params.greedy for r in reqs)

@@ -1,2 +1,2 @@
-"""nanospec's OpenAI-compatible HTTP server (``nanospec-serve``, ``python -m nanospec.serve``) and the serving
-benchmark's client. A front end: the engine never imports this package."""
+"""nanospec's OpenAI-compatible HTTP server (``nanospec-serve``, ``python -m nanospec.serve``). A front end:
+the engine never imports this package, and it imports no benchmark."""

@@ -38,7 +38,7 @@ prefilled in --max-num-batched-tokens chunks; prints and reports max_gap_s, the 
 between two steps that gave one of them tokens, and the total time).
 
 --serve starts nanospec-serve with these engine options (--base-url URL uses a running server) and sends the
-workload (default sharegpt) over HTTP with Poisson arrivals: vLLM's serving figures, nanospec/serve/client.py.
+workload (default sharegpt) over HTTP with Poisson arrivals: vLLM's serving figures (tools/serve_bench.py).
 """
 
 import argparse
@@ -55,12 +55,9 @@ from .. import LLM, SamplingParams, loader
 from ..models.shapes import GEMMA4, QWEN3_0_6B, gemma4_configs
 from ..mtp.worker import DEFAULT_ASSISTANT
 from . import cli
-from .cli import add_tensor_parallel_size, number
+from .cli import ENGINE, SPEC, add_tensor_parallel_size, number
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
-ENGINE = "dtype device max_model_len max_num_seqs max_num_batched_tokens enforce_eager seed deterministic"
-ENGINE = ENGINE.split() + ["tensor_parallel_size"]
-SPEC = ["num_steps", "topk", "num_draft_tokens", "adaptive_speculation"]
 WORKLOADS = ["nanovllm", "sharegpt", "chat", "shared-prefix", "stall"]  # default nanovllm; over HTTP sharegpt
 # bench.py's int options >= 1 and their defaults (none: the engine's)
 INT_OPTIONS = """max-model-len=4096 max-num-seqs=256 max-num-batched-tokens=8192 max-input-len=1024
@@ -361,7 +358,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
     res.update(input_tokens=sum(map(len, prompts)))
     meas = measure
     if args.serve or args.base_url:  # the same runs over HTTP: vLLM's serving figures
-        from ..serve.client import measure as meas
+        from .serve_bench import measure as meas
     if args.compare:
         opt, spec, rounds = args.compare, args.compare == "assistant", []
         for on in (True, False) * 2:

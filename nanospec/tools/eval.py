@@ -62,17 +62,19 @@ def measure(model, assistant, prompts, S, k, temperature, max_tokens, tree_token
         **engine,
     ) as llm:
         sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
-        outs, t0 = [], time.perf_counter()
+        outs = []
+        t0 = time.perf_counter()
         for i in range(0, len(prompts), batch):
             outs += llm.generate(prompts[i : i + batch], sp, use_tqdm=False)
-    acc, ntok = [a for o in outs for a in o["accept_lengths"]], sum(len(o["token_ids"]) for o in outs)
+    acc = [a for o in outs for a in o["accept_lengths"]]
+    ntok = sum(len(o["token_ids"]) for o in outs)
     per_pos = [sum(a >= i + 1 for a in acc) / len(acc) for i in range(1, S + 1)]
     return sum(acc) / len(acc), per_pos, ntok / (time.perf_counter() - t0), n or S + 1
 
 
 def main(argv=None):
     """The evaluation CLI (module docstring); every value is checked before any model or data work."""
-    from ..loader import configure_cpu_threads
+    from ..cpu import configure_cpu_threads
 
     ap, add = cli.parser("nanospec-eval", __doc__)
     add("--model", help="target dir (default: SmolLM2-135M-Instruct)")
@@ -90,7 +92,8 @@ def main(argv=None):
     cli.add_deterministic(ap)
     a = ap.parse_args(argv)
     cli.check_deterministic(ap, a, a.topks)
-    if not set(datasets := a.datasets.split(",")) <= {"sharegpt", "sharegpt-train", "humaneval"}:
+    datasets = a.datasets.split(",")
+    if not set(datasets) <= {"sharegpt", "sharegpt-train", "humaneval"}:
         ap.error(f"--datasets must name sharegpt, sharegpt-train and/or humaneval, got {a.datasets!r}")
     cli.load_assistant(ap, "--assistant", a.assistant)  # a few MB: fails before the target
     model_dir, _, tok = cli.load_target(ap, "--model", a.model, "--assistant", a.assistant)

@@ -70,7 +70,9 @@ def capture_target(target, seqs: list[list[int]], layers: list[int]):
     Returns ``tokens [B, T]`` (0-padded), ``lens [B]``, ``hidden [B, T, Hb]`` (post-final-norm) and ``kv``:
     per assistant layer a pair ``(k, v)`` of ``[B, T, Hkv, D]``, the mapped target layer's rows as stored in
     the cache."""
-    dev, B, T = target.embed_tokens.weight.device, len(seqs), max(len(s) for s in seqs)
+    dev = target.embed_tokens.weight.device
+    B = len(seqs)
+    T = max(len(s) for s in seqs)
     lens = torch.tensor([len(s) for s in seqs], dtype=torch.int32, device=dev)
     shape = (len(target.layers), 2, B + 1, T, target.num_kv_heads, target.head_dim)
     pool = torch.zeros(shape, dtype=target.embed_tokens.weight.dtype, device=dev)
@@ -82,9 +84,11 @@ def capture_target(target, seqs: list[list[int]], layers: list[int]):
     bt = torch.arange(1, B + 1, dtype=torch.int32, device=dev)[:, None]
     with attn_metadata(AttnMetadata.prefill(bt, lens, slots, cu, T)):
         flat = target(ids, pos)
-    hidden, tokens = flat.new_zeros(B, T, flat.shape[-1]), ids.new_zeros(B, T)
+    hidden = flat.new_zeros(B, T, flat.shape[-1])
+    tokens = ids.new_zeros(B, T)
     mask = torch.arange(T, device=dev)[None] < lens[:, None]
-    hidden[mask], tokens[mask] = flat, ids
+    hidden[mask] = flat
+    tokens[mask] = ids
     kv = [(pool[i, 0, 1:].clone(), pool[i, 1, 1:].clone()) for i in layers]
     target.bind_kv_cache(pool[:, :, :1])  # drop the big views; the engine rebinds its own pool
     return tokens, lens.long(), hidden, kv
@@ -111,13 +115,16 @@ def unroll(assistant, tokens, hidden, kv, Ls, num_steps: int, position_offset: i
 
     def attn(layer_idx, q):
         k, v = kv[layer_idx]
-        Hq, D, Hkv = q.shape[1], q.shape[2], k.shape[2]
+        Hq = q.shape[1]
+        D = q.shape[2]
+        Hkv = k.shape[2]
         s = torch.einsum("bnkgd,btkd->bkgnt", q.view(*Ls.shape, Hkv, Hq // Hkv, D), k.to(q.dtype))
         p = torch.softmax(s.float().masked_fill(~mask[:, None, None], float("-inf")), -1).to(q.dtype)
         return torch.einsum("bkgnt,btkd->bnkgd", p, v.to(q.dtype)).reshape(q.shape)  # [B*n, Hq, D]
 
     pos = (Ls + position_offset).clamp(min=0).reshape(-1)
-    h, outs = gather_rows(hidden, Ls - 1), []
+    h = gather_rows(hidden, Ls - 1)
+    outs = []
     for s in range(num_steps):
         hn, h = assistant.body(gather_rows(tokens, Ls + s), h, pos, attn_fn=attn)
         outs.append((assistant.dense_logits(hn, vocab), h, hn))
@@ -138,7 +145,10 @@ def distill_loss(
     if vocab is not None and assistant.lm_head is not None:
         raise ValueError("a vocabulary subset needs an assistant that uses the target's LM head")
     head = target.lm_head_weight.detach()[slice(None) if vocab is None else vocab]
-    me, total, kls, accs = assistant.masked_embedding, 0.0, [], []
+    me = assistant.masked_embedding
+    total = 0.0
+    kls = []
+    accs = []
     cluster = None if me is None else token_clusters(assistant, vocab)  # once per batch, not per step
     for s, (logits, _, hn) in enumerate(unroll(assistant, tokens, hidden, kv, Ls, num_steps, vocab=vocab)):
         row = Ls + s  # the target row whose distribution predicts the token that step s drafts
@@ -146,7 +156,8 @@ def distill_loss(
         with torch.no_grad():
             t_logp = torch.log_softmax(F.linear(gather_rows(hidden, row), head).float(), -1)
         kl = (t_logp.exp() * (t_logp - torch.log_softmax(logits, -1))).sum(-1)
-        loss, scores = kl, None
+        loss = kl
+        scores = None
         if me is not None:
             scores = me.centroids(hn).float()
             mass = t_logp.new_zeros(scores.shape).index_add_(1, cluster, t_logp.exp())
@@ -202,7 +213,8 @@ def init_assistant(assistant, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     for p in assistant.parameters():
         p.copy_(torch.randn(p.shape, generator=g) * p.shape[1] ** -0.5) if p.dim() >= 2 else p.fill_(1.0)
-    H, Hb = assistant.hidden_size, assistant.backbone_hidden_size
+    H = assistant.hidden_size
+    Hb = assistant.backbone_hidden_size
     assistant.pre_projection.weight.mul_(0.1)
     if H == Hb:
         assistant.pre_projection.weight[:, Hb:] += torch.eye(H)
@@ -228,7 +240,8 @@ def balanced_clusters(rows, num_clusters: int):
         v = x[x.norm(dim=1).argmax()]
         for _ in range(8):
             v = F.normalize(x.T @ (x @ v), dim=0)
-        ids, n = ids[(x @ v).argsort(stable=True)], len(ids) * (c // 2) // c
+        n = len(ids) * (c // 2) // c
+        ids = ids[(x @ v).argsort(stable=True)]
         return split(ids[:n], c // 2) + split(ids[n:], c - c // 2)
 
     return torch.cat(split(torch.arange(rows.shape[0], device=rows.device), num_clusters))
@@ -250,7 +263,8 @@ def add_centroid_head(assistant, target, num_centroids: int, top_k: int = 32) ->
     new.load_state_dict(assistant.state_dict(), strict=False)
     new.bind_target(target, kv=False)
     rows = (target.lm_head_weight if new.lm_head is None else new.lm_head.weight).detach()
-    new.set_token_ordering(order := balanced_clusters(rows, num_centroids))
+    order = balanced_clusters(rows, num_centroids)
+    new.set_token_ordering(order)
     new.masked_embedding.centroids.weight.copy_(rows[order].view(num_centroids, -1, rows.shape[1]).mean(1))
     return new
 
@@ -290,7 +304,8 @@ def train(target, seqs, out_dir=None, assistant=None, starts=None, info=None, pr
     assistant.bind_target(target, kv=False)  # the trainer passes K/V itself
     if o.num_centroids:
         assistant = add_centroid_head(assistant, target, o.num_centroids, o.centroid_top_k)
-    layer_map, V = assistant.layer_map(target.kv_layer_types), None
+    layer_map = assistant.layer_map(target.kv_layer_types)
+    V = None
     if o.train_vocab and o.train_vocab < target.config.vocab_size:
         counts = torch.bincount(torch.tensor([t for q in seqs for t in q]), minlength=assistant.vocab_size)
         V = counts.argsort(descending=True, stable=True)[: o.train_vocab].sort().values.to(dev)
@@ -298,13 +313,19 @@ def train(target, seqs, out_dir=None, assistant=None, starts=None, info=None, pr
     frozen.cos_sin = target.cos_sin  # its RoPE table stays fp32
     params = [p for p in assistant.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=o.lr, betas=(0.9, 0.98), weight_decay=0.0)
-    rng, n = random.Random(o.seed), len(seqs)  # whole shuffled epochs, then cut
+    rng = random.Random(o.seed)  # whole shuffled epochs, then cut
+    n = len(seqs)
     order = [i for _ in range(math.ceil(o.epochs)) for i in rng.sample(range(n), n)]
     order = order[: max(1, int(o.epochs * n))]
-    total_steps, budget_s = -(-len(order) // o.batch_size), (o.time_budget_min or math.inf) * 60
+    total_steps = math.ceil(len(order) / o.batch_size)
+    budget_s = (o.time_budget_min or math.inf) * 60
     max_tokens = o.max_tokens or math.inf
     t0 = last_save = time.time()
-    tokens_seen, seqs_seen, losses, summary, gen = 0, 0, [], {}, torch.Generator().manual_seed(o.seed)
+    tokens_seen = 0
+    seqs_seen = 0
+    losses = []
+    summary = {}
+    gen = torch.Generator().manual_seed(o.seed)
     bar = tqdm(total=total_steps, desc="train", disable=not progress)
     for step in range(total_steps):
         elapsed = time.time() - t0
@@ -317,7 +338,8 @@ def train(target, seqs, out_dir=None, assistant=None, starts=None, info=None, pr
         ids = order[step * o.batch_size : (step + 1) * o.batch_size]
         with torch.autocast(dev.type, torch.bfloat16, enabled=o.amp):
             tokens, lens, hidden, kv = capture_target(frozen, [seqs[i] for i in ids], layer_map)
-            hidden, kv = hidden.float(), [(k.float(), v.float()) for k, v in kv]
+            hidden = hidden.float()
+            kv = [(k.float(), v.float()) for k, v in kv]
             first = None if starts is None else torch.tensor([starts[i] for i in ids], device=dev)
             Ls, valid = sample_positions(lens, o.positions_per_seq, gen, first)
             with using_backend("torch"):  # gradients flow through the torch references only
@@ -327,7 +349,8 @@ def train(target, seqs, out_dir=None, assistant=None, starts=None, info=None, pr
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        tokens_seen, seqs_seen = tokens_seen + int(lens.sum()), seqs_seen + len(ids)
+        tokens_seen = tokens_seen + int(lens.sum())
+        seqs_seen = seqs_seen + len(ids)
         losses.append(loss.item())
         nulls = [[None if math.isnan(x) else round(x, 4) for x in xs] for xs in (kls, accs)]  # strict JSON
         summary = dict(steps=step + 1, sequences=seqs_seen, tokens_seen=tokens_seen, **(info or {}))
@@ -350,7 +373,7 @@ def train(target, seqs, out_dir=None, assistant=None, starts=None, info=None, pr
 
 def main(argv=None):
     """The trainer's CLI (module docstring); every value is checked before any model or data work."""
-    from ..loader import configure_cpu_threads
+    from ..cpu import configure_cpu_threads
     from ..model_runner import build_target
     from . import datasets as data
 
@@ -375,10 +398,14 @@ def main(argv=None):
     for opt in ("all_turns", "regen_budget_min", "max_prompt_tokens", "max_new_tokens", "deterministic"):
         if getattr(a, opt) not in (None, False) and not a.regenerate:
             ap.error(f"--{opt.replace('_', '-')} only applies with --regenerate")
-    a.max_prompt_tokens, a.max_new_tokens = a.max_prompt_tokens or 192, a.max_new_tokens or 256
+    a.max_prompt_tokens = a.max_prompt_tokens or 192
+    a.max_new_tokens = a.max_new_tokens or 256
     if a.data:  # --regenerate saves its shard there
         cli.check_out_dir(ap, "--data", a.data)
-    init, init_dir = (None, None) if a.init is None else cli.load_assistant(ap, "--init", a.init, a.layers)
+    init = None
+    init_dir = None
+    if a.init is not None:
+        init, init_dir = cli.load_assistant(ap, "--init", a.init, a.layers)
     if a.num_centroids and init is not None and init.masked_embedding is not None:
         ap.error(f"--num-centroids adds a centroid head to a dense-head assistant; --init {a.init} has one")
     a.layers = a.layers or (init.text_config.num_hidden_layers if init else 1)
@@ -387,7 +414,9 @@ def main(argv=None):
     a.seq_len = a.seq_len or (a.max_prompt_tokens + a.max_new_tokens + 64 if a.regenerate or a.data else 256)
     t0 = time.time()
     model_dir, cfg, tok = cli.load_target(ap, "--target", a.target, "--init", a.init)
-    C, K, V = a.num_centroids, a.centroid_top_k, cfg.vocab_size
+    C = a.num_centroids
+    K = a.centroid_top_k
+    V = cfg.vocab_size
     if C and (V % C or not 1 <= K <= C):
         ap.error(f"--num-centroids must divide the vocabulary ({V}) and be >= --centroid-top-k {K}, got {C}")
     shortest = len(data.chat_prompts(tok, ["x"], 1)[0])  # the chat template around a 1-token user turn
@@ -401,7 +430,10 @@ def main(argv=None):
     configure_cpu_threads()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     convs = [] if a.data and not a.regenerate else data.load_sharegpt("train", a.num_conversations)
-    seqs, starts, regen, src = [], [], None, f"{len(shards)} shard(s) of {a.data}"
+    seqs = []
+    starts = []
+    regen = None
+    src = f"{len(shards)} shard(s) of {a.data}"
     if a.regenerate:
         engine = dict(max_num_seqs=1024, gpu_memory_utilization=0.3) if device == "cuda" else {}
         engine["deterministic"] = a.deterministic
@@ -416,14 +448,17 @@ def main(argv=None):
             regen["shard"] = data.save_shard(a.data, seqs, starts, prov).name
         src = f"responses regenerated by the target, T = {regen['temperatures']}" + f" + {src}" * bool(shards)
     elif not a.data:
-        (seqs, starts), src = data.build_sequences(tok, convs, a.seq_len), "original ShareGPT responses"
-    seqs, starts = [q[: a.seq_len] for q in seqs + old_seqs], starts + old_starts
+        seqs, starts = data.build_sequences(tok, convs, a.seq_len)
+        src = "original ShareGPT responses"
+    seqs = [q[: a.seq_len] for q in seqs + old_seqs]
+    starts = starts + old_starts
     target = build_target(cfg, device, torch.float32, a.seq_len + 8, model_dir)
     hardware = torch.cuda.get_device_name() if device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     info = dict(target=str(model_dir), data=f"ShareGPT train split, {src}", regeneration=regen, shards=shards)
     info.update(hardware=hardware, conversations=len(convs), num_sequences_available=len(seqs), args=vars(a))
     if init_dir is not None:  # a warm start keeps its history: what the init checkpoint was trained on
-        prev = json.loads(p.read_text()) if (p := init_dir / "training_info.json").is_file() else None
+        p = init_dir / "training_info.json"
+        prev = json.loads(p.read_text()) if p.is_file() else None
         info["init"] = dict(dir=str(init_dir), training_info=prev)
     print(f"data: {len(convs)} conversations, {len(seqs)} sequences, {sum(map(len, seqs))} tokens: {src}")
     opts = {name: getattr(a, name) for name in DEFAULTS}

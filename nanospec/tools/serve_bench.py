@@ -20,6 +20,8 @@ import time
 
 import numpy as np
 
+from .cli import ENGINE, SPEC
+
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")  # sent per request
 
 
@@ -105,8 +107,6 @@ def measure(args, model_dir, assistant, prompts, params, label="", phases=False,
     started with bench.py's engine options, ``assistant`` (DIR or None) and the LLM ``option``s (stopped
     after), so ``--compare`` runs each round on a fresh server; ``phases`` is for the in-process engine
     only. Prints the figures after ``label``; returns them (``throughput_tok_s``: output tokens/s)."""
-    from ..tools.bench import ENGINE, SPEC
-
     given = {k: getattr(args, k) for k in ENGINE + SPEC * bool(assistant)} | option
     argv = [str(model_dir), "--assistant", assistant or "none", *["--load-format=dummy"] * bool(args.shape)]
     for k, v in given.items():  # a bool as --name / --no-name; None: the server's default

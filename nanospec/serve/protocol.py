@@ -1,0 +1,221 @@
+"""The OpenAI request shapes nanospec-serve reads (the API reference's /v1/completions and
+/v1/chat/completions, vLLM's /tokenize) and the text it streams back. Functions of the JSON body and the HF
+tokenizer: no engine and no HTTP, so the server runs them off its event loop and tests call them directly."""
+
+import json
+from dataclasses import dataclass
+
+from ..sampling_params import SamplingParams
+
+MAX_BODY = 1 << 22  # request body bytes
+MAX_STOP = 16  # stop strings per request
+MAX_STOP_LEN = 256  # characters per stop string
+# fields that would change the output and that nanospec does not implement, with the values that mean "off"
+REFUSED = dict.fromkeys(
+    "logprobs top_logprobs prompt_logprobs echo suffix tools functions logit_bias min_tokens "
+    "presence_penalty frequency_penalty min_p use_beam_search response_format bad_words allowed_token_ids "
+    "structured_outputs guided_json guided_regex guided_choice guided_grammar".split(),
+    (None, 0, "", [], {}, {"type": "text"}),
+)
+REFUSED["repetition_penalty"] = (None, 1)
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    503: "ServiceUnavailable",
+}
+
+
+class ApiError(Exception):
+    """An error for the client: HTTP ``status``, the message, the request field it is about, and any HTTP
+    ``headers`` to send with it (``Retry-After`` on a 503)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.headers = headers
+
+    def body(self) -> dict:
+        """The OpenAI error schema."""
+        kind = ERROR_TYPES.get(self.status, "APIError")
+        return {"error": dict(message=str(self), type=kind, param=self.param, code=self.status)}
+
+
+@dataclass
+class Parsed:
+    """A checked completion request. ``params`` holds n SamplingParams per prompt, in choice order: choice
+    ``prompt_index * n + j`` samples with seed + j (as vLLM numbers them)."""
+
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+
+
+def read_json(raw: bytes) -> dict:
+    """The request body as a JSON object; ApiError 400 for a syntax error, a nesting deeper than Python's
+    recursion limit (json raises RecursionError) or another JSON type."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def text_of(content, where: str) -> str:
+    """A chat message's ``content`` as one string: a string as is, a list of text parts joined by newlines
+    (as vLLM joins them); ApiError 400 naming any other part (images, audio, ...: text only here)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where}.content must be a string or a list of content parts", "messages")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text" or not isinstance(part.get("text"), str):
+            message = f"{where}.content[{j}] has type {kind!r}: only text parts are served"
+            raise ApiError(400, message + " ({'type': 'text', 'text': str})", "messages")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def chat_ids(tok, messages) -> list[int]:
+    """The token ids of ``messages`` through the tokenizer's chat template, with the generation prompt."""
+    ok = isinstance(messages, list) and messages
+    if not (ok and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
+        raise ApiError(400, "messages must be a non-empty list of {role: str, content}", "messages")
+    if not tok.chat_template:
+        raise ApiError(400, "this model has no chat template: use /v1/completions", "messages")
+    conversation = [
+        m | {"content": text_of(m.get("content"), f"messages[{i}]")} for i, m in enumerate(messages)
+    ]
+    try:  # the template holds its special tokens: encoded below as LLM.generate encodes a string
+        text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # the template refuses the conversation (a Jinja error)
+        raise ApiError(400, f"messages: the chat template refused them: {e}", "messages") from None
+    return tok.encode(text, add_special_tokens=False)
+
+
+def is_ids(x) -> bool:
+    return isinstance(x, list) and bool(x) and all(type(t) is int for t in x)
+
+
+def prompt_ids(tok, body: dict, chat: bool) -> list[list[int]]:
+    """The request's prompts as token ids: the chat ``messages``, or ``prompt`` as a string, a list of
+    strings, a list of token ids or a list of token-id lists (strings encoded as ``LLM.generate`` does)."""
+    prompt = body.get("prompt")
+    if chat:
+        return [chat_ids(tok, body.get("messages"))]
+    if isinstance(prompt, str) and prompt:
+        return [tok.encode(prompt, add_special_tokens=False)]
+    if is_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) and p for p in prompt):
+        return tok(prompt, add_special_tokens=False)["input_ids"]
+    if isinstance(prompt, list) and prompt and all(map(is_ids, prompt)):
+        return prompt
+    kinds = "string, list of strings, list of token ids or list of token-id lists"
+    raise ApiError(400, f"prompt must be a non-empty {kinds} (each non-empty)", "prompt")
+
+
+def field_of(message: str, max_tokens_key: str) -> str | None:
+    """The request field an engine message names ("SamplingParams.top_p must ..." -> "top_p")."""
+    name = message.partition("SamplingParams.")[2] or message  # the engine's: "prompt ..." or this
+    return max_tokens_key if name.startswith("max_tokens") else name.partition(" ")[0]
+
+
+def parse(body: dict, chat: bool, tok, model_name: str, max_len: int, max_n: int, max_choices: int) -> Parsed:
+    """Check a completion request (the engine's own checks and messages for the sampling fields); ApiError
+    400 naming a bad field, 404 for another model."""
+    if body.get("model") not in (None, model_name):
+        raise ApiError(404, f"the model {body['model']!r} does not exist (here: {model_name})", "model")
+    get = lambda k, default=None: default if body.get(k) is None else body[k]  # noqa: E731
+    n = get("n", 1)
+    stream = get("stream", False)
+    opts = get("stream_options", {})
+    seed = get("seed")
+    bad = [k for k, off in REFUSED.items() if body.get(k) not in off] + ["best_of"] * (get("best_of", n) != n)
+    if bad:
+        raise ApiError(400, f"not supported by nanospec (they would change the output): {bad}", bad[0])
+    if type(n) is not int or not 1 <= n <= max_n:
+        raise ApiError(400, f"n must be an int in [1, {max_n}] (--max-n), got {n!r}", "n")
+    if type(stream) is not bool or not isinstance(opts, dict):
+        raise ApiError(400, "stream must be a bool and stream_options an object", "stream")
+    prompts = prompt_ids(tok, body, chat)
+    if len(prompts) * n > max_choices:  # more than may ever wait: it could never be admitted
+        raise ApiError(400, f"{len(prompts)} prompts x n {n} exceed --max-waiting {max_choices}", "prompt")
+    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    stop = [body["stop"]] if isinstance(body.get("stop"), str) else get("stop", [])
+    if type(stop) is not list or len(stop) > MAX_STOP or any(len(str(x)) > MAX_STOP_LEN for x in stop):
+        raise ApiError(400, f"stop: a string or <= {MAX_STOP} strings of <= {MAX_STOP_LEN} chars", "stop")
+    kw = dict(
+        temperature=get("temperature", 1.0),
+        top_p=get("top_p", 1.0),
+        top_k=get("top_k", -1) or -1,
+        ignore_eos=get("ignore_eos", False),
+        stop=stop,
+        stop_token_ids=get("stop_token_ids"),
+        cache_salt=get("cache_salt"),
+    )  # OpenAI's defaults; top_k 0 is off
+    params = []
+    for ids in prompts:
+        max_tokens = get(key, max_len - len(ids))  # omitted: what is left of max_model_len
+        if len(ids) >= max_len:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens; max_model_len is {max_len}", "prompt")
+        if type(max_tokens) is int and len(ids) + max_tokens > max_len:
+            message = f"the prompt's {len(ids)} tokens + {key} {max_tokens} exceed max_model_len {max_len}"
+            raise ApiError(400, message, key)
+        try:  # choice j samples with seed + j: n different samples, each reproducible alone
+            params += [
+                SamplingParams(**kw, max_tokens=max_tokens, seed=seed + j if type(seed) is int else seed)
+                for j in range(n)
+            ]
+        except (TypeError, ValueError) as e:
+            raise ApiError(400, str(e), field_of(str(e), key)) from None
+    include_usage = opts.get("include_usage") is True
+    return Parsed(prompts, params, stream, include_usage, opts.get("continuous_usage_stats") is True)
+
+
+def tokenize_ids(tok, body: dict) -> list[int]:
+    """vLLM's /tokenize: ``messages`` (as /v1/chat/completions encodes them) or ``prompt`` (a string, with
+    ``add_special_tokens`` default false: as /v1/completions encodes it, so ``count`` is prompt_tokens)."""
+    if "messages" in body:
+        return chat_ids(tok, body["messages"])
+    special = body.get("add_special_tokens", False)
+    if not isinstance(body.get("prompt"), str) or type(special) is not bool:
+        raise ApiError(400, "give prompt (a string; add_special_tokens a bool) or messages", "prompt")
+    return tok.encode(body["prompt"], add_special_tokens=special)
+
+
+class Detokenizer:
+    """Incremental detokenization for streaming (vLLM's prefix / read offsets): an update decodes only the
+    tokens since the last emitted text plus the window before them; text that ends in a partial UTF-8
+    character waits, and so do the last ``max(len(stop)) - 1`` characters while a stop string could still cut
+    them. At the end the engine's final text is sent on from where the deltas stopped: they add up to it."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tok = tokenizer
+        self.ids = []
+        self.prefix = 0  # ids[prefix:read]: the window decoded again for context
+        self.read = 0
+        self.text = ""  # the text decoded so far
+        self.sent = 0  # of which sent
+        self.hold = max(map(len, stop), default=1) - 1
+
+    def push(self, new_ids: list[int], final_text: str | None) -> str:
+        """Add tokens; returns the text that is safe to send now (all the rest once ``final_text`` is set)."""
+        self.ids += new_ids
+        if final_text is None:
+            before = self.tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
+            text = self.tok.decode(self.ids[self.prefix :], skip_special_tokens=True)
+            if len(text) > len(before) and not text.endswith("\ufffd"):
+                self.text += text[len(before) :]
+                self.prefix, self.read = self.read, len(self.ids)
+        text = self.text if final_text is None else final_text
+        delta = text[self.sent : max(len(text) - (self.hold if final_text is None else 0), 0)]
+        self.sent += len(delta)
+        return delta
