@@ -213,12 +213,16 @@ class LLM:
         self.close()
 
     def _commit(self, batch, out) -> list[Request]:
+        logprobs = out.token_logprobs(batch.reqs)
         if batch.kind == "prefill":
-            return self.scheduler.commit(batch, out.tokens)
+            prompt_logprobs = out.prompt_token_logprobs()
+            return self.scheduler.commit(
+                batch, out.tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+            )
         if self.worker is not None:
             self.worker.observe(out)
         accept = out.accept_lens if out.speculative else None
-        return self.scheduler.commit(batch, out.tokens, accept, out.num_drafted)
+        return self.scheduler.commit(batch, out.tokens, accept, out.num_drafted, logprobs)
 
     def abort_request(self, request_id: int) -> bool:
         """Stop a queued or running request now (finish_reason "abort"; the next ``step`` returns it). Its KV
@@ -264,6 +268,10 @@ class LLM:
         }
         if self.config.speculative:
             out["accept_lengths"] = list(req.accept_lengths)
+        if req.logprobs is not None:
+            out["logprobs"] = list(req.logprobs)
+        if req.prompt_logprobs is not None:
+            out["prompt_logprobs"] = list(req.prompt_logprobs)
         return out
 
     def generate(

@@ -2,7 +2,6 @@
 into tensors and runs prefill / decode forwards (eagerly or through CUDA graphs, decided by
 ``GraphRunner.run``)."""
 
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -16,9 +15,10 @@ from .kernels.matmul import make_batch_invariant
 from .kv_cache import DUMMY_BLOCK, BlockAllocator, block_table_tensor, slot_mapping
 from .models import init_random_weights, load_weights, target_class
 from .mtp.state import DraftInput
+from .outputs import PrefillOutput, StepOutput, TokenLogprobs, emitted_logprobs
 from .request import Request
 from .sampler import sample_tokens
-from .scheduler import Batch, HostCopy, StepOutput
+from .scheduler import Batch
 
 
 def build_target(cfg, device, dtype, max_position: int, model_dir=None, seed: int = 0):
@@ -36,34 +36,6 @@ def build_target(cfg, device, dtype, max_position: int, model_dir=None, seed: in
     model.to(dtype).eval().requires_grad_(False)
     model.init_buffers(device)
     return model
-
-
-@dataclass
-class PrefillOutput:
-    """A prefill step's results, still on the device. ``done``: the requests whose prefill ended; ``bonus``
-    [len(done)] int64: each one's newest token (sampled now for a new request, its last output for a resumed
-    one): the bonus token of its first draft; ``hidden`` [len(done), H]: the target's hidden at its last row;
-    ``tokens`` (host, on first use): what each request of the batch emits (its first token, or nothing)."""
-
-    num_reqs: int
-    done_idx: list[int]
-    new_idx: list[int]
-    done: list[Request]
-    bonus: torch.Tensor
-    hidden: torch.Tensor
-
-    def __post_init__(self):
-        self._copy = HostCopy(self.bonus)  # queued at launch: reading it waits for this step only
-
-    @property
-    def tokens(self) -> list[list[int]]:
-        out = [[] for _ in range(self.num_reqs)]
-        if self.new_idx:
-            toks = self._copy.tolist()
-            for j, i in enumerate(self.done_idx):
-                if i in self.new_idx:
-                    out[i] = [toks[j]]
-        return out
 
 
 class ModelRunner:
@@ -265,15 +237,42 @@ class ModelRunner:
         done = [i for i in range(len(batch.reqs)) if batch.completes(i)]
         new = [i for i in done if not batch.reqs[i].output_token_ids]
         bonus = self._tensor([batch.reqs[i].last_token for i in done])
+        logprobs = None
         if new:
             reqs = [batch.reqs[i] for i in new]
             logits = self.model.compute_logits(hidden[[last[i] for i in new]])
             sampled = sample_tokens(reqs, logits, self._tensor([r.num_tokens for r in reqs]))
             parallel.agree(sampled)  # rank 0's tokens (DESIGN §4 rule 8)
             bonus[[done.index(i) for i in new]] = sampled
-        return PrefillOutput(
-            len(batch.reqs), done, new, [batch.reqs[i] for i in done], bonus, hidden[[last[i] for i in done]]
+            logprobs = emitted_logprobs(reqs, logits[:, None], sampled[:, None])
+        done_reqs = [batch.reqs[i] for i in done]
+        out = PrefillOutput(
+            len(batch.reqs), done, new, done_reqs, bonus, hidden[[last[i] for i in done]], logprobs
         )
+        self._score_prompts(batch, hidden, last, out)
+        return out
+
+    def _score_prompts(self, batch: Batch, hidden: torch.Tensor, last: list[int], out: PrefillOutput) -> None:
+        """``SamplingParams.prompt_logprobs``: the logprobs of the prompt tokens this chunk's rows predict
+        (the row at position p scores token p + 1), into ``out``. A request recomputed after preemption was
+        scored in its first prefill."""
+        rows = []
+        scored = []
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.num_new)):
+            if req.params.prompt_logprobs is None or req.output_token_ids:
+                continue
+            start = req.num_computed
+            count = min(start + n, len(req.prompt_token_ids) - 1) - start
+            first_row = last[i] - n + 1
+            rows += range(first_row, first_row + count)
+            scored.append(
+                (i, req.prompt_token_ids[start + 1 : start + 1 + count], req.params.prompt_logprobs)
+            )
+        if rows:
+            tokens = self._tensor([t for _, ids, _ in scored for t in ids])
+            logits = self.model.compute_logits(hidden[rows])
+            out.prompt_logprobs = TokenLogprobs(logits, tokens, max(k for _, _, k in scored))
+            out.prompt_logprob_rows = scored
 
     # ---- plain decode: next inputs on the device (as the MTP worker keeps its draft inputs)
     # ------------------------
@@ -310,4 +309,5 @@ class ModelRunner:
         parallel.agree(toks)
         nxt = DraftInput(inp.req_ids, toks, inp.hidden, inp.seq_lens + 1)
         self.decode_inputs = self.decode_inputs.merge(nxt)
-        return StepOutput(torch.stack([torch.ones_like(toks), toks], 1))
+        rows = torch.stack([torch.ones_like(toks), toks], 1)
+        return StepOutput(rows, logprobs=emitted_logprobs(reqs, logits[:, None], toks[:, None]))

@@ -33,8 +33,8 @@ from ..kernels.attention import num_kv_splits
 from ..kernels.sampling import sample
 from ..kv_cache import block_table_tensor, slot_mapping
 from ..models.gemma4_assistant import Gemma4Assistant
+from ..outputs import StepOutput, emitted_logprobs
 from ..sampler import sampling_tensors
-from ..scheduler import StepOutput
 from .draft import run_draft
 from .policy import DraftLength, StepTimer
 from .state import DraftInput
@@ -142,9 +142,13 @@ class FrozenKVMTPWorker:
             "top_p": top_p,
             "seeds": seeds,
         }
-        tree_tokens, out, acc, bonus, hidden = self.graphs.run(
+        tree_tokens, out, acc, bonus, hidden, path, logits = self.graphs.run(
             f"mtp:{s}", inputs, num_kv_splits(bound), reqs=reqs, num_steps=s
         )
+        logprobs = None
+        if any(r.params.logprobs is not None for r in reqs):  # emitted token j: the target's at node path[j]
+            node_logits = logits[torch.arange(len(reqs), device=self.device)[:, None], path.clamp(min=0)]
+            logprobs = emitted_logprobs(reqs, node_logits, out)
         # a step that drafts nothing (s = 0) verifies the bonus token alone: the draft input stays fresh
         self.draft_inputs = self.draft_inputs.merge(DraftInput(inp.req_ids, bonus, hidden, L + acc.int()))
         result = StepOutput(
@@ -154,6 +158,7 @@ class FrozenKVMTPWorker:
             num_drafted=self._num_nodes(s) - 1,
             timer=timer.stop(),
             sampled=_is_sampled(reqs),
+            logprobs=logprobs,
         )
         if self.trace is not None:
             fields = {
@@ -211,7 +216,8 @@ class FrozenKVMTPWorker:
         Pure tensor code with no host sync (graph-capturable): slots come from the block table on device.
         ``sampling`` = (temperature [B] fp32, top_k [B] int32, top_p [B] fp32, seeds [B] int64);
         ``num_steps``: the tree's depth (default: all steps).
-        Returns (emitted [B, S+1] tokens padded with -1, accept_len [B], bonus [B], next seed hidden [B, Hb]).
+        Returns (emitted [B, S+1] tokens padded with -1, accept_len [B], bonus [B], next seed hidden [B, Hb],
+        path [B, S+1] (``accept``'s), logits [B, N, V]).
         """
         (B, N), dev = tree.tokens.shape, tree.tokens.device
         parallel.agree(tree.tokens, *(() if tree.is_chain else (tree.parents, tree.depth, tree.tree_mask)))
@@ -233,7 +239,7 @@ class FrozenKVMTPWorker:
             compact_accepted_kv(self.kv_pools, block_table, L, path, acc, self.page_size)
         last = path.gather(1, (acc - 1)[:, None]).squeeze(1)
         seed_hidden = hidden.view(B, N, -1)[torch.arange(B, device=dev), last]
-        return emitted_tokens(tree, path, acc, bonus), acc, bonus, seed_hidden
+        return emitted_tokens(tree, path, acc, bonus), acc, bonus, seed_hidden, path, logits
 
     def draft_verify(
         self,
@@ -252,7 +258,7 @@ class FrozenKVMTPWorker:
         """One whole speculative step of ``num_steps`` draft steps (default: all) from draft-input tensors
         (bonus [B], hidden [B, Hb]) and the rows' sampling tensors (``sampler.sampling_tensors``): the
         ``mtp:{s}`` phase a CUDA graph captures. Eager calls pass ``reqs`` so that ``draft`` sees the
-        requests. Returns (tree tokens [B, N], emitted, accept_len, bonus, next seed hidden)."""
+        requests. Returns (tree tokens [B, N], then ``verify``'s outputs)."""
         s = self.num_steps if num_steps is None else num_steps
         sampling = (temperature, top_k, top_p, seeds)
         if reqs is None:
