@@ -15,6 +15,7 @@ from .model_runner import ModelRunner
 from .models.assistant_io import read_config
 from .models.gemma4_assistant import check_assistant_config
 from .mtp.worker import FrozenKVMTPWorker, resolve_assistant
+from .next_inputs import NextInputs
 from .request import Request, Status
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -70,25 +71,30 @@ class LLM:
             self._serve()
 
     def _build(self, c, hf_config, model_dir, assistant) -> None:
-        self.runner = ModelRunner(c, hf_config, model_dir)
-        self.worker, self.num_steps_run = None, 0
+        self.runner = runner = ModelRunner(c, hf_config, model_dir)
+        self.worker = None
+        self.num_steps_run = 0
+        emit = None
+        if assistant is not None and c.trace:
+            trace = c.trace if callable(c.trace) else _print_event
+            emit = lambda event, fields: trace(self.num_steps_run, event, fields)  # noqa: E731
+        # the next step's input of every running request; the drafter's seed hidden only under speculation
+        hidden_size = runner.model.config.hidden_size if assistant is not None else 0
+        self.next_inputs = NextInputs(hidden_size, runner.device, runner.dtype, emit)
         if assistant is not None:
-            trace = c.trace if callable(c.trace) else _print_event if c.trace else None
-            emit = None if trace is None else lambda event, fields: trace(self.num_steps_run, event, fields)
-            model = self.runner.model
-            self.worker = FrozenKVMTPWorker(c, model, assistant, self.runner.split_size, emit)
-        cpu.prepare_cpu_engine(self.runner.device)  # the CPU thread count
-        allocator = self.runner.allocate_kv_cache()
+            args = (runner.model, assistant, self.next_inputs, runner.split_size, emit)
+            self.worker = FrozenKVMTPWorker(c, *args)
+        cpu.prepare_cpu_engine(runner.device)  # the CPU thread count
+        allocator = runner.allocate_kv_cache()
         if self.worker is not None:
-            self.worker.bind(self.runner.kv_pools)
-        graphs = self.runner.capture_graphs(self.worker)
+            self.worker.bind(runner.kv_pools)
+        runner.capture_graphs()
         if self.worker is not None:
-            self.worker.set_graphs(graphs)
-        self.owner = self.worker if self.worker is not None else self.runner  # the keeper of the next inputs
+            self.worker.capture_graphs(*runner.graph_shape())
         self._released = []  # (requests, reason) the scheduler freed since the last _send_releases
         self._block_tables = {}  # ranks > 0: request id -> block table of each request that runs
         release = lambda reqs, reason: self._released.append((reqs, reason))  # noqa: E731
-        self.scheduler = Scheduler(c, allocator, self.runner.lookahead, on_release=release)
+        self.scheduler = Scheduler(c, allocator, runner.lookahead, on_release=release)
         on_cuda = self.runner.device.type == "cuda"
         self.overlap = c.overlap_schedule if c.overlap_schedule is not None else on_cuda
         self._inflight, self._next_id = None, 0  # _inflight: (batch, output) launched but not yet committed
@@ -177,22 +183,22 @@ class LLM:
         if batch.kind == "prefill":
             out = self.runner.prefill(batch)
             if out.done:
-                self.owner.on_prefill_done(out.done, out.bonus, out.hidden)
+                self.next_inputs.on_prefill_done(out.done, out.bonus, out.hidden)
             return out
         if self.worker is None:
-            return self.runner.decode(batch.reqs)
+            return self.runner.decode(batch.reqs, self.next_inputs)
         return self.worker.step(batch.reqs, plan)
 
     def _send_releases(self) -> None:
-        """Drop the draft inputs of the requests freed since the last call (finished, aborted, preempted)
-        on every rank: one call, so one message per step under tensor parallelism (DESIGN §9)."""
+        """Drop the next inputs of the requests freed since the last call (finished, aborted, preempted) on
+        every rank: one call, so one message per step under tensor parallelism (DESIGN §9)."""
         if self._released:
             self._call("_release", self._released)
             self._released = []
 
     def _release(self, released: list) -> None:
         for reqs, reason in released:
-            self.owner.on_release(reqs, reason)
+            self.next_inputs.on_release(reqs, reason)
             for r in reqs:
                 self._block_tables.pop(r.request_id, None)
 
@@ -234,12 +240,16 @@ class LLM:
         self.close()
 
     def _commit(self, batch, out) -> list[Request]:
+        logprobs = out.token_logprobs(batch.reqs)
         if batch.kind == "prefill":
-            return self.scheduler.commit(batch, out.tokens)
+            prompt_logprobs = out.prompt_token_logprobs()
+            return self.scheduler.commit(
+                batch, out.tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+            )
         if self.worker is not None:
             self.worker.observe(out)
         accept = out.accept_lens if out.speculative else None
-        return self.scheduler.commit(batch, out.tokens, accept, out.num_drafted)
+        return self.scheduler.commit(batch, out.tokens, accept, out.num_drafted, logprobs)
 
     def abort_request(self, request_id: int) -> bool:
         """Stop a queued or running request now (finish_reason "abort"; the next ``step`` returns it). Its KV
@@ -267,7 +277,7 @@ class LLM:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "kv_cache_usage": 1 - allocator.num_free / allocator.num_usable,
-            "num_draft_inputs": len(self.worker.draft_inputs) if self.worker is not None else 0,
+            "num_draft_inputs": len(self.next_inputs) if self.worker is not None else 0,
         }
 
     def has_unfinished(self) -> bool:
@@ -286,6 +296,10 @@ class LLM:
         }
         if self.config.speculative:
             out["accept_lengths"] = list(req.accept_lengths)
+        if req.logprobs is not None:
+            out["logprobs"] = list(req.logprobs)
+        if req.prompt_logprobs is not None:
+            out["prompt_logprobs"] = list(req.prompt_logprobs)
         return out
 
     def generate(

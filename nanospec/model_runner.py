@@ -2,9 +2,6 @@
 into tensors and runs prefill / decode forwards (eagerly or through CUDA graphs, decided by
 ``GraphRunner.run``)."""
 
-from dataclasses import dataclass
-from functools import partial
-
 import torch
 
 from . import loader, parallel
@@ -13,12 +10,13 @@ from .context import AttnMetadata, attn_metadata
 from .cuda_graph import GraphRunner, graph_batch_sizes
 from .kernels.attention import KV_SPLIT_SIZE, num_kv_splits
 from .kernels.matmul import make_batch_invariant
-from .kv_cache import DUMMY_BLOCK, BlockAllocator, block_table_tensor, slot_mapping
+from .kv_cache import DUMMY_BLOCK, BlockAllocator, block_table_tensor, cdiv, slot_mapping
 from .models import init_random_weights, load_weights, target_class
-from .mtp.state import DraftInput
+from .next_inputs import DraftInput, NextInputs
+from .outputs import PrefillOutput, StepOutput, TokenLogprobs, emitted_logprobs
 from .request import Request
 from .sampler import sample_tokens
-from .scheduler import Batch, HostCopy, StepOutput
+from .scheduler import Batch
 
 
 def build_target(cfg, device, dtype, max_position: int, model_dir=None, seed: int = 0):
@@ -36,34 +34,6 @@ def build_target(cfg, device, dtype, max_position: int, model_dir=None, seed: in
     model.to(dtype).eval().requires_grad_(False)
     model.init_buffers(device)
     return model
-
-
-@dataclass
-class PrefillOutput:
-    """A prefill step's results, still on the device. ``done``: the requests whose prefill ended; ``bonus``
-    [len(done)] int64: each one's newest token (sampled now for a new request, its last output for a resumed
-    one): the bonus token of its first draft; ``hidden`` [len(done), H]: the target's hidden at its last row;
-    ``tokens`` (host, on first use): what each request of the batch emits (its first token, or nothing)."""
-
-    num_reqs: int
-    done_idx: list[int]
-    new_idx: list[int]
-    done: list[Request]
-    bonus: torch.Tensor
-    hidden: torch.Tensor
-
-    def __post_init__(self):
-        self._copy = HostCopy(self.bonus)  # queued at launch: reading it waits for this step only
-
-    @property
-    def tokens(self) -> list[list[int]]:
-        out = [[] for _ in range(self.num_reqs)]
-        if self.new_idx:
-            toks = self._copy.tolist()
-            for j, i in enumerate(self.done_idx):
-                if i in self.new_idx:
-                    out[i] = [toks[j]]
-        return out
 
 
 class ModelRunner:
@@ -89,7 +59,6 @@ class ModelRunner:
         self.kv_pools: list[torch.Tensor] = []
         self.allocator: BlockAllocator | None = None
         self.graphs: GraphRunner | None = None
-        self.decode_inputs = DraftInput.idle(0, self.device, self.dtype)
 
     # ---- KV pools
     # --------------------------------------------------------------------------------------------------
@@ -102,7 +71,7 @@ class ModelRunner:
         """Pool size from the memory budget (GPU: ``gpu_memory_utilization`` after weights and a profiled
         activation peak; CPU: ``cpu_kv_cache_gb``), capped at what ``max_num_seqs`` full requests need."""
         c, per_block = self.config, self.kv_bytes_per_block()
-        per_req = -(-(c.max_model_len + self.lookahead) // c.page_size)
+        per_req = cdiv(c.max_model_len + self.lookahead, c.page_size)
         if c.num_kv_blocks is not None:
             n = c.num_kv_blocks
         elif self.device.type == "cuda":
@@ -161,7 +130,7 @@ class ModelRunner:
         Only the target is bound to the scratch pool; the drafter binds after the real allocation."""
         c = self.config
         T = min(c.max_num_batched_tokens, c.max_model_len)
-        blocks = -(-T // c.page_size) + 1
+        blocks = cdiv(T, c.page_size) + 1
         self.bind_pools(blocks)
         torch.cuda.reset_peak_memory_stats(self.device)
         dev = self.device
@@ -181,41 +150,28 @@ class ModelRunner:
 
     # ---- graphs
     # ----------------------------------------------------------------------------------------------------
-    def capture_graphs(self, worker=None) -> GraphRunner:
-        """Build the graph runner: phase "decode" and, with the MTP ``worker``, phases "mtp:{s}"
-        (``draft_verify``, greedy and sampled rows alike) for every draft length s the worker's policy may
-        choose. Buckets exist only on CUDA without ``enforce_eager``; elsewhere every phase runs eagerly."""
-        c, dev = self.config, self.device
-        use_graphs = dev.type == "cuda" and not c.enforce_eager
-        width = -(-(c.max_model_len + self.lookahead) // c.page_size)
-        i64, i32, dummy_slot = torch.long, torch.int32, DUMMY_BLOCK * c.page_size
-        buffers = {
-            "ids": ((1,), i64, 0),
-            "pos": ((1,), i64, 0),
-            "slots": ((1,), i64, dummy_slot),
-            "block_table": ((1, width), i32, DUMMY_BLOCK),
-            "seq_lens": ((1,), i32, 1),
-            "L": ((1,), i32, 0),
-            "bonus": ((1,), i64, 0),
-            "hidden": ((1, self.model.config.hidden_size), self.dtype, 0),
-        }
-        phases = {"decode": (self._decode_logits, ["ids", "pos", "slots", "block_table", "seq_lens"])}
-        if worker is not None:
-            spec = ["bonus", "hidden", "block_table", "L", "temperature", "top_k", "top_p", "seeds"]
-            for s in worker.policy.candidates:  # one graph per draft length the policy may choose
-                phases[f"mtp:{s}"] = (partial(worker.draft_verify, num_steps=s), spec)
-            f32 = torch.float32
-            # padding rows are greedy: no sampling work
-            buffers.update(
-                temperature=((1,), f32, 0.0),
-                top_k=((1,), i32, -1),
-                top_p=((1,), f32, 1.0),
-                seeds=((1,), i64, 0),
-            )
+    def graph_shape(self) -> tuple[list[int], int, int]:
+        """What every captured phase shares: (batch-size buckets, split-KV count, block-table width in
+        blocks). Buckets exist only on CUDA without ``enforce_eager``; elsewhere every phase runs eagerly."""
+        c = self.config
+        use_graphs = self.device.type == "cuda" and not c.enforce_eager
         sizes = graph_batch_sizes(c.max_num_seqs) if use_graphs else []
-        self.graphs = GraphRunner(phases, buffers, sizes, num_kv_splits(c.max_model_len), dev)
+        width = cdiv(c.max_model_len + self.lookahead, c.page_size)
+        return sizes, num_kv_splits(c.max_model_len), width
+
+    def capture_graphs(self) -> None:
+        """The "decode" phase (the MTP worker captures its own phases)."""
+        sizes, num_splits, width = self.graph_shape()
+        buffers = {
+            "ids": ((1,), torch.long, 0),
+            "pos": ((1,), torch.long, 0),
+            "slots": ((1,), torch.long, DUMMY_BLOCK * self.config.page_size),
+            "block_table": ((1, width), torch.int32, DUMMY_BLOCK),
+            "seq_lens": ((1,), torch.int32, 1),
+        }
+        phases = {"decode": (self._decode_logits, list(buffers))}
+        self.graphs = GraphRunner(phases, buffers, sizes, num_splits, self.device)
         self.graphs.capture()
-        return self.graphs
 
     def _decode_logits(self, ids, pos, slots, block_table, seq_lens, num_splits=None) -> torch.Tensor:
         with attn_metadata(AttnMetadata.decode(block_table, seq_lens, slots, num_splits, self.split_size)):
@@ -265,35 +221,52 @@ class ModelRunner:
         done = [i for i in range(len(batch.reqs)) if batch.completes(i)]
         new = [i for i in done if not batch.reqs[i].output_token_ids]
         bonus = self._tensor([batch.reqs[i].last_token for i in done])
+        logprobs = None
         if new:
             reqs = [batch.reqs[i] for i in new]
             logits = self.model.compute_logits(hidden[[last[i] for i in new]])
             sampled = sample_tokens(reqs, logits, self._tensor([r.num_tokens for r in reqs]))
             parallel.agree(sampled)  # rank 0's tokens (DESIGN §4 rule 8)
             bonus[[done.index(i) for i in new]] = sampled
-        return PrefillOutput(
-            len(batch.reqs), done, new, [batch.reqs[i] for i in done], bonus, hidden[[last[i] for i in done]]
+            logprobs = emitted_logprobs(reqs, logits[:, None], sampled[:, None])
+        done_reqs = [batch.reqs[i] for i in done]
+        out = PrefillOutput(
+            len(batch.reqs), done, new, done_reqs, bonus, hidden[[last[i] for i in done]], logprobs
         )
+        self._score_prompts(batch, hidden, last, out)
+        return out
 
-    # ---- plain decode: next inputs on the device (as the MTP worker keeps its draft inputs)
-    # ------------------------
-    def on_prefill_done(self, reqs, first_tokens: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Plain decode: each finished prefill's first input (its newest token at position L)."""
-        L = self._tensor([r.prefill_len for r in reqs], torch.int32)
-        self.decode_inputs = self.decode_inputs.merge(
-            DraftInput([r.request_id for r in reqs], first_tokens, hidden[:, :0], L)
-        )
+    def _score_prompts(self, batch: Batch, hidden: torch.Tensor, last: list[int], out: PrefillOutput) -> None:
+        """``SamplingParams.prompt_logprobs``: the logprobs of the prompt tokens this chunk's rows predict
+        (the row at position p scores token p + 1), into ``out``. A request recomputed after preemption was
+        scored in its first prefill."""
+        rows = []
+        scored = []
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.num_new)):
+            if req.params.prompt_logprobs is None or req.output_token_ids:
+                continue
+            start = req.num_computed
+            count = min(start + n, len(req.prompt_token_ids) - 1) - start
+            first_row = last[i] - n + 1
+            rows += range(first_row, first_row + count)
+            scored.append(
+                (i, req.prompt_token_ids[start + 1 : start + 1 + count], req.params.prompt_logprobs)
+            )
+        if rows:
+            tokens = self._tensor([t for _, ids, _ in scored for t in ids])
+            logits = self.model.compute_logits(hidden[rows])
+            out.prompt_logprobs = TokenLogprobs(logits, tokens, max(k for _, _, k in scored))
+            out.prompt_logprob_rows = scored
 
-    def on_release(self, reqs, reason: str) -> None:
-        gone, inp = {r.request_id for r in reqs}, self.decode_inputs
-        self.decode_inputs = inp.filter([i for i in inp.req_ids if i not in gone])
-
+    # ---- plain decode
+    # ------------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def decode(self, reqs: list[Request]) -> StepOutput:
-        """One plain decode step: each request's next token, inputs gathered on the device (no host sync)."""
+    def decode(self, reqs: list[Request], next_inputs: NextInputs) -> StepOutput:
+        """One plain decode step: each request's next token, its input read from and its next input left in
+        ``next_inputs``, on the device (no host sync)."""
         if not reqs:  # DESIGN §4 rule 4
             return StepOutput(torch.zeros(0, 2, dtype=torch.long))
-        inp = self.decode_inputs.filter([r.request_id for r in reqs])
+        inp = next_inputs.take(reqs)
         bt = block_table_tensor(reqs, self.device)
         pos = inp.seq_lens.long()
         slots = slot_mapping(bt, torch.arange(len(reqs), device=self.device), pos, self.config.page_size)
@@ -308,6 +281,6 @@ class ModelRunner:
         logits = self.graphs.run("decode", inputs, num_kv_splits(bound))
         toks = sample_tokens(reqs, logits, pos + 1)  # the produced token sits at position L + 1
         parallel.agree(toks)
-        nxt = DraftInput(inp.req_ids, toks, inp.hidden, inp.seq_lens + 1)
-        self.decode_inputs = self.decode_inputs.merge(nxt)
-        return StepOutput(torch.stack([torch.ones_like(toks), toks], 1))
+        next_inputs.advance(DraftInput(inp.req_ids, toks, inp.hidden, inp.seq_lens + 1))
+        rows = torch.stack([torch.ones_like(toks), toks], 1)
+        return StepOutput(rows, logprobs=emitted_logprobs(reqs, logits[:, None], toks[:, None]))

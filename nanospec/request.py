@@ -42,6 +42,9 @@ class Request:
         self.epoch = 0  # bumped by preemption: a step launched in an earlier epoch is dropped
         self.finish_reason: str | None = None
         self.stop_str_index: int | None = None  # where the text is cut, when a stop string matched
+        # SamplingParams.logprobs / prompt_logprobs: one {token id: logprob} per output / prompt token
+        self.logprobs: list[dict] | None = None if params.logprobs is None else []
+        self.prompt_logprobs: list[dict | None] | None = None if params.prompt_logprobs is None else [None]
         self.accept_lengths: list[int] = []
         self.draft_lengths: list[int] = []  # draft tokens verified in each of those steps
         self.num_cached_tokens: int | None = None  # prompt tokens whose KV came from the prefix cache
@@ -75,14 +78,17 @@ class Request:
     def is_finished(self) -> bool:
         return self.status == Status.FINISHED
 
-    def append_tokens(self, tokens: list[int]) -> int:
-        """Commit sampled tokens, checking every one in order: stop string > stop token > max_tokens.
+    def append_tokens(self, tokens: list[int], logprobs: list[dict] | None = None) -> int:
+        """Commit sampled tokens (and their ``logprobs`` dicts, one per token, when the request asked for
+        them), checking every one in order: stop string > stop token > max_tokens.
 
         Tokens after the first stop are dropped. Returns how many of ``tokens`` were kept.
         """
         p = self.params
         for i, tok in enumerate(tokens):
             self.output_token_ids.append(tok)
+            if self.logprobs is not None:
+                self.logprobs.append(logprobs[i])
             if p.stop and self._match_stop_string():
                 self.finish_reason = "stop"
             elif tok in self._stop_ids:
@@ -93,6 +99,12 @@ class Request:
                 self.status = Status.FINISHED
                 return i + 1
         return len(tokens)
+
+    def add_prompt_logprobs(self, entries: list[dict]) -> None:
+        """Logprobs of the prompt tokens a prefill chunk scored, in order; a prompt scored again (a request
+        recomputed after preemption) keeps its first scores."""
+        missing = len(self.prompt_token_ids) - len(self.prompt_logprobs)
+        self.prompt_logprobs += entries[:missing]
 
     def _match_stop_string(self) -> bool:
         # A stop string first appears in full at the token that completes it, so decoding a tail window that
@@ -109,10 +121,11 @@ class Request:
 
     def __getstate__(self) -> dict:
         """The copy rank 0 sends to the other tensor-parallel ranks with each step, of a size that does not
-        grow with the output (DESIGN §9): no tokenizer, block hashes or accept / draft lengths; while the
-        request waits to prefill, its tokens and whole block table; once it runs, no tokens (a decode step
-        reads none) and only the blocks added since the last step (the ranks keep the others)."""
+        grow with the output (DESIGN §9): no tokenizer, block hashes, logprobs or accept / draft lengths;
+        while the request waits to prefill, its tokens and whole block table; once it runs, no tokens (a
+        decode step reads none) and only the blocks added since the last step (the ranks keep the others)."""
         drop = dict(_tokenizer=None, block_hashes=[], accept_lengths=[], draft_lengths=[])
+        drop |= dict(logprobs=None, prompt_logprobs=None)  # the ranks read params.logprobs only
         if self.status is not Status.WAITING:
             new_blocks = self.block_table[self.num_blocks_sent :]
             drop |= dict(prompt_token_ids=[], output_token_ids=[], block_table=new_blocks)

@@ -3,6 +3,8 @@
 import math
 from dataclasses import dataclass
 
+MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's limit)
+
 
 @dataclass
 class SamplingParams:
@@ -11,9 +13,13 @@ class SamplingParams:
     temperature: 0 is exact greedy (argmax); > 0 samples. top_p in (0, 1]; top_k = -1 (off) or >= 1.
     max_tokens >= 1 output tokens. ignore_eos keeps generating past EOS. stop: strings that end the output
     (the text is cut before the match); stop_token_ids: extra ids that end it (the id is kept in token_ids).
-    seed: per-request seed; the same seed gives the same samples whatever the batch. cache_salt: a non-empty
+    seed: the request's sampling seed in [0, 2**63): its token at position t is a function of (seed, t, the
+    target's logits there) only (DESIGN §5, "Seeds"); None: the engine draws one. cache_salt: a non-empty
     str mixed into the prefix-cache key of the first KV block (vLLM's field): requests share cached KV only
-    when their salts are equal (None: the unsalted cache).
+    when their salts are equal (None: the unsalted cache). logprobs / prompt_logprobs: k in [0, 20] returns,
+    for each output / prompt token, its logprob and the top k (log-softmax of the target's raw logits, before
+    temperature and filters, as vLLM's default); None: off. A prompt to score is computed whole (no prefix
+    cache hit).
     Raises ValueError / TypeError naming the field when a value is out of range.
     """
 
@@ -26,6 +32,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     cache_salt: str | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         def num(name, kinds):
@@ -59,6 +67,11 @@ class SamplingParams:
             raise ValueError(
                 f"SamplingParams.stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"
             )
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= num(name, int) <= MAX_LOGPROBS:
+                raise ValueError(
+                    f"SamplingParams.{name} must be in [0, {MAX_LOGPROBS}], got {getattr(self, name)}"
+                )
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise TypeError(
                 f"SamplingParams.cache_salt must be a non-empty str or None, got {self.cache_salt!r}"

@@ -3,8 +3,6 @@
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
 from .config import EngineConfig
 from .kv_cache import BlockAllocator
 from .request import Request, Status
@@ -29,57 +27,6 @@ class Batch:
         return self.kind == "decode" or r.num_computed + self.num_new[i] == r.prefill_len
 
 
-class HostCopy:
-    """A device tensor's values for the host, copied without blocking the stream: on CUDA a non-blocking copy
-    into pinned memory and an event, queued when the step is launched, so reading it later (``tolist``) waits
-    for that step only, never for the steps launched after it (overlap scheduling). On CPU the tensor
-    itself."""
-
-    def __init__(self, t: torch.Tensor):
-        self.t, self.event = t, None
-        if t.is_cuda:
-            self.t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            self.t.copy_(t, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-
-    def tolist(self) -> list:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.t.tolist()
-
-
-@dataclass
-class StepOutput:
-    """What a decode step emits, still on the device: ``rows`` [B, 1 + K] int64 = (accept_len, then that many
-    tokens: the accepted drafts and the bonus token; plain decode: 1 and the sampled token). ``tokens`` and
-    ``accept_lens`` read the step's one host copy (``HostCopy``, queued at launch) on first use."""
-
-    rows: torch.Tensor
-    speculative: bool = False
-    draft_len: int = 0  # draft steps of a speculative step (0: it verified the bonus token alone)
-    num_drafted: int = 0  # draft tokens it verified per request (tree nodes but the root)
-    timer: object = None  # the step's StepTimer (speculation), read when the step commits
-    sampled: bool = False  # a row of the step sampled (the draft-length policy books it apart)
-    _host: list | None = None
-
-    def __post_init__(self):
-        self._copy = HostCopy(self.rows)
-
-    def _rows(self) -> list[list[int]]:
-        if self._host is None:
-            self._host = self._copy.tolist()
-        return self._host
-
-    @property
-    def tokens(self) -> list[list[int]]:
-        return [row[1 : 1 + row[0]] for row in self._rows()]
-
-    @property
-    def accept_lens(self) -> list[int]:
-        return [row[0] for row in self._rows()]
-
-
 class Scheduler:
     """Plans steps (``schedule``), books them when they are launched (``on_launch``: prefill progress, which
     needs no result) and commits their results (``commit``: tokens, finish, release).
@@ -92,7 +39,7 @@ class Scheduler:
     requests free all their blocks, keep their outputs, and are recomputed by a later prefill over prompt +
     outputs (nothing is lost). ``on_release(reqs, reason)`` is called by ``_release``, the one exit from the
     running set (finish, abort, preemption), in the same call that frees the request's KV blocks; ``LLM``
-    collects them and has the MTP worker drop their draft inputs at the end of the step (or of the abort), in
+    collects them and has ``NextInputs`` drop their next inputs at the end of the step (or of the abort), in
     one call.
     """
 
@@ -151,7 +98,8 @@ class Scheduler:
         for req in self.waiting:
             if len(self.running) + len(batch.reqs) >= self.max_num_seqs or budget == 0:
                 break
-            if not req.block_table:  # prefix caching: start after the longest cached prefix
+            # prefix caching: start after the longest cached prefix (a prompt to score is computed whole)
+            if not req.block_table and req.params.prompt_logprobs is None:
                 req.num_computed = self.allocator.match_prefix(req)
                 if req.num_cached_tokens is None:
                     req.num_cached_tokens = min(req.num_computed, len(req.prompt_token_ids))
@@ -215,17 +163,22 @@ class Scheduler:
         new_tokens: list[list[int]],
         accept_lens: list[int] | None = None,
         num_drafted: int = 0,
+        logprobs: list | None = None,
+        prompt_logprobs: list | None = None,
     ):
         """Commit a launched step's results; returns the requests that finished. ``new_tokens[i]`` are request
         i's sampled tokens (empty for an unfinished prefill chunk or a resumed request); under speculation the
         accepted drafts plus the bonus token, whose K/V rows (all but the bonus) the verify step committed,
         and ``accept_lens[i]`` is recorded in ``accept_lengths`` (before any cut by a stop rule), with the
-        ``num_drafted`` draft tokens verified in ``draft_lengths``. The one
-        place tokens are committed; every token is checked for a stop (DESIGN §4 rule 5)."""
+        ``num_drafted`` draft tokens verified in ``draft_lengths``. ``logprobs[i]`` (None: not asked) holds
+        one dict per token of ``new_tokens[i]``, ``prompt_logprobs[i]`` one per prompt token a prefill chunk
+        scored. The one place tokens are committed; every token is checked for a stop (DESIGN §4 rule 5)."""
         finished = []
         for i, (req, toks) in enumerate(zip(batch.reqs, new_tokens)):
             if req.is_finished or req.epoch != batch.epochs[i]:
                 continue  # finished, aborted or preempted after this step was launched: emit nothing
+            if prompt_logprobs is not None and prompt_logprobs[i] is not None:
+                req.add_prompt_logprobs(prompt_logprobs[i])
             if batch.kind == "decode":
                 req.num_inflight -= 1
                 req.num_computed += len(toks)
@@ -234,7 +187,7 @@ class Scheduler:
                     req.draft_lengths.append(num_drafted)
             elif not batch.done[i]:
                 continue
-            req.append_tokens(toks)
+            req.append_tokens(toks, None if logprobs is None else logprobs[i])
             if req.is_finished:
                 self.running.remove(req)
                 self._release(req, "finished")

@@ -47,7 +47,7 @@ def chat_texts(tokenizer, questions):
 def next_inputs(llm):
     """``LLM.collective_rpc`` probe: this rank's next-step inputs (request ids, bonus tokens, committed
     lengths, seed hiddens of the draft inputs, or the plain-decode rows) and its KV pool's block count."""
-    inp = llm.worker.draft_inputs if llm.worker is not None else llm.runner.decode_inputs
+    inp = llm.next_inputs.rows
     return (
         inp.req_ids,
         inp.bonus_tokens.tolist(),

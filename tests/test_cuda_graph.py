@@ -42,12 +42,11 @@ PROMPTS = [[1, 2, 3, 4, 5], [9] * 11, [40, 41, 42]]
 
 
 def with_buckets(llm, sizes):
-    """Give the engine's graph runner these buckets: on CPU their phases run eagerly on the padded buffers."""
-    g = llm.runner.capture_graphs(llm.worker)
-    rebuilt = GraphRunner(g.phases, g.buffer_specs, sizes, g.num_splits, llm.runner.device)
-    llm.runner.graphs = rebuilt
-    if llm.worker is not None:
-        llm.worker.set_graphs(rebuilt)
+    """Give the engine's graph runners these buckets: on CPU their phases run eagerly on padded buffers."""
+    for owner in (llm.runner, llm.worker):
+        if owner is not None:
+            g = owner.graphs
+            owner.graphs = GraphRunner(g.phases, g.buffer_specs, sizes, g.num_splits, llm.runner.device)
 
 
 def _decode_batch(llm, n_prompts=3):

@@ -21,7 +21,7 @@ def device_oracle(monkeypatch, reference):
     wrong at depth 2 (a function of the row's state only), so commits of 3 and of 4 tokens both occur."""
 
     def draft(self, reqs, block_table, seq_lens, num_splits=None, num_steps=None, sampling=None):
-        inp = self._inputs_for(reqs)
+        inp = self.next_inputs.take(reqs)
         S = self.num_steps if num_steps is None else num_steps
         rows = []
         for r, L in zip(reqs, seq_lens.tolist()):
@@ -47,7 +47,7 @@ def run(llm, arrivals):
 def idle_exact(llm):
     a = llm.runner.allocator
     assert not any(a.ref_count) and a.num_free == a.num_usable and not llm.has_unfinished()
-    inputs = llm.worker.draft_inputs if llm.worker is not None else llm.runner.decode_inputs
+    inputs = llm.next_inputs.rows
     assert len(inputs) == 0 and inputs.seq_lens.shape == (0,)
 
 

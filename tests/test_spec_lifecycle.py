@@ -27,9 +27,9 @@ from nanospec.kernels.attention import decode_attention, draft_attention
 from nanospec.kv_cache import block_table_tensor
 from nanospec.model_runner import ModelRunner, build_target
 from nanospec.mtp.draft import DraftTree, chain_tree, run_draft
-from nanospec.mtp.state import DraftInput
 from nanospec.mtp.verify import accept, compact_accepted_kv, emitted_tokens
 from nanospec.mtp.worker import FrozenKVMTPWorker
+from nanospec.next_inputs import DraftInput, NextInputs
 from nanospec.scheduler import Batch
 
 V, S = 49152, 5  # vocab; draft steps of the oracle tests
@@ -44,7 +44,7 @@ def oracle(monkeypatch, reference):
 
     def install(wrong_at=None):
         def draft(self, reqs, block_table, seq_lens, num_splits=None, num_steps=None, sampling=None):
-            seed = self.draft_inputs.filter([r.request_id for r in reqs])
+            seed = self.next_inputs.take(reqs)
             assert seed.req_ids == [r.request_id for r in reqs]
             # own, fresh seed per row
             assert seed.bonus_tokens.tolist() == [r.all_token_ids[-1] for r in reqs]
@@ -97,12 +97,12 @@ def test_rule1_all_finish_in_one_verify_leaves_idle_input(
     llm.add_request(pa, greedy(n_len))  # length
     llm.add_request(pb, greedy(20, stop_token_ids=[first_occurrence(rb, n_len - 1)]))  # stop token (EOS-like)
     assert llm.step() == []  # both prefills
-    assert llm.worker.draft_inputs.req_ids == [0, 1]
+    assert llm.next_inputs.rows.req_ids == [0, 1]
     done = llm.step()  # one verify: both finish in it
     assert sorted((r.request_id, r.finish_reason) for r in done) == [(0, "length"), (1, "stop")]
     assert [r.output_token_ids for r in sorted(done, key=lambda r: r.request_id)] == [ra[:n_len], rb[:n_len]]
     assert not llm.has_unfinished()
-    seeds = llm.worker.draft_inputs
+    seeds = llm.next_inputs.rows
     assert type(seeds) is DraftInput  # never a verify object / tree
     assert len(seeds) == 0 and seeds.req_ids == []
     assert seeds.bonus_tokens.shape == (0,) and seeds.bonus_tokens.dtype == torch.long
@@ -110,13 +110,13 @@ def test_rule1_all_finish_in_one_verify_leaves_idle_input(
     # the next prefill merges into the idle input and generation goes on
     rid = llm.add_request(pc, greedy(12))
     assert llm.step() == []
-    seeds = llm.worker.draft_inputs
+    seeds = llm.next_inputs.rows
     assert seeds.req_ids == [rid] and seeds.bonus_tokens.shape == (1,) and seeds.hidden.shape == (1, HB)
     out = []
     while llm.has_unfinished():
         out += llm.step()
     assert [r.output_token_ids for r in out] == [rc[:12]]
-    assert len(llm.worker.draft_inputs) == 0 and llm.worker.draft_inputs.hidden.shape == (0, HB)
+    assert len(llm.next_inputs) == 0 and llm.next_inputs.rows.hidden.shape == (0, HB)
 
 
 # Same bug family (spec_info filter/merge during batch surgery, brief §4 "filter_batch / merge_batch" and the
@@ -182,8 +182,9 @@ def test_rule2_construct_then_allocate_then_bind(tiny_llama_dir, asst_dir, targe
     )
     target = build_target(target_cfg, cpu, f32, 128, tiny_llama_dir)
     assert all(layer.self_attn.k_cache is None for layer in target.layers)  # no pool anywhere
-    worker = FrozenKVMTPWorker(cfg, target, asst_dir)  # construction needs no pool
-    assert worker.assistant._kv is None and len(worker.draft_inputs) == 0
+    next_inputs = NextInputs(HB, cpu, f32)
+    worker = FrozenKVMTPWorker(cfg, target, asst_dir, next_inputs)  # construction needs no pool
+    assert worker.assistant._kv is None and len(next_inputs) == 0
     md = AttnMetadata.draft(torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
     with attn_metadata(md), pytest.raises(RuntimeError):  # forward before bind
         worker.assistant(torch.tensor([1]), torch.zeros(1, HB), torch.tensor([0]))
@@ -362,9 +363,9 @@ def test_rule3_long_prompt_num_steps_1(tiny_llama_dir, asst_dir, record_draft_me
 def test_rule4_zero_row_step_engine(tiny_llama_dir, asst_dir):
     llm = make_llm(tiny_llama_dir, asst_dir, num_steps=3)
     assert llm.step() == [] and not llm.has_unfinished()
-    assert llm.worker.step([]).tokens == [] and llm.runner.decode([]).tokens == []
+    assert llm.worker.step([]).tokens == [] and llm.runner.decode([], llm.next_inputs).tokens == []
     assert llm.runner.prefill(Batch("prefill", [])).tokens == []
-    assert len(llm.worker.draft_inputs) == 0
+    assert len(llm.next_inputs) == 0
     llm.add_request(PROMPTS[0], greedy(5))
     out = []
     while llm.has_unfinished():
@@ -527,9 +528,7 @@ def test_rule6_rows_independent(tiny_llama_dir, asst_dir, reference, oracle):
     firsts = [b["accept_lengths"][0] for b in batched]
     assert len(set(firsts)) == len(firsts)  # rows accepted different counts in the same verify
     assert all(len(set(b["accept_lengths"])) > 1 for b in batched), [b["accept_lengths"] for b in batched]
-    assert (
-        len(llm.worker.draft_inputs) == 0 and llm.runner.allocator.num_free == llm.runner.allocator.num_usable
-    )
+    assert len(llm.next_inputs) == 0 and llm.runner.allocator.num_free == llm.runner.allocator.num_usable
 
 
 def test_rule6_rows_independent_tree(tiny_llama_dir, asst_dir, reference, monkeypatch):
@@ -541,7 +540,7 @@ def test_rule6_rows_independent_tree(tiny_llama_dir, asst_dir, reference, monkey
         m[i, anc] = True
 
     def draft(self, reqs, block_table, seq_lens, num_splits=None, num_steps=None, sampling=None):
-        seed = self.draft_inputs.filter([r.request_id for r in reqs])
+        seed = self.next_inputs.take(reqs)
         assert seed.bonus_tokens.tolist() == [r.all_token_ids[-1] for r in reqs]
         rows = []
         for r in reqs:
@@ -592,7 +591,7 @@ def test_preemption_with_speculation(tiny_llama_dir, asst_dir, reference, oracle
         assert 1 + sum(o["accept_lengths"]) >= len(o["token_ids"])
     alloc = llm.runner.allocator
     assert alloc.num_free == alloc.num_usable
-    assert len(llm.worker.draft_inputs) == 0 and llm.worker.draft_inputs.hidden.shape == (0, HB)
+    assert len(llm.next_inputs) == 0 and llm.next_inputs.rows.hidden.shape == (0, HB)
     assert not llm.has_unfinished()
 
 

@@ -214,20 +214,24 @@ def record_messages(llm) -> list:
 
 
 def test_step_message_stays_flat(tmp_path, smollm2_tokenizer):
-    """1,000 speculative steps of 8 running requests (a vocab-8 target, so drafts are accepted): the step
-    message keeps its size (no accept / draft lengths or tokens; of the block table only the blocks added
-    since the last step), while rank 0's requests grow (block tables, accept lengths) by kilobytes."""
+    """1,000 speculative steps of 8 running requests (a vocab-8 target, so drafts are accepted; half of them
+    with logprobs): the step message keeps its size (no accept / draft lengths, logprobs or tokens; of the
+    block table only the blocks added since the last step), while rank 0's requests grow by kilobytes."""
     target = vocab8_target(tmp_path / "t", smollm2_tokenizer)
     asst = save_assistant(tmp_path / "a", AutoConfig.from_pretrained(target))
     llm = make_llm(target, asst, num_steps=2, max_model_len=4096, num_kv_blocks=2100)
     sent = record_messages(llm)
     for i in range(8):
-        llm.add_request([1 + i % 7, 2, 3, 4], SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True))
+        params = SamplingParams(
+            temperature=0, max_tokens=4000, ignore_eos=True, logprobs=2 if i % 2 else None
+        )
+        llm.add_request([1 + i % 7, 2, 3, 4], params)
     for _ in range(1000):
         llm.step()
     running = llm.scheduler.running
     assert len(running) == 8 and all(len(r.block_table) > 60 for r in running)  # > 960 tokens each
     assert sum(a > 1 for r in running for a in r.accept_lengths) > 500  # drafts were accepted
+    assert sum(len(r.logprobs) > 960 for r in running if r.logprobs is not None) == 4
     sizes = [len(blob) for step, name, blob in sent if name == "_launch"]
     assert len(sizes) == 1000 and [name for _, name, _ in sent] == ["_launch"] * 1000
     # what may grow: three counters per request outgrowing one byte, and one new block id per request

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from ..context import AttnMetadata, attn_metadata
-from .state import DraftInput
+from ..next_inputs import DraftInput
 
 
 @dataclass

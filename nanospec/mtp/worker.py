@@ -1,43 +1,44 @@
-"""Frozen-KV MTP worker: the one owner of the drafter and of every request's draft input.
+"""Frozen-KV MTP worker: the one owner of the drafter, its CUDA graphs and its draft-length policy.
 
-The lifecycle, hook by hook, in the order it happens (DESIGN §4 rule in brackets). ``LLM`` calls 1-5, the
-scheduler's release path calls 6; nothing else creates, updates, filters or releases a draft input.
+The lifecycle, hook by hook, in the order ``LLM`` calls them (DESIGN §4 rule in brackets). Each request's
+draft input (bonus token, committed length, seed hidden) lives in ``NextInputs``, which it is born into at the
+end of the request's prefill and dropped from at its release; a step reads and replaces it there.
 
-1. ``FrozenKVMTPWorker(config, target, assistant_dir, split_size)``: load and check the assistant; no KV pool
-   exists yet, and the draft input is the idle 0-row one.                                          [rule 2]
+1. ``FrozenKVMTPWorker(config, target, assistant_dir, next_inputs, split_size)``: load and check the
+   assistant; no KV pool exists yet.                                                              [rule 2]
 2. ``bind(kv_pools)``: after the target's pool is allocated and bound, attach the assistant's layers to the
    target layers they read.                                                                       [rule 2]
-3. ``set_graphs(graphs)``: the runner's graph runner, once the ``mtp:{s}`` phases (``draft_verify``) are
-   captured.
-4. ``on_prefill_done(reqs, first_tokens, hidden)``: a request's prefill ends; its draft input is born from the
-   token it emits first (the bonus token) and the target's hidden at its last prompt row.          [rule 1]
-5. ``step(reqs, plan) -> StepOutput``: one speculative decode step for every running request, drafting the
-   ``plan``'s s steps (``policy.choose``) from exactly KV rows [0, L), writing nothing [rule 3]; verify the
-   tree, writing rows [L, L + N); accept per row [rule 6]; the next draft input is each row's bonus token
-   and the hidden of its last accepted node, also when s = 0 [rules 1, 7]. An empty batch does nothing
-   [rule 4]. The scheduler then commits ``tokens`` and ``accept_lens`` [rule 5].
-6. ``on_release(reqs, reason)``: a request leaves the running set (finished, aborted, preempted); its draft
-   input goes in the same call that frees its KV blocks. When none is left, the idle input remains.   [rule 1]
+3. ``capture_graphs(sizes, num_splits, width)``: the ``mtp:{s}`` phases (``draft_verify``), one per draft
+   length the policy may choose, once everything is bound.
+4. ``plan(reqs)`` (rank 0, at launch) -> ``step(reqs, plan) -> StepOutput``: one speculative decode step for
+   every running request, drafting the plan's s steps from exactly KV rows [0, L), writing nothing [rule 3];
+   verify the tree, writing rows [L, L + N); accept per row [rule 6]; the next draft input is each row's
+   bonus token and the hidden of its last accepted node, also when s = 0 [rules 1, 7]. An empty batch does
+   nothing [rule 4]. The scheduler then commits ``tokens`` and ``accept_lens`` [rule 5].
+5. ``observe(out)`` (at commit): the step's accept lengths and time, for the policy.
 
-``trace`` (a callable ``(event, fields)``, or None) receives one event per hook and request: "prefill_done",
-"draft", "verify", "release", and one "draft_len" per step. With None nothing is computed for it.
+``trace`` (a callable ``(event, fields)``, or None) receives "draft" and "verify" per request and one
+"draft_len" per step ("prefill_done" and "release" come from ``NextInputs``). With None nothing is computed
+for it.
 """
 
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from .. import parallel
 from ..context import AttnMetadata, attn_metadata
+from ..cuda_graph import GraphRunner
 from ..kernels.attention import num_kv_splits
 from ..kernels.sampling import sample
-from ..kv_cache import block_table_tensor, slot_mapping
+from ..kv_cache import DUMMY_BLOCK, block_table_tensor, slot_mapping
 from ..models.gemma4_assistant import Gemma4Assistant
+from ..next_inputs import DraftInput, NextInputs
+from ..outputs import StepOutput, emitted_logprobs
 from ..sampler import sampling_tensors
-from ..scheduler import StepOutput
 from .draft import run_draft
 from .policy import DraftLength, StepTimer
-from .state import DraftInput
 from .verify import accept, compact_accepted_kv, emitted_tokens
 
 DEFAULT_ASSISTANT = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-instruct-assistant"
@@ -70,8 +71,17 @@ def resolve_assistant(assistant: str, target_is_default: bool) -> Path:
 class FrozenKVMTPWorker:
     """Speculation for one target (the hooks and their order: see the module docstring)."""
 
-    def __init__(self, config, target, assistant_path: Path, split_size: int | None = None, trace=None):
+    def __init__(
+        self,
+        config,
+        target,
+        assistant_path: Path,
+        next_inputs: NextInputs,
+        split_size: int | None = None,
+        trace=None,
+    ):
         self.target = target
+        self.next_inputs = next_inputs
         self.trace = trace
         self.num_steps = config.num_steps
         self.topk = config.topk
@@ -83,36 +93,43 @@ class FrozenKVMTPWorker:
         dtype = next(target.parameters()).dtype
         self.assistant = Gemma4Assistant.from_pretrained(assistant_path, device, dtype)
         self.assistant.check_target(target.config)
-        self.draft_inputs = DraftInput.idle(target.config.hidden_size, device, dtype)
         self.kv_pools = None
         self.graphs = None
         # chains can stop after any step; a tree of N nodes needs all its steps
         lengths = list(range(self.num_steps + 1)) if self.topk == 1 else [0, self.num_steps]
         self.policy = DraftLength(lengths, config.adaptive_speculation)
 
-    # ---- 2, 3: bind after allocation -----------------------------------------------------------------------
+    # ---- 2, 3: bind after allocation, then capture ---------------------------------------------------------
     def bind(self, kv_pools: list[torch.Tensor]) -> None:
         """Attach the assistant to the target's allocated pools (RuntimeError if the target has none
         bound)."""
         self.assistant.bind_target(self.target)
         self.kv_pools = kv_pools
 
-    def set_graphs(self, graphs) -> None:
-        self.graphs = graphs
+    def capture_graphs(self, sizes: list[int], num_splits: int, width: int) -> None:
+        """The ``mtp:{s}`` phases for every draft length the policy may choose, with their static inputs
+        (``cuda_graph.GraphRunner``: bucket ``sizes``, empty for eager; block tables ``width`` blocks wide).
+        Padding rows are greedy: no sampling work."""
+        i64 = torch.long
+        i32 = torch.int32
+        f32 = torch.float32
+        buffers = {
+            "bonus": ((1,), i64, 0),
+            "hidden": ((1, self.target.config.hidden_size), self.next_inputs.rows.hidden.dtype, 0),
+            "block_table": ((1, width), i32, DUMMY_BLOCK),
+            "L": ((1,), i32, 0),
+            "temperature": ((1,), f32, 0.0),
+            "top_k": ((1,), i32, -1),
+            "top_p": ((1,), f32, 1.0),
+            "seeds": ((1,), i64, 0),
+        }
+        phases = {}
+        for s in self.policy.candidates:
+            phases[f"mtp:{s}"] = (partial(self.draft_verify, num_steps=s), list(buffers))
+        self.graphs = GraphRunner(phases, buffers, sizes, num_splits, self.device)
+        self.graphs.capture()
 
-    # ---- 4: prefill done -----------------------------------------------------------------------------------
-    def on_prefill_done(self, reqs, first_tokens: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Birth of the draft inputs of ``reqs`` (first_tokens [B] int64, hidden [B, Hb]); a re-prefilled
-        request (after preemption) gets a fresh row."""
-        L = torch.tensor([r.prefill_len for r in reqs], dtype=torch.int32).to(hidden.device)
-        self.draft_inputs = self.draft_inputs.merge(
-            DraftInput([r.request_id for r in reqs], first_tokens, hidden, L)
-        )
-        if self.trace is not None:
-            for r, t in zip(reqs, first_tokens.tolist()):
-                self.trace("prefill_done", {"req": r.request_id, "bonus": t, "L": r.prefill_len})
-
-    # ---- 5: one speculative step ---------------------------------------------------------------------------
+    # ---- 4, 5: one speculative step, then its observation -------------------------------------------------
     def plan(self, reqs) -> tuple[int, float | None]:
         """(draft length s, its estimated tokens/s) for a step of ``reqs`` (``DraftLength.choose``); a batch
         with a sampled row is timed and counted apart from an all-greedy one (its acceptance differs)."""
@@ -127,7 +144,7 @@ class FrozenKVMTPWorker:
             return StepOutput(torch.zeros(0, 2, dtype=torch.long), speculative=True)
         s, estimate = self.plan(reqs) if plan is None else plan
         timer = StepTimer(self.device)
-        inp = self._inputs_for(reqs)
+        inp = self.next_inputs.take(reqs)
         L = inp.seq_lens
         bt = block_table_tensor(reqs, self.device)
         bound = max(r.num_computed + r.num_inflight * self.num_draft_tokens for r in reqs)
@@ -142,11 +159,15 @@ class FrozenKVMTPWorker:
             "top_p": top_p,
             "seeds": seeds,
         }
-        tree_tokens, out, acc, bonus, hidden = self.graphs.run(
+        tree_tokens, out, acc, bonus, hidden, path, logits = self.graphs.run(
             f"mtp:{s}", inputs, num_kv_splits(bound), reqs=reqs, num_steps=s
         )
+        logprobs = None
+        if any(r.params.logprobs is not None for r in reqs):  # emitted token j: the target's at node path[j]
+            node_logits = logits[torch.arange(len(reqs), device=self.device)[:, None], path.clamp(min=0)]
+            logprobs = emitted_logprobs(reqs, node_logits, out)
         # a step that drafts nothing (s = 0) verifies the bonus token alone: the draft input stays fresh
-        self.draft_inputs = self.draft_inputs.merge(DraftInput(inp.req_ids, bonus, hidden, L + acc.int()))
+        self.next_inputs.advance(DraftInput(inp.req_ids, bonus, hidden, L + acc.int()))
         result = StepOutput(
             torch.cat([acc[:, None], out], 1),
             speculative=s > 0,
@@ -154,6 +175,7 @@ class FrozenKVMTPWorker:
             num_drafted=self._num_nodes(s) - 1,
             timer=timer.stop(),
             sampled=_is_sampled(reqs),
+            logprobs=logprobs,
         )
         if self.trace is not None:
             fields = {
@@ -172,20 +194,13 @@ class FrozenKVMTPWorker:
             seconds = out.timer.seconds()
             self.policy.observe(out.draft_len, len(out.accept_lens), out.accept_lens, seconds, out.sampled)
 
-    def _inputs_for(self, reqs) -> DraftInput:
-        """The draft inputs of ``reqs``, in batch order; RuntimeError if one is missing."""
-        inp = self.draft_inputs.filter([r.request_id for r in reqs])
-        if len(inp) != len(reqs):
-            raise RuntimeError("a decode request has no draft input")
-        return inp
-
     def draft(self, reqs, block_table, seq_lens, num_splits=None, num_steps=None, sampling=None):
         """The draft tree of ``reqs`` from their draft inputs (reads KV rows [0, L), writes nothing):
         ``num_steps`` (default: all) steps; ``sampling`` as ``run_draft``'s."""
         s = self.num_steps if num_steps is None else num_steps
         return run_draft(
             self.assistant,
-            self._inputs_for(reqs),
+            self.next_inputs.take(reqs),
             block_table,
             seq_lens,
             s,
@@ -211,7 +226,8 @@ class FrozenKVMTPWorker:
         Pure tensor code with no host sync (graph-capturable): slots come from the block table on device.
         ``sampling`` = (temperature [B] fp32, top_k [B] int32, top_p [B] fp32, seeds [B] int64);
         ``num_steps``: the tree's depth (default: all steps).
-        Returns (emitted [B, S+1] tokens padded with -1, accept_len [B], bonus [B], next seed hidden [B, Hb]).
+        Returns (emitted [B, S+1] tokens padded with -1, accept_len [B], bonus [B], next seed hidden [B, Hb],
+        path [B, S+1] (``accept``'s), logits [B, N, V]).
         """
         (B, N), dev = tree.tokens.shape, tree.tokens.device
         parallel.agree(tree.tokens, *(() if tree.is_chain else (tree.parents, tree.depth, tree.tree_mask)))
@@ -233,7 +249,7 @@ class FrozenKVMTPWorker:
             compact_accepted_kv(self.kv_pools, block_table, L, path, acc, self.page_size)
         last = path.gather(1, (acc - 1)[:, None]).squeeze(1)
         seed_hidden = hidden.view(B, N, -1)[torch.arange(B, device=dev), last]
-        return emitted_tokens(tree, path, acc, bonus), acc, bonus, seed_hidden
+        return emitted_tokens(tree, path, acc, bonus), acc, bonus, seed_hidden, path, logits
 
     def draft_verify(
         self,
@@ -252,7 +268,7 @@ class FrozenKVMTPWorker:
         """One whole speculative step of ``num_steps`` draft steps (default: all) from draft-input tensors
         (bonus [B], hidden [B, Hb]) and the rows' sampling tensors (``sampler.sampling_tensors``): the
         ``mtp:{s}`` phase a CUDA graph captures. Eager calls pass ``reqs`` so that ``draft`` sees the
-        requests. Returns (tree tokens [B, N], emitted, accept_len, bonus, next seed hidden)."""
+        requests. Returns (tree tokens [B, N], then ``verify``'s outputs)."""
         s = self.num_steps if num_steps is None else num_steps
         sampling = (temperature, top_k, top_p, seeds)
         if reqs is None:
@@ -287,15 +303,6 @@ class FrozenKVMTPWorker:
                     "committed_L": L + n,
                 },
             )
-
-    # ---- 6: release ----------------------------------------------------------------------------------------
-    def on_release(self, reqs, reason: str) -> None:
-        """Drop the draft inputs of ``reqs`` (reason: "finished" | "aborted" | "preempted")."""
-        gone = {r.request_id for r in reqs}
-        self.draft_inputs = self.draft_inputs.filter([i for i in self.draft_inputs.req_ids if i not in gone])
-        if self.trace is not None:
-            for r in reqs:
-                self.trace("release", {"req": r.request_id, "reason": reason})
 
 
 def _is_sampled(reqs) -> bool:
