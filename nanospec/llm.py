@@ -91,10 +91,8 @@ class LLM:
         runner.capture_graphs()
         if self.worker is not None:
             self.worker.capture_graphs(*runner.graph_shape())
-        self._released = []  # (requests, reason) the scheduler freed since the last _send_releases
         self._block_tables = {}  # ranks > 0: request id -> block table of each request that runs
-        release = lambda reqs, reason: self._released.append((reqs, reason))  # noqa: E731
-        self.scheduler = Scheduler(c, allocator, runner.lookahead, on_release=release)
+        self.scheduler = Scheduler(c, allocator, runner.lookahead)
         on_cuda = self.runner.device.type == "cuda"
         self.overlap = c.overlap_schedule if c.overlap_schedule is not None else on_cuda
         self._inflight, self._next_id = None, 0  # _inflight: (batch, output) launched but not yet committed
@@ -190,17 +188,16 @@ class LLM:
         return self.worker.step(batch.reqs, plan)
 
     def _send_releases(self) -> None:
-        """Drop the next inputs of the requests freed since the last call (finished, aborted, preempted) on
-        every rank: one call, so one message per step under tensor parallelism (DESIGN §9)."""
-        if self._released:
-            self._call("_release", self._released)
-            self._released = []
+        """Drop the next inputs of the requests the scheduler freed since the last call (finished, aborted,
+        preempted) on every rank: one call, so one message per step under tensor parallelism (DESIGN §9)."""
+        if self.scheduler.released:
+            self._call("_release", self.scheduler.released)
+            self.scheduler.released = []
 
     def _release(self, released: list) -> None:
-        for reqs, reason in released:
-            self.next_inputs.on_release(reqs, reason)
-            for r in reqs:
-                self._block_tables.pop(r.request_id, None)
+        for req, reason in released:
+            self.next_inputs.on_release([req], reason)
+            self._block_tables.pop(req.request_id, None)
 
     # ---- tensor parallelism (nanospec/parallel.py): rank 0 sends each call, every rank runs it ------------
     def _call(self, name: str, *args):

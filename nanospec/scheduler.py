@@ -37,15 +37,17 @@ class Scheduler:
     so nothing past its stop is ever emitted. ``lookahead`` is how many KV rows beyond the committed length
     one decode step writes: 1 for plain decode, N (draft tokens verified) under speculation. Preempted
     requests free all their blocks, keep their outputs, and are recomputed by a later prefill over prompt +
-    outputs (nothing is lost). ``on_release(reqs, reason)`` is called by ``_release``, the one exit from the
-    running set (finish, abort, preemption), in the same call that frees the request's KV blocks; ``LLM``
-    collects them and has ``NextInputs`` drop their next inputs at the end of the step (or of the abort), in
-    one call.
+    outputs (nothing is lost). ``_release`` is the one exit from the running set (finish, abort, preemption):
+    it frees the request's KV blocks and lists it in ``released``, which ``LLM`` empties at the end of each
+    step (or abort) to drop the requests' next inputs in one call.
     """
 
-    def __init__(self, config: EngineConfig, allocator: BlockAllocator, lookahead: int = 1, on_release=None):
-        self.max_num_seqs, self.max_batched = config.max_num_seqs, config.max_num_batched_tokens
-        self.allocator, self.lookahead, self.on_release = allocator, lookahead, on_release
+    def __init__(self, config: EngineConfig, allocator: BlockAllocator, lookahead: int = 1):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_batched = config.max_num_batched_tokens
+        self.allocator = allocator
+        self.lookahead = lookahead
+        self.released: list[tuple[Request, str]] = []  # (request, reason) freed since LLM last looked
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -69,11 +71,9 @@ class Scheduler:
         return None
 
     def _release(self, req: Request, reason: str) -> None:
-        """Free ``req``'s KV blocks and, in the same call, its draft input (reason:
-        finished/aborted/preempted)."""
+        """Free ``req``'s KV blocks and list it in ``released`` (reason: finished / aborted / preempted)."""
         self.allocator.free(req)
-        if self.on_release is not None:
-            self.on_release([req], reason)
+        self.released.append((req, reason))
 
     def schedule(self) -> Batch | None:
         """Next step: a prefill batch or a decode batch; None when idle.
