@@ -248,6 +248,8 @@ def _sampling_kernel(
             ci = tl.min(tl.where(score == cb, idx, V), axis=0)
             best_i = tl.where(cb > best, ci, best_i)
             best = tl.maximum(best, cb)
+    if HAS_IDS:  # the winning column's token id
+        best_i = tl.load(ids_ptr + row * s_i + best_i)
     tl.store(out_ptr + row, best_i.to(tl.int64))
 
 
@@ -275,8 +277,6 @@ def sample_triton(logits, temperature, top_k, top_p, seeds, positions, token_ids
         BLOCK=min(triton.next_power_of_2(V), _BLOCK),
         num_warps=8,
     )
-    if token_ids is not None:
-        return token_ids.gather(1, out[:, None]).squeeze(1)
     return out
 
 
