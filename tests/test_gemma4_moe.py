@@ -21,6 +21,8 @@ from transformers import Gemma4AssistantForCausalLM, Gemma4ForCausalLM
 from nanospec import LLM, SamplingParams, model_runner, parallel
 from nanospec.mtp import worker as worker_mod
 
+S, F = "sliding_attention", "full_attention"
+
 KW = dict(device="cpu", dtype="float32", page_size=4, max_model_len=64, adaptive_speculation=False)
 SP = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -137,3 +139,23 @@ def test_bad_moe_input_before_weights(moe, tmp_path, monkeypatch, field, value, 
     with pytest.raises(ValueError, match=match):
         LLM(str(tmp_path), **KW, **kw)
     assert read == [] and parallel.size == 1 and not multiprocessing.active_children()
+
+
+def test_graph_buckets_through_the_kernels(tmp_path, smollm2_tokenizer, triton_backend):
+    """Decode on the padded static batch of a CUDA graph bucket (4 rows for 2 requests: padding tokens are
+    routed too), through the Triton kernels (the interpreter, 2 layers of moe8x2): the torch path's tokens."""
+    from test_cuda_graph import with_buckets
+
+    from nanospec.kernels import using_backend
+
+    hf = Gemma4ForCausalLM(_text_config("moe8x2", num_hidden_layers=2, layer_types=[S, F])).float()
+    randomize(hf, seed=8)
+    hf.save_pretrained(tmp_path)
+    smollm2_tokenizer.save_pretrained(tmp_path)
+    prompts = [[5, 6, 7], [8, 9]]
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with using_backend("torch"):
+        want = [o["token_ids"] for o in LLM(str(tmp_path), **KW).generate(prompts, sp, use_tqdm=False)]
+    llm = LLM(str(tmp_path), **KW)
+    with_buckets(llm, [4])
+    assert [o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)] == want
