@@ -84,9 +84,9 @@ def check_config(tc) -> None:
             v = getattr(tc, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"gemma4: {name} must be an int >= 1 (enable_moe_block), got {v!r}")
-        E, k = tc.num_experts, tc.top_k_experts
-        if not isinstance(k, int) or not 1 <= k <= E:
-            raise ValueError(f"gemma4: top_k_experts must be in [1, num_experts={E}], got {k!r}")
+        k = tc.top_k_experts
+        if not isinstance(k, int) or not 1 <= k <= tc.num_experts:
+            raise ValueError(f"gemma4: top_k_experts must be in [1, num_experts={tc.num_experts}], got {k!r}")
     if len(tc.layer_types) != tc.num_hidden_layers:
         raise ValueError(
             f"gemma4: layer_types has {len(tc.layer_types)} entries, num_hidden_layers is "
