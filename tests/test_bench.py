@@ -34,8 +34,8 @@ def two_layers(monkeypatch):
     """The smollm2-135m shape cut to 2 layers: the same code path, ~10x less CPU time."""
     orig = bench.write_shape_dir
 
-    def write(shape, out):
-        orig(shape, out)
+    def write(shape, out, num_layers=None):
+        orig(shape, out, num_layers)
         cfg = json.loads((out / "config.json").read_text())
         (out / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 2}))
         return out
