@@ -1,10 +1,11 @@
 """Gemma 4 MoE targets (26B-A4B-like, the tiny ``moe8x2`` config of test_gemma4) through the engine: a sharded
 HF checkpoint loads and decodes as HF ``generate``; speculation with drafts that are really accepted (an
-oracle drafter, chain and tree) is token-identical to spec off; ``load_format="dummy"``; and bad input
-(missing expert tensors, a tensor_parallel_size that does not split ``moe_intermediate_size``,
-``deterministic=True``, ``top_k_experts`` > ``num_experts``) refused before any weight loads. HF logit parity,
-the Triton path and spec on/off with random assistants run in test_gemma4 / test_gemma4_spec (their
-``moe8x2`` and ``moe16x4`` configs), tensor parallelism in test_tp."""
+oracle drafter, chain and tree) is token-identical to spec off; ``load_format="dummy"``; decode on a padded
+CUDA graph bucket through the Triton kernels; and bad input (missing expert tensors, a tensor_parallel_size
+that does not split ``moe_intermediate_size``, ``deterministic=True``, ``top_k_experts`` > ``num_experts``)
+refused before any weight loads. HF logit parity, the Triton path and spec on/off with random assistants run
+in test_gemma4 / test_gemma4_spec (their ``moe8x2`` and ``moe16x4`` configs), tensor parallelism in
+test_tp."""
 
 import json
 import multiprocessing
@@ -29,7 +30,7 @@ SP = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory, smollm2_tokenizer):
-    """(HF model, its checkpoint dir in 3 safetensors shards, a random assistant dir, 3 prompts)."""
+    """(HF model, its checkpoint dir in several safetensors shards, a random assistant dir, 3 prompts)."""
     torch.manual_seed(0)
     hf = Gemma4ForCausalLM(_text_config("moe8x2")).float().eval()
     randomize(hf, seed=6)
