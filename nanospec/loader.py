@@ -129,6 +129,16 @@ def iter_safetensors(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.
                 yield name, f.get_tensor(name)
 
 
+def safetensors_names(model_dir: str | os.PathLike) -> list[str]:
+    """The name of every tensor in the `*.safetensors` files of `model_dir` (from the headers: no tensor is
+    read)."""
+    names = []
+    for path in sorted(pathlib.Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            names += f.keys()
+    return names
+
+
 def is_default_target(config: PretrainedConfig, tokenizer) -> bool:
     """True if config + tokenizer are SmolLM2-135M-Instruct (by shape and ChatML vocab), wherever the dir
     lives."""

@@ -25,13 +25,14 @@ def build_target(cfg, device, dtype, max_position: int, model_dir=None, seed: in
     random weights when None)."""
     cls, text_config = target_class(cfg)
     with torch.device("meta"):
-        model = cls(text_config, max_position)
+        model = cls(text_config, max_position).to(dtype)  # materialised in dtype: no fp32 copy of the weights
     model.to_empty(device=device)
     if model_dir is None:
         init_random_weights(model, seed)
     else:
-        load_weights(model, loader.iter_safetensors(model_dir), skip=("lm_head.",) if model.tied else ())
-    model.to(dtype).eval().requires_grad_(False)
+        skip = ("lm_head.",) if model.tied else ()
+        load_weights(model, loader.iter_safetensors(model_dir), skip, loader.safetensors_names(model_dir))
+    model.eval().requires_grad_(False)
     model.init_buffers(device)
     return model
 
@@ -46,6 +47,8 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, hf_config, model_dir=None):
         self.config, self.device, self.dtype = config, config.torch_device(), config.torch_dtype()
+        if config.deterministic and getattr(hf_config.get_text_config(), "enable_moe_block", False):
+            raise ValueError("deterministic=True does not cover MoE targets (enable_moe_block): use False")
         max_pos = config.max_model_len + (config.num_draft_tokens or 1)  # verify rows sit past the last token
         weights = None if config.load_format == "dummy" else model_dir
         self.model = build_target(hf_config, self.device, self.dtype, max_pos, weights, config.seed)

@@ -117,10 +117,36 @@ class VocabEmbedding(nn.Embedding):
         return all_reduce(F.embedding(local * ok, self.weight) * ok[..., None])
 
 
+class Experts(nn.Module):
+    """Routed experts' weights in HF ``Gemma4TextExperts``' layout, ``gate_up_proj`` [E, 2I, H] (gate rows,
+    then up rows) and ``down_proj`` [E, H, I], split along I like the dense MLP: this rank keeps its
+    ``span(I)`` of the gate rows, of the up rows and of the down columns, so its output
+    (``kernels.moe.fused_moe``) is a partial sum for the caller's all-reduce."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.intermediate = intermediate
+        self.tp_span = span(intermediate)
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.tp_span[1], hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, self.tp_span[1]))
+
+    def shard(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the checkpoint tensor of parameter ``name`` (``t`` itself when its I is not
+        the config's: the caller's shape check names it)."""
+        first, rows = self.tp_span
+        if name.endswith("down_proj") and t.shape[-1] == self.intermediate:
+            return t.narrow(2, first, rows)
+        if name.endswith("gate_up_proj") and t.dim() == 3 and t.shape[1] == 2 * self.intermediate:
+            return torch.cat([t.narrow(1, first, rows), t.narrow(1, self.intermediate + first, rows)], 1)
+        return t
+
+
 def shard_of(module, name: str, t: torch.Tensor, part: int = 0) -> torch.Tensor:
     """This rank's piece of checkpoint tensor ``t`` for parameter ``name`` of ``module`` (packed part
     ``part``): ``t`` itself at size 1, for unsharded modules, row-parallel biases and tensors too small (the
     caller's shape check then names them)."""
+    if isinstance(module, Experts) and size > 1:
+        return module.shard(name, t)
     spans = getattr(module, "tp_spans", None) if size > 1 else None
     whole = spans is None or (spans[0][0] == 1 and name.endswith("bias"))
     return t if whole or t.shape[spans[part][0]] < sum(spans[part][1:]) else t.narrow(*spans[part])
@@ -129,13 +155,14 @@ def shard_of(module, name: str, t: torch.Tensor, part: int = 0) -> torch.Tensor:
 def check_sizes(config, target, assistant=None) -> None:
     """ValueError naming the field unless n = ``config.tensor_parallel_size`` ranks fit: at most the visible
     GPUs on CUDA (unless launched by torchrun, which may span machines), and splitting the HF configs of the
-    target (and the assistant): query heads, MLP and vocabulary sizes divisible by n, every layer's KV heads
-    a multiple or a divisor of n (replicated then); the allowed values are listed."""
+    target (and the assistant): query heads, MLP (and MoE expert) and vocabulary sizes divisible by n, every
+    layer's KV heads a multiple or a divisor of n (replicated then); the allowed values are listed."""
     n, gpus = config.tensor_parallel_size, torch.cuda.device_count()
     if config.torch_device().type == "cuda" and n > gpus and "WORLD_SIZE" not in os.environ:
         raise ValueError(f"tensor_parallel_size must be in [1, {gpus}] (the visible GPUs), got {n}")
     t = target.get_text_config()
     fields = ("num_attention_heads", "intermediate_size", "vocab_size", "vocab_size_per_layer_input")
+    fields += ("moe_intermediate_size",) if getattr(t, "enable_moe_block", False) else ()
     need = {f: getattr(t, f) for f in fields if getattr(t, f, None)}
     if assistant is not None:
         need["assistant num_attention_heads"] = assistant.get_text_config().num_attention_heads

@@ -2,9 +2,10 @@
 
 Two halves:
 
-- ``record()`` runs representative engine workloads (``WORKLOADS``: SmolLM2-, Qwen3-, Gemma 4 E2B- and
-  31B-like geometry; chain and tree speculation; greedy and sampled; dense and centroid assistant heads; page
-  sizes 16 and 256; fp32, bf16, fp16) with every kernel forced through Triton's CPU interpreter, and records
+- ``record()`` runs representative engine workloads (``WORKLOADS``: SmolLM2-, Qwen3-, Gemma 4 E2B-, 31B- and
+  26B-A4B-like (MoE) geometry; chain and tree speculation; greedy and sampled; dense and centroid assistant
+  heads; page sizes 16 and 256; fp32, bf16, fp16; the CUDA default configuration as its CUDA graphs launch it)
+  with every kernel forced through Triton's CPU interpreter, and records
   each launch: the kernel, every argument's Triton type and integer specialization (divisible by 16, == 1),
   the constexprs, ``num_warps`` / ``num_stages``, and the engine phase it ran in (``AttnMetadata.mode``:
   prefill / decode / verify / draft; "other" outside a forward, e.g. sampling). It wraps the interpreter's
@@ -19,6 +20,9 @@ Two halves:
 capabilities table): sm_80 (A100) 163 KB, sm_86 (RTX 30xx, A10, A40) 99 KB, sm_89 (L4, L40, RTX 40xx) 99 KB,
 sm_90 (H100, H200) 227 KB. The rules: every specialization compiles, fits its arch's limit, and no kernel
 launched in a decode, draft or verify forward spills registers (others are reported).
+
+The specializations are Triton's own (its binder, its default options), so they hold for the Triton version
+that recorded them (the JSON's "triton"): ``version_note()`` says when the installed one differs.
 
     python scripts/kernel_specs.py record             # re-record scripts/kernel_specs.json (CPU, ~1 min)
     python scripts/kernel_specs.py check              # compile it for sm_80/86/89/90, print the table
@@ -158,8 +162,39 @@ TARGETS = {
             final_logit_softcapping=30.0,
         ),
     ),
+    # Gemma 4 26B-A4B: 16 / 8 heads of 256, 2 k_eq_v KV heads of 512, window 1024, hidden 2816, dense MLP
+    # 2112, and in every layer 128 experts, top-8; the experts' intermediate size (704) shrunk to 64: the MoE
+    # tiles depend on the token count and the dtype, and both sizes are multiples of 16
+    "26b-a4b": (
+        "gemma4",
+        dict(
+            hidden_size=2816,
+            intermediate_size=2112,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            num_global_key_value_heads=2,
+            attention_k_eq_v=True,
+            head_dim=256,
+            global_head_dim=512,
+            vocab_size=8192,
+            num_hidden_layers=2,
+            layer_types=[S, F],
+            sliding_window=1024,
+            hidden_size_per_layer_input=0,
+            final_logit_softcapping=30.0,
+            enable_moe_block=True,
+            num_experts=128,
+            top_k_experts=8,
+            moe_intermediate_size=64,
+        ),
+    ),
 }
-# (name, target, dtype, page_size, assistant: None | "shipped" | "dense" | "centroid", spec kwargs)
+MOE_CHUNK = dict(max_num_batched_tokens=256)
+CUDA_DEFAULT = dict(
+    num_steps=5, adaptive_speculation=True, max_model_len=4096, num_kv_blocks=300, graphs=True
+)
+# (name, target, dtype, page_size, assistant: None | "shipped" | "dense" | "centroid", further LLM options;
+# graphs=True: the phases run on the padded buffers of CUDA graph buckets, as on a GPU)
 WORKLOADS = [
     ("smollm2-fp32-p16-chain-centroid", "smollm2", "float32", 16, "shipped", dict(num_steps=3)),
     (
@@ -212,6 +247,21 @@ WORKLOADS = [
         dict(num_steps=2, deterministic=True),
     ),
     ("e2b-fp32-p16-plain-det", "e2b", "float32", 16, None, dict(deterministic=True)),
+    # MoE: prefill chunks of 256 tokens (more tokens than experts: the prefill tiles) and of fewer
+    ("26b-a4b-bf16-p16-chain-dense", "26b-a4b", "bfloat16", 16, "dense", dict(num_steps=3, **MOE_CHUNK)),
+    (
+        "26b-a4b-fp32-p16-tree-dense",
+        "26b-a4b",
+        "float32",
+        16,
+        "dense",
+        dict(num_steps=2, topk=2, num_draft_tokens=4, **MOE_CHUNK),
+    ),
+    ("26b-a4b-fp16-p16-plain", "26b-a4b", "float16", 16, None, MOE_CHUNK),
+    # the CUDA default: SmolLM2 in bf16 with the shipped assistant, 5 steps, the adaptive draft length (every
+    # s in 0..5 while a batch size warms up: verify rows of 1..6 tokens), max_model_len 4096 and the batch
+    # padded to CUDA graph buckets, whose decode attention takes num_kv_splits(max_model_len) splits
+    ("smollm2-bf16-p16-chain-cuda-default", "smollm2", "bfloat16", 16, "shipped", CUDA_DEFAULT),
 ]
 # prompt lengths: a short one, one past a 16-token page and a chunk, one past 256 keys (two decode splits)
 PROMPT_LENS = (5, 70, 260)
@@ -393,9 +443,23 @@ def _assistant(target, cfg, kind, path):
     return path
 
 
+def _graph_buckets(llm):
+    """Give ``llm``'s graph runner the buckets a GPU captures (``graph_batch_sizes(max_num_seqs)``): on a CPU
+    each phase then runs eagerly on the padded static buffers, with the split count fixed from
+    ``max_model_len``, exactly what the captured graph replays."""
+    from nanospec.cuda_graph import GraphRunner, graph_batch_sizes
+
+    g = llm.runner.graphs
+    sizes = graph_batch_sizes(llm.config.max_num_seqs)
+    llm.runner.graphs = GraphRunner(g.phases, g.buffer_specs, sizes, g.num_splits, llm.runner.device)
+    if llm.worker is not None:
+        llm.worker.set_graphs(llm.runner.graphs)
+
+
 def run_workloads(workloads=WORKLOADS, recorder=None, tmp=None, prompt_lens=PROMPT_LENS):
     """Run each workload once through the engine (Triton backend, the interpreter): 3 prompts of
-    ``PROMPT_LENS`` tokens, one greedy and two sampled, 4 new tokens each, prefill chunked at 64 tokens."""
+    ``PROMPT_LENS`` tokens, one greedy and two sampled, 4 new tokens each, prefill chunked at 64 tokens
+    (unless the workload's options say otherwise)."""
     import torch
 
     from nanospec import LLM, SamplingParams
@@ -433,20 +497,14 @@ def run_workloads(workloads=WORKLOADS, recorder=None, tmp=None, prompt_lens=PROM
         ]
         if recorder is not None:
             recorder.workload = name
+        opts = dict(max_model_len=512, max_num_batched_tokens=64, num_kv_blocks=64 if page == 16 else 8)
+        opts.update(adaptive_speculation=False, graphs=False)  # fixed num_steps: the same launches each run
+        opts.update(kw, **spec)
+        graphs = opts.pop("graphs")
         with using_backend("triton"):
-            llm = LLM(
-                str(d),
-                device="cpu",
-                dtype=dtype,
-                page_size=page,
-                max_model_len=512,
-                max_num_batched_tokens=64,
-                num_kv_blocks=64 if page == 16 else 8,
-                load_format="dummy",
-                adaptive_speculation=False,  # every decode step drafts num_steps: the same launches each run
-                **kw,
-                **spec,
-            )
+            llm = LLM(str(d), device="cpu", dtype=dtype, page_size=page, load_format="dummy", **opts)
+            if graphs:
+                _graph_buckets(llm)
             llm.generate(prompts, params[: len(prompts)], use_tqdm=False)
         # the speculative steps ran the sampled requests together with the greedy one: run greedy alone too
         if asst:
@@ -517,6 +575,21 @@ def write_specs(specs, path=SPECS_JSON) -> None:
 
 def load_specs(path=SPECS_JSON) -> list:
     return json.loads(pathlib.Path(path).read_text())["specs"]
+
+
+def version_note(path=SPECS_JSON) -> str | None:
+    """None when the installed Triton is the one that recorded ``path``; else a sentence saying so and what
+    to do (a specialization is its Triton's: its binder, its default options)."""
+    import triton
+
+    recorded = json.loads(pathlib.Path(path).read_text())["triton"]
+    if recorded == triton.__version__:
+        return None
+    return (
+        f"{pathlib.Path(path).name} was recorded with Triton {recorded} but Triton {triton.__version__} is "
+        "installed: specializations are a Triton version's own, so this one may launch others; re-record "
+        f"with `python scripts/kernel_specs.py record` under it, or install triton=={recorded}"
+    )
 
 
 # ---- compiling -------------------------------------------------------------------------------------------
@@ -709,6 +782,9 @@ def main(argv=None):
     archs = ["native"] if a.archs == "native" else [int(x) for x in a.archs.split(",")]
     t0 = time.perf_counter()
     specs = load_specs(a.specs)
+    note = version_note(a.specs)
+    if note:
+        print(f"note: {note}")
     rows = check(representatives(specs) if a.fast else specs, archs, a.workers)
     print(summary(rows))
     if a.json:

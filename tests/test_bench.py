@@ -34,8 +34,8 @@ def two_layers(monkeypatch):
     """The smollm2-135m shape cut to 2 layers: the same code path, ~10x less CPU time."""
     orig = bench.write_shape_dir
 
-    def write(shape, out):
-        orig(shape, out)
+    def write(shape, out, num_layers=None):
+        orig(shape, out, num_layers)
         cfg = json.loads((out / "config.json").read_text())
         (out / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 2}))
         return out
@@ -391,9 +391,10 @@ def test_stall_workload_compare_overlap(capsys, monkeypatch, two_layers):
 
 
 def test_gemma4_shapes_are_the_real_ones():
-    """The Gemma 4 shapes against the published E2B / E4B / 31B sizes (HF convert_gemma4_weights.py): configs,
-    the assistant's layer map onto the target's KV owners (last non-shared layer of each type), KV-owning
-    layers and the assistants' parameter counts (meta device: no memory)."""
+    """The Gemma 4 shapes against the published E2B / E4B / 26B-A4B / 31B sizes (HF
+    convert_gemma4_weights.py): configs, the assistant's layer map onto the target's KV owners (last
+    non-shared layer of each type), KV-owning layers and the assistants' parameter counts (meta device: no
+    memory); 26B-A4B's MoE: 128 experts of 704, top-8, 25.2 B parameters of which 3.8 B active per token."""
     import torch
 
     from nanospec.models import target_class
@@ -403,16 +404,19 @@ def test_gemma4_shapes_are_the_real_ones():
     want = {  # hidden, layers, Q heads, KV heads sliding / full, MLP, window, PLE, KV-shared, k_eq_v, max pos
         "gemma4-e2b": (1536, 35, 8, 1, 1, 6144, 512, 256, 20, False, 131072),
         "gemma4-e4b": (2560, 42, 8, 2, 2, 10240, 512, 256, 18, False, 131072),
+        "gemma4-26b-a4b": (2816, 30, 16, 8, 2, 2112, 1024, 0, 0, True, 262144),
         "gemma4-31b": (5376, 60, 32, 16, 4, 21504, 1024, 0, 0, True, 262144),
     }
     types = {
         "gemma4-e2b": ([S] * 4 + [F]) * 7,
         "gemma4-e4b": ([S] * 5 + [F]) * 7,
+        "gemma4-26b-a4b": ([S] * 5 + [F]) * 5,
         "gemma4-31b": ([S] * 5 + [F]) * 10,
     }
     asst = {  # hidden, Q heads, MLP, centroid head; layer map; parameters (M); the target's KV-owning layers
         "gemma4-e2b": ((256, 4, 2048, True), [13, 13, 13, 14], 77.7, 15),
         "gemma4-e4b": ((256, 4, 2048, True), [22, 22, 22, 23], 78.518, 24),
+        "gemma4-26b-a4b": ((1024, 16, 8192, False), [28, 28, 28, 29], 419.7, 30),
         "gemma4-31b": ((1024, 32, 8192, False), [58, 58, 58, 59], 469.5, 60),
     }
     assert sorted(bench.GEMMA4) == sorted(want)
@@ -459,10 +463,20 @@ def test_gemma4_shapes_are_the_real_ones():
         assert sum(p.numel() for p in model.parameters()) / 1e6 == pytest.approx(params_m, rel=1e-3)
         geometry = [g for g in target.kv_geometry if g is not None]
         assert len(geometry) == owners and set(geometry) == {(kv, 256), (kv_full, 512)}
+        moe = (t.enable_moe_block, t.num_experts, t.top_k_experts, t.moe_intermediate_size)
+        assert moe == ((True, 128, 8, 704) if shape == "gemma4-26b-a4b" else (False, None, None, None))
+        if t.enable_moe_block:
+            experts = sum(p.numel() for n, p in target.named_parameters() if ".experts." in n)
+            total = sum(p.numel() for p in target.parameters())
+            assert total / 1e9 == pytest.approx(25.23, abs=0.01)
+            assert (total - experts * (1 - 8 / 128)) / 1e9 == pytest.approx(3.82, abs=0.01)
+    t = bench.gemma4_configs("gemma4-26b-a4b", num_layers=4)[0]  # --num-layers: the first layers
+    assert t.num_hidden_layers == 4 and t.layer_types == [S, S, S, F] and t.num_experts == 128
 
 
 SMALL_GEMMA4 = {  # scaled-down, same structure (fields as bench.GEMMA4)
     "gemma4-e2b": (1, 1, False, 6, 64, 10, 4, 48, True, 8, 4, 128, 5, 32, 4, 64, 64),
+    "gemma4-26b-a4b": (2, 1, True, 5, 64, 6, 4, 48, False, 0, 0, 128, 6, 32, 4, 64, 0),
     "gemma4-31b": (2, 1, True, 5, 64, 6, 4, 96, False, 0, 0, 128, 6, 32, 4, 64, 0),
 }
 
@@ -471,6 +485,8 @@ SMALL_GEMMA4 = {  # scaled-down, same structure (fields as bench.GEMMA4)
 def test_gemma4_shape_runs_scaled_down(capsys, monkeypatch, shape):
     """--shape gemma4-* --assistant random through the engine, the shape's numbers scaled down (CPU)."""
     monkeypatch.setitem(bench.GEMMA4, shape, SMALL_GEMMA4[shape])
+    moe = dict(enable_moe_block=True, num_experts=16, top_k_experts=4, moe_intermediate_size=16)
+    monkeypatch.setattr(shapes, "G4_MOE", {"gemma4-26b-a4b": moe})
     small = dict(head_dim=16, global_head_dim=32, vocab_size=49152, vocab_size_per_layer_input=49152)
     monkeypatch.setattr(shapes, "G4_COMMON", small)
     engines, init = [], bench.LLM.__init__
@@ -489,14 +505,21 @@ def test_gemma4_shape_runs_scaled_down(capsys, monkeypatch, shape):
         "0",
         "--no-adaptive-speculation",
     )
+    layers = SMALL_GEMMA4[shape][5]
+    if shape == "gemma4-26b-a4b":  # its first 2 layers (sliding, full)
+        argv += ["--num-layers", "2"]
+        layers = 2
     res, _, outputs = run_bench(capsys, monkeypatch, argv)
     llm = engines[0]
     target, assistant = llm.runner.model, llm.worker.assistant
-    assert (
-        type(target).__name__ == "Gemma4ForCausalLM"
-        and target.config.num_hidden_layers == SMALL_GEMMA4[shape][5]
-    )
+    assert type(target).__name__ == "Gemma4ForCausalLM" and target.config.num_hidden_layers == layers
     assert (assistant.masked_embedding is not None) == (shape == "gemma4-e2b")
-    assert target.config.attention_k_eq_v == (shape == "gemma4-31b")
+    assert target.config.attention_k_eq_v == (shape != "gemma4-e2b")
+    assert target.config.enable_moe_block == (shape == "gemma4-26b-a4b")
+    if shape == "gemma4-26b-a4b":
+        assert target.config.layer_types == ["sliding_attention", "full_attention"]
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--shape", "qwen3-0.6b", "--num-layers", "2"])
+        assert "--num-layers needs a Gemma 4 --shape" in capsys.readouterr().err
     assert res["shape"] == shape and res["assistant"] == "random" and res["num_verify_steps"] >= 1
     assert res["total_tokens"] == len(outputs[0]["token_ids"]) == bench.nanovllm_workload(1, 16, 4)[1][0]

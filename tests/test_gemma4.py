@@ -79,6 +79,17 @@ CONFIGS = {
         final_logit_softcapping=30.0,
     ),
 }
+# 26B-A4B-like: the 31B-like attention (k_eq_v full layers, window 5), and in every layer routed experts
+# beside the dense MLP: 8 experts top-2, and 16 experts top-4 over another sliding/full pattern
+MOE = dict(CONFIGS["31b"], enable_moe_block=True, intermediate_size=48)
+CONFIGS["moe8x2"] = dict(
+    MOE, num_hidden_layers=7, layer_types=[S] * 5 + [F, F], num_experts=8, top_k_experts=2
+)
+CONFIGS["moe8x2"].update(moe_intermediate_size=16)
+CONFIGS["moe16x4"] = dict(
+    MOE, num_hidden_layers=6, layer_types=[S, S, F] * 2, num_experts=16, top_k_experts=4
+)
+CONFIGS["moe16x4"].update(moe_intermediate_size=24)
 
 
 def _text_config(name, **kw):
@@ -339,14 +350,19 @@ def _write_config(tmp_path, model_type="gemma4_text", **kw):
     [
         ("layer_types", [S] * 5 + ["chunked_attention", S, F], r"layer_types\[5\] = 'chunked_attention'"),
         ("sliding_window", 0, "sliding_window must be an int >= 1, got 0"),
-        ("enable_moe_block", True, "enable_moe_block.*MoE is not supported yet"),
+        ("top_k_experts", 9, r"top_k_experts must be in \[1, num_experts=8\], got 9"),
+        ("top_k_experts", 0, r"top_k_experts must be in \[1, num_experts=8\], got 0"),
+        ("num_experts", None, r"num_experts must be an int >= 1 \(enable_moe_block\), got None"),
+        ("moe_intermediate_size", 0, r"moe_intermediate_size must be an int >= 1 \(enable_moe_block\)"),
         ("num_kv_shared_layers", 8, r"num_kv_shared_layers must be in \[0, num_hidden_layers=8\)"),
         ("hidden_activation", "silu", "hidden_activation 'silu'"),
     ],
 )
 def test_bad_config_rejected_before_weights(tmp_path, field, value, match):
     """ValueError naming the field from target_class (config only: the dir holds no weights) and the model."""
-    cfg = load_config(_write_config(tmp_path, **{field: value}))
+    moe = dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=16)
+    extra = moe if field in moe else {}
+    cfg = load_config(_write_config(tmp_path, **{**extra, field: value}))
     with pytest.raises(ValueError, match=match):
         target_class(cfg)
     with pytest.raises(ValueError, match=match), torch.device("meta"):

@@ -1,5 +1,5 @@
 """Gemma 4 targets through the whole engine (``LLM(dir)``): greedy tokens equal HF ``generate`` for the
-E2B-like and 31B-like tiny configs of test_gemma4 (sliding windows shorter than the prompts, page_size 4,
+E2B-like, 31B-like and MoE tiny configs of test_gemma4 (sliding windows shorter than the prompts, page_size 4,
 chunked prefill, a batch of mixed lengths), and KV pools only for the KV-owning layers."""
 
 import pytest

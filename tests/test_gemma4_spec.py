@@ -1,6 +1,6 @@
 """Frozen-KV MTP on Gemma 4 targets through the engine: spec on == spec off == HF greedy (chain and tree,
 dense and centroid heads), and == HF's own assisted generation (``generate(assistant_model=...)``), for the
-E2B-like (KV sharing, PLE) and 31B-like (k_eq_v) tiny configs of test_gemma4."""
+E2B-like (KV sharing, PLE), 31B-like (k_eq_v) and MoE tiny configs of test_gemma4."""
 
 import pytest
 import torch

@@ -29,6 +29,9 @@ def recorded(tmp_path_factory):
 
 
 def test_specs_json_is_current(recorded):
+    note = ks.version_note()  # another Triton launches other specializations: say that, not which differ
+    if note:
+        pytest.fail(note)
     committed = {ks.spec_key(s): s for s in ks.load_specs()}
     fresh = {ks.spec_key(s): s for s in recorded}
     stale = "; regenerate with `python scripts/kernel_specs.py record`"
@@ -138,6 +141,41 @@ def test_tile_branches_match_reference(dtype, d, smem, causal, tree, tile_target
 def test_set_tile_target_rejects(bad, tile_target):
     with pytest.raises(ValueError, match="smem"):
         tile_target(bad)
+
+
+def test_version_note(tmp_path):
+    import triton
+
+    path = tmp_path / "specs.json"
+    path.write_text(json.dumps({"triton": triton.__version__, "specs": []}))
+    assert ks.version_note(path) is None
+    path.write_text(json.dumps({"triton": "0.0.1", "specs": []}))
+    note = ks.version_note(path)
+    assert f"recorded with Triton 0.0.1 but Triton {triton.__version__} is installed" in note
+    assert "triton==0.0.1" in note and "kernel_specs.py record" in note
+
+
+def test_cuda_default_verify_tile_and_graph_splits_recorded(recorded):
+    """The CUDA default (SmolLM2 bf16, 5 steps, adaptive): the verify of 6 rows x 3 query heads per KV head
+    packs 32-row tiles; graph-bucketed decode takes num_kv_splits(4096) = 16 splits (divisible by 16)."""
+    from nanospec.kernels.attention import num_kv_splits
+
+    name = "smollm2-bf16-p16-chain-cuda-default"
+    mine = [s for s in recorded if name in s["workloads"]]
+    verify = [s for s in mine if s["kernel"].endswith(":_extend_kernel") and "verify" in s["phases"]]
+    assert {s["constexprs"]["BLOCK_M"] for s in verify} == {16, 32}  # s = 0..4 and s = 5
+    assert num_kv_splits(4096) == 16
+    split = [s for s in mine if s["kernel"].endswith(":_decode_split_kernel")]
+    assert any(dict((n, a) for n, _, a in s["args"])["num_splits"] == "D" for s in split)
+
+
+def test_moe_kernels_recorded_at_26b_geometry(recorded):
+    moe = [s for s in recorded if s["kernel"].startswith("nanospec.kernels.moe:")]
+    gemm = [s for s in moe if s["kernel"].endswith("_moe_gemm_kernel")]
+    assert {s["constexprs"]["BLOCK_M"] for s in gemm} == {16, 32, 64}  # decode and prefill tiles, fp32 too
+    assert {p for s in gemm for p in s["phases"]} >= {"prefill", "decode", "verify"}
+    route = [s for s in moe if s["kernel"].endswith("_route_kernel")]
+    assert {(s["constexprs"]["BLOCK_E"], s["constexprs"]["TOP_K"]) for s in route} == {(128, 8)}
 
 
 def test_specs_json_lists_archs_and_phases():

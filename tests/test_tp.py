@@ -1,10 +1,10 @@
 """Tensor parallelism on CPU (gloo, 2 ranks, one thread each): token-identical to ``tensor_parallel_size=1``
 in fp32 for greedy and sampled requests (seeded and not), with speculation off, chain and tree, dense and
 centroid assistant heads, on the tiny Llama (4 query / 2 KV heads), Qwen3, a 1-KV-head Llama (replicated KV
-heads) and the E2B-like and 31B-like Gemma 4 configs; each run also aborts a request, preempts (one case) and
-re-runs the prompts over the prefix cache, and checks after every step that all ranks hold the same next-step
-inputs (DESIGN §4 rule 8). Then bad input before any process starts, a dying rank, and shutdown leaving no
-process, file or listening socket behind."""
+heads) and the E2B-like, 31B-like and MoE (experts split along their intermediate size) Gemma 4 configs;
+each run also aborts a request, preempts (one case) and re-runs the prompts over the prefix cache, and checks
+after every step that all ranks hold the same next-step inputs (DESIGN §4 rule 8). Then bad input before any
+process starts, a dying rank, and shutdown leaving no process, file or listening socket behind."""
 
 import multiprocessing
 import os
@@ -46,6 +46,8 @@ CASES = {  # model, assistant (None, "dense", "centroid"), further LLM options
     "31b-off": ("31b", None, dict(page_size=4)),
     "31b-chain-centroid": ("31b", "centroid", dict(num_steps=3, page_size=4)),
     "31b-tree": ("31b", "dense", dict(TREE, page_size=4)),
+    "moe8x2-chain": ("moe8x2", "dense", dict(num_steps=3, page_size=4)),
+    "moe16x4-tree": ("moe16x4", "dense", dict(TREE, page_size=4)),
 }
 
 
@@ -74,7 +76,7 @@ def models(tmp_path_factory, tiny_llama_dir, tiny_qwen3_dir, smollm2_tokenizer):
         dirs[name] = tmp / name
         if not dirs[name].exists():
             dirs[name].symlink_to(d)
-    for name in ("e2b", "31b"):
+    for name in ("e2b", "31b", "moe8x2", "moe16x4"):
         _gemma(tmp, smollm2_tokenizer, name)
         dirs[name] = tmp / name
     return dirs
@@ -105,7 +107,7 @@ def scenario(llm, vocab, check_ranks=False):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_tp2_equals_tp1(models, case):
     model, assistant, kw = CASES[case]
-    vocab = 256 if model in ("e2b", "31b", "kv1") else 4000
+    vocab = 4000 if model in ("llama", "qwen3") else 256
     if assistant is not None:
         kw = dict(kw, assistant=models[model].parent / f"{model}-{assistant}")
     ref_llm = make_llm(models[model], **kw)

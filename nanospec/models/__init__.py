@@ -12,7 +12,10 @@ logger = logging.getLogger(__name__)
 
 
 def load_weights(
-    model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], skip: tuple[str, ...] = ()
+    model: nn.Module,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    skip: tuple[str, ...] = (),
+    names: Iterable[str] | None = None,
 ) -> None:
     """Copy checkpoint tensors into ``model`` by HF name, packing q/k/v and gate/up through the model's
     ``packed_modules_mapping`` (a linear with ``shard_sizes`` takes shard i at its offset); a tensor-parallel
@@ -22,7 +25,8 @@ def load_weights(
     Names in ``skip`` (substrings) and rotary caches are ignored; so are names matching the model's
     ``unused_weights`` (substrings, e.g. a multimodal checkpoint's vision tower), counted in one info line.
     Raises ValueError naming the tensor when a checkpoint tensor has no parameter (or no shard) or the wrong
-    shape, or when a parameter (or one shard of a packed one) gets no tensor.
+    shape, or when a parameter (or one shard of a packed one) gets no tensor; given every checkpoint name in
+    ``names`` (``loader.safetensors_names``), the last two are checked before any tensor is read.
     """
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules_mapping", {})
@@ -30,25 +34,49 @@ def load_weights(
     prefixes = getattr(model, "strip_prefix", "")
     prefixes = (prefixes,) if isinstance(prefixes, str) else prefixes
     unused = tuple(getattr(model, "unused_weights", ()))
-    loaded, skipped = set(), []
-    for name, t in tensors:
-        if "rotary_emb" in name or any(s in name for s in skip):
-            continue
-        if any(s in name for s in unused):
-            skipped.append(name)
-            continue
+
+    def place(name):  # (name without prefix, parameter, packed shard or None), or None: not loaded
+        if "rotary_emb" in name or any(s in name for s in skip + unused):
+            return None
         name = next((name.removeprefix(p) for p in prefixes if name.startswith(p)), name)
         target, shard = name, None
         for src, (dst, idx) in packed.items():
             if f".{src}." in name:
                 target, shard = name.replace(f".{src}.", f".{dst}."), idx
                 break
-        sizes = getattr(module := modules.get(target.rsplit(".", 1)[0]), "shard_sizes", [])
+        sizes = getattr(modules.get(target.rsplit(".", 1)[0]), "shard_sizes", [])
         if target not in params or (shard is not None and shard >= len(sizes)):  # v_proj of a k_eq_v layer
             raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
+        return name, target, shard
+
+    def check_complete(loaded):
+        missing = [
+            n
+            for n in params
+            if (n, None) not in loaded
+            and not all(
+                (n, i) in loaded
+                for i in range(len(getattr(modules[n.rsplit(".", 1)[0]], "shard_sizes", [0])))
+            )
+        ]
+        if missing:
+            more = " ..." if len(missing) > 5 else ""
+            raise ValueError(f"checkpoint is missing weights for {missing[:5]}{more}")
+
+    if names is not None:
+        check_complete({where[1:] for where in map(place, names) if where is not None})
+    loaded, skipped = set(), []
+    for name, t in tensors:
+        where = place(name)
+        if where is None:
+            if any(s in name for s in unused):
+                skipped.append(name)
+            continue
+        name, target, shard = where
+        module = modules.get(target.rsplit(".", 1)[0])
         p, t = params[target], parallel.shard_of(module, target, t, shard or 0)
         if shard is not None:
-            p = p.data.narrow(0, sum(sizes[:shard]), sizes[shard])
+            p = p.data.narrow(0, sum(module.shard_sizes[:shard]), module.shard_sizes[shard])
         if p.shape != t.shape:
             raise ValueError(
                 f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)}"
@@ -56,17 +84,7 @@ def load_weights(
         with torch.no_grad():
             p.copy_(t)
         loaded.add((target, shard))
-    missing = [
-        n
-        for n in params
-        if (n, None) not in loaded
-        and not all(
-            (n, i) in loaded for i in range(len(getattr(modules[n.rsplit(".", 1)[0]], "shard_sizes", [0])))
-        )
-    ]
-    if missing:
-        more = " ..." if len(missing) > 5 else ""
-        raise ValueError(f"checkpoint is missing weights for {missing[:5]}{more}")
+    check_complete(loaded)
     if skipped:
         logger.info(
             "%s: skipped %d checkpoint tensors it does not use, e.g. %r",

@@ -13,6 +13,8 @@ What differs from llama.py, each as HF ``modeling_gemma4.py`` computes it:
 - embeddings scaled by sqrt(hidden) rounded to the weight dtype; GeGLU (tanh GELU); four sandwich norms
   ``x * w`` (weight applied in fp32, no ``1 + w``); ``layer_scalar``; per-layer input embeddings (PLE);
   final logit softcapping.
+- ``enable_moe_block`` (26B-A4B): the dense MLP always runs and routed experts are added to it, each with its
+  own norms (``Gemma4DecoderLayer.moe``; the kernels in ``kernels/moe.py``).
 """
 
 import torch
@@ -21,9 +23,20 @@ from torch import nn
 from ..context import get_attn_metadata
 from ..kernels.activation import gelu_and_mul
 from ..kernels.attention import decode_attention, extend_attention
+from ..kernels.moe import fused_moe, moe_route
 from ..kernels.norm import rms_norm
 from ..kernels.rope import apply_rope, rope_cos_sin, rope_store_kv
-from ..parallel import ColumnLinear, Linear, RowLinear, VocabEmbedding, gather, linear, span
+from ..parallel import (
+    ColumnLinear,
+    Experts,
+    Linear,
+    RowLinear,
+    VocabEmbedding,
+    all_reduce,
+    gather,
+    linear,
+    span,
+)
 from .llama import RMSNorm
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -62,11 +75,18 @@ def kv_owners(tc) -> list[int]:
 
 def check_config(tc) -> None:
     """Raise ValueError naming the field if nanospec cannot run this ``Gemma4TextConfig`` (call it before any
-    weight loads): ``enable_moe_block``, a ``layer_types`` entry other than sliding/full, ``sliding_window``
-    < 1, an activation other than gelu_pytorch_tanh, a RoPE type other than default/proportional,
-    bidirectional text attention, or ``num_kv_shared_layers`` out of range."""
+    weight loads): with ``enable_moe_block``, ``num_experts`` or ``moe_intermediate_size`` < 1 or
+    ``top_k_experts`` outside [1, num_experts]; a ``layer_types`` entry other than sliding/full,
+    ``sliding_window`` < 1, an activation other than gelu_pytorch_tanh, a RoPE type other than
+    default/proportional, bidirectional text attention, or ``num_kv_shared_layers`` out of range."""
     if tc.enable_moe_block:
-        raise ValueError("gemma4: enable_moe_block is true: MoE is not supported yet (26B-A4B)")
+        for name in ("num_experts", "moe_intermediate_size"):
+            v = getattr(tc, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"gemma4: {name} must be an int >= 1 (enable_moe_block), got {v!r}")
+        k = tc.top_k_experts
+        if not isinstance(k, int) or not 1 <= k <= tc.num_experts:
+            raise ValueError(f"gemma4: top_k_experts must be in [1, num_experts={tc.num_experts}], got {k!r}")
     if len(tc.layer_types) != tc.num_hidden_layers:
         raise ValueError(
             f"gemma4: layer_types has {len(tc.layer_types)} entries, num_hidden_layers is "
@@ -173,9 +193,28 @@ class Gemma4MLP(nn.Module):
         return self.down_proj(gelu_and_mul(self.gate_up_proj(x)))
 
 
+class Gemma4Router(nn.Module):
+    """HF ``Gemma4TextRouter``, replicated on every rank: ``x`` (the residual stream) RMS-normed without a
+    weight, ``* scale * hidden**-0.5``, projected to E expert scores, then ``moe_route`` (fp32 softmax, top-k,
+    renormalised, ``* per_expert_scale``). Returns (weights [T, k] fp32, expert ids [T, k] int32)."""
+
+    def __init__(self, tc):
+        super().__init__()
+        self.eps = tc.rms_norm_eps
+        self.top_k = tc.top_k_experts
+        self.proj = Linear(tc.hidden_size, tc.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(tc.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(tc.num_experts))
+
+    def forward(self, x):
+        h = rms_norm(x, None, self.eps, fp32_weight=True) * self.scale * x.shape[-1] ** -0.5
+        return moe_route(self.proj(h), self.per_expert_scale, self.top_k)
+
+
 class Gemma4DecoderLayer(nn.Module):
-    """HF ``Gemma4TextDecoderLayer`` (no MoE): sandwich-normed attention and MLP residuals, the PLE residual,
-    then the whole stream times ``layer_scalar``."""
+    """HF ``Gemma4TextDecoderLayer``: sandwich-normed attention and MLP residuals (with ``enable_moe_block``
+    routed experts beside the MLP: :meth:`moe`), the PLE residual, then the whole stream times
+    ``layer_scalar``."""
 
     def __init__(self, tc, layer_idx: int, owner: int):
         super().__init__()
@@ -194,11 +233,30 @@ class Gemma4DecoderLayer(nn.Module):
             self.per_layer_input_gate = Linear(H, self.ple_dim, bias=False)
             self.per_layer_projection = Linear(self.ple_dim, H, bias=False)
             self.post_per_layer_input_norm = _norm(H, eps)
+        self.enable_moe = tc.enable_moe_block
+        if self.enable_moe:
+            self.router = Gemma4Router(tc)
+            self.experts = Experts(tc.num_experts, H, tc.moe_intermediate_size)
+            self.pre_feedforward_layernorm_2 = _norm(H, eps)
+            self.post_feedforward_layernorm_1 = _norm(H, eps)
+            self.post_feedforward_layernorm_2 = _norm(H, eps)
+
+    def moe(self, h, residual):
+        """The MoE layer's feed-forward before ``post_feedforward_layernorm``, as HF: ``post_feedforward_
+        layernorm_1(mlp(h)) + post_feedforward_layernorm_2(experts(pre_feedforward_layernorm_2(residual)))``,
+        the experts chosen by the router from ``residual`` (the stream before the MLP). Under tensor
+        parallelism the two partial sums share one all-reduce."""
+        dense = self.mlp.down_proj.gemm(gelu_and_mul(self.mlp.gate_up_proj(h)), self.mlp.down_proj.weight)
+        weights, ids = self.router(residual)
+        x2 = self.pre_feedforward_layernorm_2(residual)
+        routed = fused_moe(x2, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        both = all_reduce(torch.stack([dense, routed]))
+        return self.post_feedforward_layernorm_1(both[0]) + self.post_feedforward_layernorm_2(both[1])
 
     def forward(self, positions, x, cos_sin, per_layer_input=None):
         h = self.self_attn(positions, self.input_layernorm(x), cos_sin)
         h, x = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), x)  # residual add fused
-        x = x + self.post_feedforward_layernorm(self.mlp(h))
+        x = x + self.post_feedforward_layernorm(self.moe(h, x) if self.enable_moe else self.mlp(h))
         if self.ple_dim:
             g = gelu_and_mul(torch.cat([self.per_layer_input_gate(x), per_layer_input], -1))
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(g))

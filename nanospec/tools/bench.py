@@ -8,6 +8,7 @@ batch-1 latency, a long prompt stalling decoders, engine options on vs off, spec
     python bench.py --workload shared-prefix --compare enable_prefix_caching
     python bench.py --workload stall --compare overlap_schedule       # decoders' max inter-token gap
     python bench.py --shape gemma4-e2b --assistant random --batch-1   # Gemma 4 shapes (for a GPU)
+    python bench.py --shape gemma4-26b-a4b --num-layers 2 --assistant random --batch-1  # first 2 layers
     python bench.py --shape smollm2-135m --num-seqs 4 --max-input-len 64 --max-output-len 16 --device cpu
     python bench.py --serve --compare-spec --max-concurrency 4       # over HTTP: nanospec-serve, spec on/off
     python bench.py --base-url http://127.0.0.1:8000 --request-rate 2 # any running OpenAI-compatible server
@@ -135,17 +136,20 @@ def acceptance_stats(accept_lengths, num_steps):
     return (sum(flat) / n if n else None), rates, n
 
 
-def write_shape_dir(shape, out: Path) -> Path:
+def write_shape_dir(shape, out: Path, num_layers=None) -> Path:
     """A random-weight model dir in ``out``: the shape's config.json ("smollm2-135m": the default model's,
-    "qwen3-0.6b": Qwen3-0.6B's, a ``GEMMA4`` key: ``gemma4_configs``) plus the default SmolLM2 tokenizer files
-    (a vocab larger than the tokenizer's is fine for random token ids)."""
+    "qwen3-0.6b": Qwen3-0.6B's, a ``GEMMA4`` key: ``gemma4_configs``, its first ``num_layers`` layers when
+    given) plus the default SmolLM2 tokenizer files (a vocab larger than the tokenizer's is fine for random
+    token ids)."""
     from transformers import Qwen3Config
 
     for f in loader.resolve_model_dir(None).iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name != "generation_config.json":
             (out / f.name).write_bytes(f.read_bytes())
-    if shape != "smollm2-135m":
-        (gemma4_configs(shape)[0] if shape in GEMMA4 else Qwen3Config(**QWEN3_0_6B)).save_pretrained(out)
+    if shape in GEMMA4:
+        gemma4_configs(shape, num_layers)[0].save_pretrained(out)
+    elif shape != "smollm2-135m":
+        Qwen3Config(**QWEN3_0_6B).save_pretrained(out)
     return out
 
 
@@ -300,6 +304,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     model = ap.add_mutually_exclusive_group().add_argument  # --model or --shape
     model("--model", help="HF-format model dir (default: SmolLM2-135M-Instruct)")
     model("--shape", choices=["qwen3-0.6b", "smollm2-135m", *GEMMA4], help="random weights of this shape")
+    a(
+        "--num-layers",
+        type=number(int, 1),
+        help="Gemma 4 --shape: only its first N layers (the last one full)",
+    )
     a("--device", choices=["auto", "cpu", "cuda"], default="auto")
     a("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     for name, default in (s.split("=") for s in INT_OPTIONS.split()):
@@ -331,6 +340,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if (args.serve or args.base_url) and (args.batch_1 or args.compare_hf or args.base_url and args.compare):
         ap.error("--serve / --base-url: no --batch-1 or --compare-hf (nor --compare with --base-url)")
     args.workload = args.workload or ("sharegpt" if args.serve or args.base_url else "nanovllm")
+    if args.num_layers and args.shape not in GEMMA4:
+        ap.error(f"--num-layers needs a Gemma 4 --shape ({', '.join(GEMMA4)})")
     cli.check_deterministic(ap, args, [args.topk or 1])
     if args.assistant not in ("auto", "default", "random", "none") and not Path(args.assistant).is_dir():
         ap.error(f"--assistant must be auto, default, random, none or a dir, got {args.assistant!r}")
@@ -349,7 +360,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run(args: argparse.Namespace, tmp: Path) -> dict:
     """One benchmark run of ``parse_args``'s options (random-weight dirs go in ``tmp``): prints the Total
     line(s) (and HF's, the comparison's); returns the figures, with every option."""
-    model_dir = write_shape_dir(args.shape, tmp) if args.shape else loader.resolve_model_dir(args.model)
+    model_dir = loader.resolve_model_dir(args.model)
+    if args.shape:
+        model_dir = write_shape_dir(args.shape, tmp, args.num_layers)
     assistant = None if args.assistant == "none" else args.assistant
     if assistant == "random":
         assistant = str(write_random_assistant(model_dir, tmp / "assistant", args.seed, args.shape))
