@@ -42,7 +42,7 @@ class ModelRunner:
 
     ``LLM`` drives the order (DESIGN §4 rule 2): ``ModelRunner(...)`` builds the target;
     ``allocate_kv_cache()`` sizes the pools from the memory budget, allocates them and binds the target's
-    layers; ``capture_graphs(mtp=...)`` captures decode (and the speculative step) once everything is bound.
+    layers; ``capture_graphs()`` captures decode once everything is bound (the MTP worker captures its own).
     """
 
     def __init__(self, config: EngineConfig, hf_config, model_dir=None):

@@ -444,16 +444,16 @@ def _assistant(target, cfg, kind, path):
 
 
 def _graph_buckets(llm):
-    """Give ``llm``'s graph runner the buckets a GPU captures (``graph_batch_sizes(max_num_seqs)``): on a CPU
+    """Give ``llm``'s graph runners the buckets a GPU captures (``graph_batch_sizes(max_num_seqs)``): on a CPU
     each phase then runs eagerly on the padded static buffers, with the split count fixed from
     ``max_model_len``, exactly what the captured graph replays."""
     from nanospec.cuda_graph import GraphRunner, graph_batch_sizes
 
-    g = llm.runner.graphs
     sizes = graph_batch_sizes(llm.config.max_num_seqs)
-    llm.runner.graphs = GraphRunner(g.phases, g.buffer_specs, sizes, g.num_splits, llm.runner.device)
-    if llm.worker is not None:
-        llm.worker.set_graphs(llm.runner.graphs)
+    for owner in (llm.runner, llm.worker):
+        if owner is not None:
+            g = owner.graphs
+            owner.graphs = GraphRunner(g.phases, g.buffer_specs, sizes, g.num_splits, llm.runner.device)
 
 
 def run_workloads(workloads=WORKLOADS, recorder=None, tmp=None, prompt_lens=PROMPT_LENS):
