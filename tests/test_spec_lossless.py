@@ -194,16 +194,22 @@ def _chi2_sf(x: float, k: int) -> float:
 
 
 @pytest.mark.parametrize(
-    "temperature,top_p,overlap,adaptive",
-    [(1.0, 1.0, False, False), (1.0, 0.9, False, True), (1.0, 1.0, True, True)],
+    "temperature,top_p,overlap,adaptive,topk",
+    [
+        (1.0, 1.0, False, False, 1),
+        (1.0, 0.9, False, True, 1),
+        (1.0, 1.0, True, True, 1),
+        (1.0, 0.9, False, True, 2),
+    ],
 )
 def test_sampling_lossless_chi_square(
-    tmp_path_factory, smollm2_tokenizer, temperature, top_p, overlap, adaptive
+    tmp_path_factory, smollm2_tokenizer, temperature, top_p, overlap, adaptive, topk
 ):
     """On a vocab-8 target, the joint distribution of the 2nd and 3rd tokens (drawn by verify steps) matches
     spec-off sampling without overlap (p > 0.01). The two runs use other seeds (engine seeds 3 and 4, or
     request seeds 0.. and n..), so their samples are independent: equal seeds give equal tokens, which
-    tests/test_seeded_sampling.py checks. ``adaptive``: the draft length varies per step."""
+    tests/test_seeded_sampling.py checks. ``adaptive``: the draft length varies per step; ``topk`` 2: a tree
+    of 4 nodes."""
     d = vocab8_target(tmp_path_factory.mktemp("v8"), smollm2_tokenizer)
     asst = make_assistant(tmp_path_factory.mktemp("a8"), d, seed=8, std=0.5, hidden_size=32)
     n = 4000
@@ -214,6 +220,8 @@ def test_sampling_lossless_chi_square(
             {
                 "assistant": asst,
                 "num_steps": 2,
+                "topk": topk,
+                "num_draft_tokens": 4 if topk > 1 else None,
                 "overlap_schedule": overlap,
                 "adaptive_speculation": adaptive,
             },
