@@ -256,7 +256,8 @@ def _grouped_gemm(a, w, out, routing, align, pairs_per_row, tiles):
     """One ``_moe_gemm_kernel`` launch: ``out[p] = act(a[p // pairs_per_row] @ w[e].T)`` for every aligned
     pair p of expert e; gate|up with the activation when ``w`` has twice ``out``'s columns, else times the
     routing weight."""
-    N, K = out.shape[1], a.shape[1]
+    N = out.shape[1]
+    K = a.shape[1]
     grid = (len(align[1]), triton.cdiv(N, tiles["BLOCK_N"]))
     _moe_gemm_kernel[grid](
         a,

@@ -95,7 +95,8 @@ class LLM:
         self.scheduler = Scheduler(c, allocator, runner.lookahead)
         on_cuda = self.runner.device.type == "cuda"
         self.overlap = c.overlap_schedule if c.overlap_schedule is not None else on_cuda
-        self._inflight, self._next_id = None, 0  # _inflight: (batch, output) launched but not yet committed
+        self._inflight = None  # (batch, output) launched but not yet committed
+        self._next_id = 0
         self._seeds = random.Random(c.seed)  # seeds for requests that bring none
         self._stash: list[Request] = []  # finished add_request() requests seen by generate(), kept for step()
 
@@ -148,8 +149,10 @@ class LLM:
         the next inputs stay on the device. Without it the step commits its own results at once. Same code
         path.
         """
-        stashed, self._stash = self._stash, []
-        batch, launched = self.scheduler.schedule(), None
+        stashed = self._stash
+        self._stash = []
+        batch = self.scheduler.schedule()
+        launched = None
         if batch is not None:
             self.num_steps_run += 1
             # rank 0 picks the draft length, so every rank drafts the same s (DESIGN §4 rule 8)
@@ -320,9 +323,11 @@ class LLM:
         reqs = [self._make_request(p, sp) for p, sp in zip(prompts, params)]
         for r in reqs:
             self._add(r)
-        done, ntok = {}, 0
+        done = {}
+        ntok = 0
         bar = tqdm(total=len(reqs), desc="Generating", disable=not use_tqdm)
-        t0, ids = time.perf_counter(), {r.request_id for r in reqs}
+        t0 = time.perf_counter()
+        ids = {r.request_id for r in reqs}
         while len(done) < len(reqs):
             for r in self.step():
                 if r.request_id not in ids:

@@ -46,7 +46,9 @@ class ModelRunner:
     """
 
     def __init__(self, config: EngineConfig, hf_config, model_dir=None):
-        self.config, self.device, self.dtype = config, config.torch_device(), config.torch_dtype()
+        self.config = config
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype()
         if config.deterministic and getattr(hf_config.get_text_config(), "enable_moe_block", False):
             raise ValueError("deterministic=True does not cover MoE targets (enable_moe_block): use False")
         max_pos = config.max_model_len + (config.num_draft_tokens or 1)  # verify rows sit past the last token
@@ -73,7 +75,8 @@ class ModelRunner:
     def num_kv_blocks(self) -> int:
         """Pool size from the memory budget (GPU: ``gpu_memory_utilization`` after weights and a profiled
         activation peak; CPU: ``cpu_kv_cache_gb``), capped at what ``max_num_seqs`` full requests need."""
-        c, per_block = self.config, self.kv_bytes_per_block()
+        c = self.config
+        per_block = self.kv_bytes_per_block()
         per_req = cdiv(c.max_model_len + self.lookahead, c.page_size)
         if c.num_kv_blocks is not None:
             n = c.num_kv_blocks
@@ -188,7 +191,11 @@ class ModelRunner:
     def prepare_prefill(self, batch: Batch):
         """Token ids, positions and metadata for one chunk of each request's prompt (+ outputs on resume);
         returns (ids [T], positions [T], AttnMetadata, index of each request's last row)."""
-        ids, pos, rows, cu, lens = [], [], [], [0], []
+        ids = []
+        pos = []
+        rows = []
+        cu = [0]
+        lens = []
         for i, (req, n) in enumerate(zip(batch.reqs, batch.num_new)):
             s = req.num_computed
             ids += req.all_token_ids[s : s + n]

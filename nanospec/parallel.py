@@ -30,7 +30,9 @@ from torch import nn
 from .kernels import matmul
 from .loader import layer_geometry
 
-rank, size = 0, 1  # this process's rank and the group size; read when a model is built
+# this process's rank and the group size; read when a model is built
+rank = 0
+size = 1
 _cpu = None  # the gloo group of the step messages
 _procs: list = []  # ranks 1..N-1 when this engine started them
 _rdzv = None  # the rendezvous file when this engine started its ranks
@@ -88,7 +90,8 @@ class ColumnLinear(Linear):
     def __init__(self, in_features: int, parts: list[tuple[int, int]], bias: bool = False):
         spans = [span(n, unit) for n, unit in parts]
         super().__init__(in_features, sum(s for _, s in spans), bias)
-        self.tp_spans, self.shard_sizes = [(0, *s) for s in spans], [s for _, s in spans]
+        self.tp_spans = [(0, *s) for s in spans]
+        self.shard_sizes = [s for _, s in spans]
 
 
 class RowLinear(Linear):
@@ -157,7 +160,8 @@ def check_sizes(config, target, assistant=None) -> None:
     GPUs on CUDA (unless launched by torchrun, which may span machines), and splitting the HF configs of the
     target (and the assistant): query heads, MLP (and MoE expert) and vocabulary sizes divisible by n, every
     layer's KV heads a multiple or a divisor of n (replicated then); the allowed values are listed."""
-    n, gpus = config.tensor_parallel_size, torch.cuda.device_count()
+    n = config.tensor_parallel_size
+    gpus = torch.cuda.device_count()
     if config.torch_device().type == "cuda" and n > gpus and "WORLD_SIZE" not in os.environ:
         raise ValueError(f"tensor_parallel_size must be in [1, {gpus}] (the visible GPUs), got {n}")
     t = target.get_text_config()
@@ -184,7 +188,8 @@ def start(config, engine: type, model_dir: str, kwargs: dict) -> None:
     ValueError while another tensor-parallel LLM is open in this process, or when ``n`` is not the
     launcher's WORLD_SIZE."""
     global rank, size, _cpu, _rdzv
-    n, device_type = config.tensor_parallel_size, config.torch_device().type
+    n = config.tensor_parallel_size
+    device_type = config.torch_device().type
     if size > 1:
         raise ValueError("a tensor-parallel LLM is open in this process: close() it before building another")
     if n == 1:
@@ -206,7 +211,9 @@ def start(config, engine: type, model_dir: str, kwargs: dict) -> None:
     method = f"file://{_rdzv}" if _rdzv else os.environ.get("NANOSPEC_TP_INIT", "env://")
     # a collective whose peer died fails within 5 minutes at the latest; ranks > 0 wait 30 days for a call
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", method, timedelta(minutes=5), n, r)
-    _cpu, rank, size = dist.new_group(backend="gloo", timeout=timedelta(days=30)), r, n
+    _cpu = dist.new_group(backend="gloo", timeout=timedelta(days=30))
+    rank = r
+    size = n
 
 
 def _rank_main(r: int, n: int, rdzv: str, engine: type, model_dir: str, kwargs: dict) -> None:
@@ -259,7 +266,11 @@ def close() -> None:
     dist.destroy_process_group()
     with contextlib.suppress(OSError, TypeError):
         os.remove(_rdzv)
-    rank, size, _cpu, _rdzv, _procs[:] = 0, 1, None, None, []
+    rank = 0
+    size = 1
+    _cpu = None
+    _rdzv = None
+    _procs[:] = []
 
 
 atexit.register(close)

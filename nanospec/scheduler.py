@@ -65,7 +65,8 @@ class Scheduler:
         for req in [*self.waiting, *self.running]:
             if req.request_id == request_id:
                 (self.waiting if req in self.waiting else self.running).remove(req)
-                req.finish_reason, req.status = "abort", Status.FINISHED
+                req.finish_reason = "abort"
+                req.status = Status.FINISHED
                 self._release(req, "aborted")
                 return req
         return None
@@ -94,7 +95,8 @@ class Scheduler:
         return batch
 
     def _schedule_prefill(self) -> Batch | None:
-        batch, budget = Batch("prefill", []), self.max_batched
+        batch = Batch("prefill", [])
+        budget = self.max_batched
         for req in self.waiting:
             if len(self.running) + len(batch.reqs) >= self.max_num_seqs or budget == 0:
                 break

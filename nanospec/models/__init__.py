@@ -39,10 +39,12 @@ def load_weights(
         if "rotary_emb" in name or any(s in name for s in skip + unused):
             return None
         name = next((name.removeprefix(p) for p in prefixes if name.startswith(p)), name)
-        target, shard = name, None
+        target = name
+        shard = None
         for src, (dst, idx) in packed.items():
             if f".{src}." in name:
-                target, shard = name.replace(f".{src}.", f".{dst}."), idx
+                target = name.replace(f".{src}.", f".{dst}.")
+                shard = idx
                 break
         sizes = getattr(modules.get(target.rsplit(".", 1)[0]), "shard_sizes", [])
         if target not in params or (shard is not None and shard >= len(sizes)):  # v_proj of a k_eq_v layer
@@ -65,7 +67,8 @@ def load_weights(
 
     if names is not None:
         check_complete({where[1:] for where in map(place, names) if where is not None})
-    loaded, skipped = set(), []
+    loaded = set()
+    skipped = []
     for name, t in tensors:
         where = place(name)
         if where is None:
@@ -74,7 +77,8 @@ def load_weights(
             continue
         name, target, shard = where
         module = modules.get(target.rsplit(".", 1)[0])
-        p, t = params[target], parallel.shard_of(module, target, t, shard or 0)
+        p = params[target]
+        t = parallel.shard_of(module, target, t, shard or 0)
         if shard is not None:
             p = p.data.narrow(0, sum(module.shard_sizes[:shard]), module.shard_sizes[shard])
         if p.shape != t.shape:

@@ -57,7 +57,9 @@ def kv_owners(tc) -> list[int]:
     """Per layer, the layer whose KV it reads: itself, or for the last ``num_kv_shared_layers`` layers the
     last earlier non-shared layer of the same type (HF ``kv_sharing_modes`` "reuse" -> "store"). ValueError
     names ``num_kv_shared_layers`` when it is out of [0, num_hidden_layers) or a shared type has no owner."""
-    L, n, types = tc.num_hidden_layers, tc.num_kv_shared_layers, tc.layer_types
+    L = tc.num_hidden_layers
+    n = tc.num_kv_shared_layers
+    types = tc.layer_types
     if not 0 <= n < L:
         raise ValueError(f"gemma4: num_kv_shared_layers must be in [0, num_hidden_layers={L}), got {n}")
     first = L - n
@@ -128,12 +130,15 @@ class Gemma4Attention(nn.Module):
         self.layer_type = tc.layer_types[layer_idx]
         self.sliding_window = tc.sliding_window if self.layer_type == "sliding_attention" else None
         self.head_dim = d = lc.head_dim
-        self.is_kv_shared, self.eps = owner != layer_idx, tc.rms_norm_eps
-        q, kv = (tc.num_attention_heads, d), (lc.num_key_value_heads, d)
+        self.is_kv_shared = owner != layer_idx
+        self.eps = tc.rms_norm_eps
+        q = (tc.num_attention_heads, d)
+        kv = (lc.num_key_value_heads, d)
         k_eq_v = tc.attention_k_eq_v and self.layer_type == "full_attention"
         parts = [q] if self.is_kv_shared else [q, kv] if k_eq_v else [q, kv, kv]
         self.qkv_proj = ColumnLinear(tc.hidden_size, parts, tc.attention_bias)
-        self.num_heads, self.num_kv_heads = span(tc.num_attention_heads)[1], span(lc.num_key_value_heads)[1]
+        self.num_heads = span(tc.num_attention_heads)[1]
+        self.num_kv_heads = span(lc.num_key_value_heads)[1]
         self.q_norm = _norm(self.head_dim, self.eps)
         if not self.is_kv_shared:
             self.k_norm = _norm(self.head_dim, self.eps)
@@ -141,7 +146,8 @@ class Gemma4Attention(nn.Module):
         self.k_cache = self.v_cache = None  # pool views (the owner's on KV-shared layers): bind_kv_cache
 
     def forward(self, positions, x, cos_sin):
-        T, d = x.shape[0], self.head_dim
+        T = x.shape[0]
+        d = self.head_dim
         qkv = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, -1)
         q = self.q_norm(qkv[0].reshape(T, -1, d))
         md = get_attn_metadata()
@@ -218,7 +224,8 @@ class Gemma4DecoderLayer(nn.Module):
 
     def __init__(self, tc, layer_idx: int, owner: int):
         super().__init__()
-        H, eps = tc.hidden_size, tc.rms_norm_eps
+        H = tc.hidden_size
+        eps = tc.rms_norm_eps
         self.self_attn = Gemma4Attention(tc, layer_idx, owner)
         wide = tc.use_double_wide_mlp and owner != layer_idx
         self.mlp = Gemma4MLP(H, tc.intermediate_size * (2 if wide else 1))
@@ -288,17 +295,22 @@ class Gemma4ForCausalLM(nn.Module):
     def __init__(self, cfg, max_position: int):
         super().__init__()
         check_config(cfg)
-        self.config, self.max_position = cfg, max_position
-        L, H, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
+        self.config = cfg
+        self.max_position = max_position
+        L = cfg.num_hidden_layers
+        H = cfg.hidden_size
+        V = cfg.vocab_size
         self.kv_owner = kv_owners(cfg)
         self.embed_tokens = VocabEmbedding(V, H)
-        self.embed_scale, self.ple_dim = H**0.5, cfg.hidden_size_per_layer_input
+        self.embed_scale = H**0.5
+        self.ple_dim = cfg.hidden_size_per_layer_input
         if self.ple_dim:
             self.embed_tokens_per_layer = VocabEmbedding(cfg.vocab_size_per_layer_input, L * self.ple_dim)
             self.per_layer_model_projection = Linear(H, L * self.ple_dim, bias=False)
             self.per_layer_projection_norm = _norm(self.ple_dim, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(Gemma4DecoderLayer(cfg, i, o) for i, o in enumerate(self.kv_owner))
-        self.norm, self.tied = _norm(H, cfg.rms_norm_eps), bool(cfg.tie_word_embeddings)
+        self.norm = _norm(H, cfg.rms_norm_eps)
+        self.tied = bool(cfg.tie_word_embeddings)
         if not self.tied:
             self.lm_head = ColumnLinear(H, [(V, 1)])
         self.kv_layer_types = list(cfg.layer_types)
@@ -350,7 +362,8 @@ class Gemma4ForCausalLM(nn.Module):
                     f"bind_kv_cache: layer {i} caches {tuple(k.shape)}, {tuple(v.shape)} do not "
                     f"match (num_kv_heads, head_dim) = {self.kv_geometry[self.kv_owner[i]]}"
                 )
-            layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+            layer.self_attn.k_cache = k
+            layer.self_attn.v_cache = v
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Scaled input embedding ``[T, H]``: ``embed_tokens(ids) * sqrt(H)``, the scale in the weight
@@ -361,7 +374,8 @@ class Gemma4ForCausalLM(nn.Module):
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """PLE inputs ``[T, L, P]``: ``(norm(proj(embeds) / sqrt(H)) + table(ids) * sqrt(P)) / sqrt(2)``
         (HF ``get_per_layer_inputs`` + ``project_per_layer_inputs``)."""
-        T, P = input_ids.shape[0], self.ple_dim
+        T = input_ids.shape[0]
+        P = self.ple_dim
         tok = self.embed_tokens_per_layer(input_ids)
         tok = (tok * _in_dtype(P**0.5, tok.dtype)).view(T, -1, P)
         proj = self.per_layer_model_projection(embeds) * self.config.hidden_size**-0.5

@@ -64,8 +64,13 @@ class DraftLength:
         beta: float = 0.25,
         clip: float = 1.2,
     ):
-        self.candidates, self.adaptive = candidates, adaptive
-        self.decay, self.alpha, self.probe_every, self.beta, self.clip = decay, alpha, probe_every, beta, clip
+        self.candidates = candidates
+        self.adaptive = adaptive
+        self.decay = decay
+        self.alpha = alpha
+        self.probe_every = probe_every
+        self.beta = beta
+        self.clip = clip
         self.pace: dict[tuple[int, bool], float] = {}
         # decayed acceptance counts per draft position, for greedy (False) and sampled (True) batches
         self.hits = {sampled: [0.0] * (max(candidates) + 1) for sampled in (False, True)}
@@ -110,7 +115,8 @@ class DraftLength:
         """Book a committed step: its draft length, batch size, accept lengths, measured seconds, and whether
         a row of it sampled."""
         b = (1 << (batch_size - 1).bit_length(), sampled)
-        key, pace = (s, b), self.pace.get(b, 1.0)
+        key = (s, b)
+        pace = self.pace.get(b, 1.0)
         self.num_measured[key] += 1
         seconds = max(seconds, 1e-9)  # a zero reading must not zero a cost
         old = self.cost.get(key, seconds / pace)

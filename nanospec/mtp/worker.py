@@ -229,7 +229,8 @@ class FrozenKVMTPWorker:
         Returns (emitted [B, S+1] tokens padded with -1, accept_len [B], bonus [B], next seed hidden [B, Hb],
         path [B, S+1] (``accept``'s), logits [B, N, V]).
         """
-        (B, N), dev = tree.tokens.shape, tree.tokens.device
+        B, N = tree.tokens.shape
+        dev = tree.tokens.device
         parallel.agree(tree.tokens, *(() if tree.is_chain else (tree.parents, tree.depth, tree.tree_mask)))
         rows = torch.arange(B, device=dev)[:, None]
         slots = slot_mapping(
