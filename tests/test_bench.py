@@ -331,13 +331,16 @@ def test_stall_gap(monkeypatch):
 
     class Engine:
         def __init__(self, script):
-            self.scheduler, self.reqs, self.script, self.log = SimpleNamespace(waiting=[]), [], script, []
+            self.reqs, self.script, self.log = [], script, []
 
         def add_request(self, prompt, params):
             r = SimpleNamespace(request_id=len(self.reqs), output_token_ids=[], prompt=prompt)
             self.reqs.append(r)
-            self.scheduler.waiting.append(r)
             self.log.append((len(prompt), [len(q.output_token_ids) for q in self.reqs]))
+            return r.request_id
+
+        def get_request(self, request_id):
+            return self.reqs[request_id]
 
         def has_unfinished(self):
             return bool(self.script)

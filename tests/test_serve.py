@@ -253,8 +253,9 @@ BAD = [  # (body fields, the field the 400 names, a piece of its message)
     (dict(ignore_eos="yes"), "ignore_eos", "must be a bool"),
     (dict(cache_salt=5), "cache_salt", "must be a non-empty str"),
     (dict(stream="yes"), "stream", "stream must be a bool"),
-    (dict(logprobs=2), "logprobs", "not supported"),
-    (dict(echo=True), "echo", "not supported"),
+    (dict(logprobs=21), "logprobs", "must be in [0, 20]"),
+    (dict(echo="yes"), "echo", "echo must be a bool"),
+    (dict(prompt_logprobs=1), "prompt_logprobs", "not supported"),
     (dict(best_of=3), "best_of", "not supported"),
     (dict(tools=[{"type": "function"}]), "tools", "not supported"),
 ]

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from .engine import Engine, Job, Metrics
+from .logprobs import chat_logprobs, completion_logprobs
 from .protocol import MAX_BODY, ApiError, Detokenizer, Parsed, field_of, parse, read_json, tokenize_ids
 
 
@@ -37,8 +38,10 @@ class Reply(StreamingResponse):
         self.job = job
         self.parsed = parsed
         self.chat = chat
+        self.tok = engine.llm.tokenizer
         self.finals = [None] * len(job.choices)  # each choice's LLM.output_dict once finished
         self.counts = [0] * len(job.choices)  # tokens received per choice
+        self.offsets = [0] * len(job.choices)  # streamed completions: text_offset of the next token
         kind = "chat.completion" if chat else "text_completion"
         kind += ".chunk" if parsed.stream and chat else ""
         self.head = dict(id=f"cmpl-{secrets.token_hex(8)}", object=kind, created=int(time.time()))
@@ -52,17 +55,25 @@ class Reply(StreamingResponse):
                 self.engine.put("abort", self.job)
 
     async def updates(self):
-        """(choice index, new token ids, final output dict or None) as the engine sends them."""
+        """(choice index, new token ids, their logprob dicts, the prompt's (first update, echo), final output
+        dict or None) as the engine sends them; with ``score_only`` the generated token is dropped."""
         while None in self.finals:
             kind, *payload = await self.job.messages.get()
             if kind == "fault":
                 raise ApiError(500, payload[0])
-            i, new, final = payload
+            i, new, logprobs, prompt_logprobs, final = payload
+            if self.parsed.score_only:  # echo with max_tokens 0: the token generated to score the prompt goes
+                new = []
+                logprobs = None if logprobs is None else []
+                if final is not None:
+                    final = final | dict(token_ids=[], text="", logprobs=logprobs)
             self.finals[i] = final
             self.counts[i] += len(new)
-            yield i, new, final
+            yield i, new, logprobs, prompt_logprobs, final
 
-    def choice(self, i: int, text: str, final: dict | None) -> dict:
+    def choice(self, i: int, text: str, final: dict | None, ids=(), logprobs=None, prompt_logprobs=None):
+        """One choice of the answer or of a chunk: its ``text`` (echo: the caller put the prompt first), the
+        logprobs of its tokens ``ids`` (and of the prompt's, echo) when asked."""
         c = {"index": i, "finish_reason": final and final["finish_reason"]}
         if self.chat and self.parsed.stream:
             c["delta"] = {"content": text} if text else {}
@@ -70,6 +81,14 @@ class Reply(StreamingResponse):
             c["message"] = {"role": "assistant", "content": text}
         else:
             c |= {"text": text, "logprobs": None}
+        if logprobs is not None and self.chat:
+            c["logprobs"] = {"content": chat_logprobs(self.tok, ids, logprobs, self.parsed.logprobs)}
+        elif logprobs is not None:
+            if prompt_logprobs is not None:
+                ids = self.job.choices[i].prompt_ids + list(ids)
+                logprobs = prompt_logprobs + logprobs
+            c["logprobs"] = completion_logprobs(self.tok, ids, logprobs, self.offsets[i])
+            self.offsets[i] += sum(map(len, c["logprobs"]["tokens"]))
         if final and "accept_lengths" in final:
             c["accept_lengths"] = final["accept_lengths"]  # nanospec's extension: per verify step
         return c
@@ -102,10 +121,15 @@ class Reply(StreamingResponse):
             for i in range(len(self.finals)) if self.chat else []:
                 c = {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                 await send(self.chunk([c]))
-            async for i, new, final in self.updates():
+            echoed = [False] * len(self.finals)
+            async for i, new, logprobs, prompt_logprobs, final in self.updates():
                 text = detokenizers[i].push(new, final and final["text"])
-                if text or final:
-                    await send(self.chunk([self.choice(i, text, final)]))
+                if self.parsed.echo and not echoed[i]:  # the prompt leads the choice's first chunk
+                    echoed[i] = True
+                    text = self.tok.decode(self.job.choices[i].prompt_ids) + text
+                if text or final or logprobs:
+                    c = self.choice(i, text, final, new, logprobs, prompt_logprobs)
+                    await send(self.chunk([c]))
             if self.parsed.include_usage:
                 await send(event(self.head | {"choices": [], "usage": self.usage()}))
         except ApiError as e:
@@ -117,7 +141,13 @@ class Reply(StreamingResponse):
         try:
             async for _ in self.updates():
                 pass
-            choices = [self.choice(i, f["text"], f) for i, f in enumerate(self.finals)]
+            choices = []
+            for i, f in enumerate(self.finals):
+                text = f["text"]
+                prompt_logprobs = f.get("prompt_logprobs") if self.parsed.echo else None
+                if self.parsed.echo:
+                    text = self.tok.decode(self.job.choices[i].prompt_ids) + text
+                choices.append(self.choice(i, text, f, f["token_ids"], f.get("logprobs"), prompt_logprobs))
             status = 200
             body = self.head | {"choices": choices, "usage": self.usage()}
         except ApiError as e:

@@ -76,7 +76,8 @@ class Choice:
 class Job:
     """One HTTP completion request on the engine side: one ``Choice`` per SamplingParams (``params`` holds n
     per prompt, in choice order). The engine thread answers through ``messages``, an asyncio.Queue of
-    ``loop``: ("ok",), ("bad" | "busy" | "fault", message), ("tokens", choice index, new token ids, the
+    ``loop``: ("ok",), ("bad" | "busy" | "fault", message), ("tokens", choice index, new token ids, their
+    logprob dicts (None unless asked), the prompt's logprob dicts (with the first tokens, when asked), the
     choice's ``LLM.output_dict`` once it has finished, else None)."""
 
     def __init__(self, prompts: list[list[int]], params: list, loop, messages):
@@ -203,7 +204,9 @@ class Engine:
             if r.is_finished:
                 del self.live[rid]
                 m.success[r.finish_reason].inc()
-            self._post(c.job, "tokens", c.index, new, final)
+            logprobs = None if r.logprobs is None else r.logprobs[c.sent - len(new) : c.sent]
+            prompt_logprobs = r.prompt_logprobs if c.sent == len(new) else None  # with the first tokens
+            self._post(c.job, "tokens", c.index, new, logprobs, prompt_logprobs, final)
         stats = llm.stats()
         m.waiting.set(stats["num_waiting"])
         m.kv_usage.set(stats["kv_cache_usage"])

@@ -12,7 +12,7 @@ MAX_STOP = 16  # stop strings per request
 MAX_STOP_LEN = 256  # characters per stop string
 # fields that would change the output and that nanospec does not implement, with the values that mean "off"
 REFUSED = dict.fromkeys(
-    "logprobs top_logprobs prompt_logprobs echo suffix tools functions logit_bias min_tokens "
+    "prompt_logprobs suffix tools functions logit_bias min_tokens "
     "presence_penalty frequency_penalty min_p use_beam_search response_format bad_words allowed_token_ids "
     "structured_outputs guided_json guided_regex guided_choice guided_grammar".split(),
     (None, 0, "", [], {}, {"type": "text"}),
@@ -45,13 +45,19 @@ class ApiError(Exception):
 @dataclass
 class Parsed:
     """A checked completion request. ``params`` holds n SamplingParams per prompt, in choice order: choice
-    ``prompt_index * n + j`` samples with seed + j (as vLLM numbers them)."""
+    ``prompt_index * n + j`` samples with seed + j (as vLLM numbers them). ``logprobs``: top logprobs per
+    token (completions' ``logprobs``, chat's ``top_logprobs``), or None; ``echo``: the prompt comes first in
+    the text and the logprobs; ``score_only``: ``max_tokens`` 0 with echo (the prompt is scored, nothing is
+    generated)."""
 
     prompts: list[list[int]]
     params: list[SamplingParams]
     stream: bool
     include_usage: bool
     continuous_usage: bool
+    logprobs: int | None = None
+    echo: bool = False
+    score_only: bool = False
 
 
 def read_json(raw: bytes) -> dict:
@@ -145,6 +151,7 @@ def parse(body: dict, chat: bool, tok, model_name: str, max_len: int, max_n: int
         raise ApiError(400, f"n must be an int in [1, {max_n}] (--max-n), got {n!r}", "n")
     if type(stream) is not bool or not isinstance(opts, dict):
         raise ApiError(400, "stream must be a bool and stream_options an object", "stream")
+    logprobs, echo = logprob_options(body, chat)
     prompts = prompt_ids(tok, body, chat)
     if len(prompts) * n > max_choices:  # more than may ever wait: it could never be admitted
         raise ApiError(400, f"{len(prompts)} prompts x n {n} exceed --max-waiting {max_choices}", "prompt")
@@ -160,10 +167,13 @@ def parse(body: dict, chat: bool, tok, model_name: str, max_len: int, max_n: int
         stop=stop,
         stop_token_ids=get("stop_token_ids"),
         cache_salt=get("cache_salt"),
+        logprobs=logprobs,
+        prompt_logprobs=logprobs if echo else None,
     )  # OpenAI's defaults; top_k 0 is off
+    score_only = echo and get(key) == 0  # legacy OpenAI: score the prompt, generate nothing (one is dropped)
     params = []
     for ids in prompts:
-        max_tokens = get(key, max_len - len(ids))  # omitted: what is left of max_model_len
+        max_tokens = 1 if score_only else get(key, max_len - len(ids))  # omitted: what is left
         if len(ids) >= max_len:
             raise ApiError(400, f"the prompt has {len(ids)} tokens; max_model_len is {max_len}", "prompt")
         if type(max_tokens) is int and len(ids) + max_tokens > max_len:
@@ -175,9 +185,30 @@ def parse(body: dict, chat: bool, tok, model_name: str, max_len: int, max_n: int
                 for j in range(n)
             ]
         except (TypeError, ValueError) as e:
-            raise ApiError(400, str(e), field_of(str(e), key)) from None
+            field = field_of(str(e), key)
+            if chat and field == "logprobs":  # chat's k is top_logprobs
+                field = "top_logprobs"
+            raise ApiError(400, str(e), field) from None
     include_usage = opts.get("include_usage") is True
-    return Parsed(prompts, params, stream, include_usage, opts.get("continuous_usage_stats") is True)
+    usage_opts = (include_usage, opts.get("continuous_usage_stats") is True)
+    return Parsed(prompts, params, stream, *usage_opts, logprobs, echo, score_only)
+
+
+def logprob_options(body: dict, chat: bool) -> tuple:
+    """(top logprobs per token k, or None; echo): completions ``logprobs: k`` and ``echo``; chat ``logprobs:
+    true`` with ``top_logprobs: k`` (SamplingParams checks k); ApiError 400 naming a bad field."""
+    if not chat:
+        echo = body.get("echo") or False
+        if type(echo) is not bool:
+            raise ApiError(400, f"echo must be a bool, got {echo!r}", "echo")
+        return body.get("logprobs"), echo
+    wanted = body.get("logprobs") or False
+    k = body.get("top_logprobs")
+    if type(wanted) is not bool or (k is not None and not wanted):
+        raise ApiError(400, "logprobs must be a bool, and true when top_logprobs is set", "logprobs")
+    if not wanted:
+        return None, False
+    return k or 0, False
 
 
 def tokenize_ids(tok, body: dict) -> list[int]:

@@ -35,17 +35,9 @@ def parse_args(argv=None):
     a("model", nargs="?", help="HF-format model dir (default: SmolLM2-135M-Instruct)")
     a("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     a("--port", type=number(int, 0), default=8000, help="0: any free port (printed once listening)")
-    a(
-        "--api-key",
-        help=f"bearer key every endpoint but /health needs (default: the environment variable {KEY_ENV})",
-    )
+    a("--api-key", help=f"the key every endpoint but /health needs (default: env {KEY_ENV})")
     a("--max-n", type=number(int, 1), default=16, help="largest `n` of a request")
-    a(
-        "--max-waiting",
-        type=number(int, 1),
-        default=1024,
-        help="most requests waiting; beyond: 503 + Retry-After",
-    )
+    a("--max-waiting", type=number(int, 1), default=1024, help="most waiting requests (more: 503)")
     engine_fields = [f for f in fields(EngineConfig) if f.name not in ("model", "trace")]
     for f in engine_fields:  # every LLM option, as --kebab-case; EngineConfig checks the values below
         typ = {int: int, int | None: int, float: float}.get(f.type, str)

@@ -196,8 +196,8 @@ def stall(llm, prompts, params) -> tuple[list[dict], float]:
     of the first requests tokens)."""
     decoders, done, pending, gap = [], [], [(prompts[-1], params[-1])], 0.0
     for p, sp in zip(prompts[:-1], params[:-1]):
-        llm.add_request(p, sp)
-        decoders.append(llm.scheduler.waiting[-1])
+        request_id = llm.add_request(p, sp)
+        decoders.append(llm.get_request(request_id))
     # per decoder: its tokens so far, and when the step that gave the last ones ended
     seen = [(0, None)] * len(decoders)
     while llm.has_unfinished():
@@ -304,11 +304,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     model = ap.add_mutually_exclusive_group().add_argument  # --model or --shape
     model("--model", help="HF-format model dir (default: SmolLM2-135M-Instruct)")
     model("--shape", choices=["qwen3-0.6b", "smollm2-135m", *GEMMA4], help="random weights of this shape")
-    a(
-        "--num-layers",
-        type=number(int, 1),
-        help="Gemma 4 --shape: only its first N layers (the last one full)",
-    )
+    a("--num-layers", type=number(int, 1), help="Gemma 4 --shape: its first N layers (the last full)")
     a("--device", choices=["auto", "cpu", "cuda"], default="auto")
     a("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     for name, default in (s.split("=") for s in INT_OPTIONS.split()):
