@@ -181,7 +181,8 @@ def test_engine_seed_fixes_unseeded_requests(tiny_llama_dir):
 @pytest.mark.parametrize("topk", [1, 2])
 def test_real_coupled_drafts_on_vocab8(tmp_path, smollm2_tokenizer, topk):
     """The engine's own drafter (a random assistant, no oracle) on a vocab-8 target at T = 1: 64 seeded
-    requests, spec on == spec off token for token, and drafts were accepted on many steps."""
+    requests, spec on == spec off token for token, and drafts were accepted on many steps. The draft length is
+    fixed, so how many steps accept does not hang on measured times."""
     from test_spec_lossless import make_assistant
 
     d = vocab8_target(tmp_path / "v8", smollm2_tokenizer)
@@ -191,10 +192,10 @@ def test_real_coupled_drafts_on_vocab8(tmp_path, smollm2_tokenizer, topk):
     kw = dict(max_model_len=32, max_num_seqs=64, num_kv_blocks=200, page_size=4)
     off = make_llm(d, **kw).generate(prompts, params, use_tqdm=False)
     spec = dict(num_steps=3) if topk == 1 else dict(num_steps=2, topk=2, num_draft_tokens=5)
-    on = make_llm(d, asst, adaptive_speculation=True, **spec, **kw).generate(prompts, params, use_tqdm=False)
+    on = make_llm(d, asst, **spec, **kw).generate(prompts, params, use_tqdm=False)
     assert [o["token_ids"] for o in on] == [o["token_ids"] for o in off]
     acc = [a for o in on for a in o["accept_lengths"]]
-    assert sum(a > 1 for a in acc) > 0.2 * len(acc)
+    assert sum(a > 1 for a in acc) > 0.15 * len(acc)  # measured: 122 / 585 (chain), 138 / 572 (tree)
 
 
 def test_has_unfinished_tracks_returned_results(tiny_llama_dir):
