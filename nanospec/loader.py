@@ -25,9 +25,6 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
-# the CPU thread policy lives in nanospec.cpu; the server and bench.py still call it here
-from .cpu import configure_cpu_threads  # noqa: F401
-
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "gemma4_text", "gemma4")  # gemma4: Gemma4ForConditionalGeneration
 

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from .. import LLM, SamplingParams, loader
+from .. import LLM, SamplingParams, cpu, loader
 from ..models.shapes import GEMMA4, QWEN3_0_6B, gemma4_configs
 from ..mtp.worker import DEFAULT_ASSISTANT
 from . import cli
@@ -405,7 +405,7 @@ def main(argv=None) -> dict:
     """``bench.py`` / ``nanospec-bench``: ``parse_args``, then ``run``; prints the
     figures as one JSON line last and returns them."""
     args = parse_args(argv)
-    loader.configure_cpu_threads()
+    cpu.configure_cpu_threads()
     with tempfile.TemporaryDirectory(prefix="nanospec-bench-") as tmp:
         res = run(args, Path(tmp))
     print(json.dumps(res))
