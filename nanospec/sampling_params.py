@@ -10,7 +10,8 @@ MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's limit)
 class SamplingParams:
     """How one request samples and when it stops.
 
-    temperature: 0 is exact greedy (argmax); > 0 samples. top_p in (0, 1]; top_k = -1 (off) or >= 1.
+    temperature: 0 is exact greedy (argmax); > 0 samples. top_p in (0, 1]; top_k = -1 (off) or in [1, 2**31)
+    (from the vocabulary size on, every token is kept).
     max_tokens >= 1 output tokens. ignore_eos keeps generating past EOS. stop: strings that end the output
     (the text is cut before the match); stop_token_ids: extra ids that end it (the id is kept in token_ids).
     seed: the request's sampling seed in [0, 2**63): its token at position t is a function of (seed, t, the
@@ -49,20 +50,24 @@ class SamplingParams:
             )
         if not 0 < num("top_p", (int, float)) <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        if num("top_k", int) == 0 or self.top_k < -1:
-            raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if num("top_k", int) == 0 or not -1 <= self.top_k < 2**31:  # an int32 on the device
+            raise ValueError(f"SamplingParams.top_k must be -1 (off) or in [1, 2**31), got {self.top_k}")
         if num("max_tokens", int) < 1:
             raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
         if self.seed is not None and not 0 <= num("seed", int) < 2**63:
             raise ValueError(f"SamplingParams.seed must be in [0, 2**63), got {self.seed}")
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stop is not None and not isinstance(stop, (list, tuple)):
+            raise TypeError(f"SamplingParams.stop must be a str or a list of str, got {self.stop!r}")
+        self.stop = list(stop or [])
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        ids = self.stop_token_ids
+        if ids is not None and not isinstance(ids, (list, tuple)):
+            raise TypeError(f"SamplingParams.stop_token_ids must be a list of int, got {ids!r}")
+        self.stop_token_ids = list(ids or [])
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(
                 f"SamplingParams.stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"

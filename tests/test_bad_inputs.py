@@ -40,6 +40,7 @@ def _untouched(llm):
         (dict(top_k=0), "top_k"),
         (dict(top_k=-2), "top_k"),
         (dict(top_k=2.5), "top_k"),
+        (dict(top_k=2**31), "top_k"),  # an int32 on the device: it stopped the engine at its first step
         (dict(max_tokens=0), "max_tokens"),
         (dict(max_tokens=-3), "max_tokens"),
         (dict(max_tokens=True), "max_tokens"),
@@ -47,6 +48,11 @@ def _untouched(llm):
         (dict(seed=2**63), "seed"),  # used to give the same samples as a smaller seed
         (dict(stop=[""]), "stop"),
         (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(stop=5), "stop"),
+        (dict(stop=0), "stop"),
+        (dict(stop={"a": 1}), "stop"),
+        (dict(stop_token_ids=0), "stop_token_ids"),
+        (dict(stop_token_ids="ab"), "stop_token_ids"),
     ],
 )
 def test_sampling_params_rejects(kw, field):
@@ -61,6 +67,7 @@ def test_sampling_params_boundaries_accepted():
         dict(top_p=1e-6),
         dict(top_k=-1),
         dict(top_k=1),
+        dict(top_k=2**31 - 1),
         dict(max_tokens=1),
         dict(stop="x"),
         dict(seed=0),
@@ -95,6 +102,16 @@ def test_bad_prompt_raises_before_any_work(llm, prompt, params, exc, field):
     with pytest.raises(exc, match=field):
         llm.generate([prompt], params if isinstance(params, SamplingParams) else [params], use_tqdm=False)
     assert _untouched(llm) and llm._next_id == before
+
+
+def test_largest_top_k_keeps_every_token(llm):
+    """top_k 2**31 - 1 (the largest an int32 holds) is past the vocabulary: the same samples as top_k off."""
+    sp = [
+        SamplingParams(temperature=1.0, top_k=k, max_tokens=6, ignore_eos=True, seed=9)
+        for k in (-1, 2**31 - 1)
+    ]
+    off, largest = llm.generate([[5, 6, 7]] * 2, sp, use_tqdm=False)
+    assert off["token_ids"] == largest["token_ids"] and _untouched(llm)
 
 
 def test_prompt_at_exactly_max_model_len_is_accepted(llm):

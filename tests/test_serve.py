@@ -236,7 +236,8 @@ def test_n_choices_with_seeds(servers, ref):
 BAD = [  # (body fields, the field the 400 names, a piece of its message)
     (dict(temperature=-1), "temperature", "must be finite and >= 0"),
     (dict(top_p=0), "top_p", "must be in (0, 1]"),
-    (dict(top_k=-2), "top_k", "-1 (off) or >= 1"),
+    (dict(top_k=-2), "top_k", "-1 (off) or in [1, 2**31)"),
+    (dict(top_k=2**70), "top_k", "-1 (off) or in [1, 2**31)"),  # an int32 on the device
     (dict(max_tokens=0), "max_tokens", "must be >= 1"),
     (dict(max_tokens=300), "max_tokens", "prompt's 20 tokens + max_tokens 300 exceed max_model_len 256"),
     (dict(prompt=list(range(1, 301))), "prompt", "the prompt has 300 tokens; max_model_len is 256"),
@@ -248,6 +249,8 @@ BAD = [  # (body fields, the field the 400 names, a piece of its message)
     (dict(stop="x" * 257), "stop", "<= 16 strings of <= 256 chars"),
     (dict(stop=[""]), "stop", "non-empty strings"),
     (dict(stop_token_ids=[10**9]), "stop_token_ids", "must be in [0, 49152)"),
+    (dict(stop_token_ids=5), "stop_token_ids", "must be a list of int, got 5"),
+    (dict(stop=5), "stop", "strings of <= 256 chars, got 5"),
     (dict(seed=-1), "seed", "must be in [0, 2**63)"),
     (dict(seed="7"), "seed", "must be an int"),
     (dict(ignore_eos="yes"), "ignore_eos", "must be a bool"),

@@ -158,7 +158,10 @@ def parse(body: dict, chat: bool, tok, model_name: str, max_len: int, max_n: int
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     stop = [body["stop"]] if isinstance(body.get("stop"), str) else get("stop", [])
     if type(stop) is not list or len(stop) > MAX_STOP or any(len(str(x)) > MAX_STOP_LEN for x in stop):
-        raise ApiError(400, f"stop: a string or <= {MAX_STOP} strings of <= {MAX_STOP_LEN} chars", "stop")
+        message = (
+            f"stop must be a string or <= {MAX_STOP} strings of <= {MAX_STOP_LEN} chars, got {stop!r:.80}"
+        )
+        raise ApiError(400, message, "stop")
     kw = dict(
         temperature=get("temperature", 1.0),
         top_p=get("top_p", 1.0),
@@ -205,7 +208,7 @@ def logprob_options(body: dict, chat: bool) -> tuple:
     wanted = body.get("logprobs") or False
     k = body.get("top_logprobs")
     if type(wanted) is not bool or (k is not None and not wanted):
-        raise ApiError(400, "logprobs must be a bool, and true when top_logprobs is set", "logprobs")
+        raise ApiError(400, f"logprobs must be a bool (true with top_logprobs), got {wanted!r}", "logprobs")
     if not wanted:
         return None, False
     return k or 0, False
