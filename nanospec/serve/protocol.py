@@ -158,9 +158,7 @@ def parse(body: dict, chat: bool, tok, model_name: str, max_len: int, max_n: int
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     stop = [body["stop"]] if isinstance(body.get("stop"), str) else get("stop", [])
     if type(stop) is not list or len(stop) > MAX_STOP or any(len(str(x)) > MAX_STOP_LEN for x in stop):
-        message = (
-            f"stop must be a string or <= {MAX_STOP} strings of <= {MAX_STOP_LEN} chars, got {stop!r:.80}"
-        )
+        message = f"stop must be a str or <= {MAX_STOP} strings of <= {MAX_STOP_LEN} chars, got {stop!r:.60}"
         raise ApiError(400, message, "stop")
     kw = dict(
         temperature=get("temperature", 1.0),
