@@ -53,6 +53,20 @@ NO_SPILL_PHASES = ("decode", "draft", "verify")
 
 S = "sliding_attention"
 F = "full_attention"
+# the attention of Gemma 4's large targets (31B, 26B-A4B): 16 / 8 heads of 256 on sliding layers (window
+# 1024), 2 k_eq_v KV heads of 512 on full layers; no per-layer input
+GEMMA4_LARGE_ATTENTION = dict(
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    num_global_key_value_heads=2,
+    attention_k_eq_v=True,
+    head_dim=256,
+    global_head_dim=512,
+    vocab_size=8192,
+    sliding_window=1024,
+    hidden_size_per_layer_input=0,
+    final_logit_softcapping=30.0,
+)
 _G4_ROPE = {
     S: {"rope_type": "default", "rope_theta": 10000.0},
     F: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
@@ -146,20 +160,11 @@ TARGETS = {
     "31b": (
         "gemma4",
         dict(
+            **GEMMA4_LARGE_ATTENTION,
             hidden_size=1024,
             intermediate_size=1024,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            num_global_key_value_heads=2,
-            attention_k_eq_v=True,
-            head_dim=256,
-            global_head_dim=512,
-            vocab_size=8192,
             num_hidden_layers=3,
             layer_types=[S, S, F],
-            sliding_window=1024,
-            hidden_size_per_layer_input=0,
-            final_logit_softcapping=30.0,
         ),
     ),
     # Gemma 4 26B-A4B: 16 / 8 heads of 256, 2 k_eq_v KV heads of 512, window 1024, hidden 2816, dense MLP
@@ -168,20 +173,11 @@ TARGETS = {
     "26b-a4b": (
         "gemma4",
         dict(
+            **GEMMA4_LARGE_ATTENTION,
             hidden_size=2816,
             intermediate_size=2112,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            num_global_key_value_heads=2,
-            attention_k_eq_v=True,
-            head_dim=256,
-            global_head_dim=512,
-            vocab_size=8192,
             num_hidden_layers=2,
             layer_types=[S, F],
-            sliding_window=1024,
-            hidden_size_per_layer_input=0,
-            final_logit_softcapping=30.0,
             enable_moe_block=True,
             num_experts=128,
             top_k_experts=8,
