@@ -21,10 +21,10 @@ attention_common.py (the shape checks, the torch core both references share, the
 tile policy).
 """
 
-from . import use_triton
 from .attention_common import set_tile_target, window_size
 from .attention_decode import KV_SPLIT_SIZE, decode_attention_ref, decode_attention_triton, num_kv_splits
 from .attention_extend import extend_attention_ref, extend_attention_triton
+from .backend import use_triton
 
 __all__ = [
     "KV_SPLIT_SIZE",

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import use_triton
+from .backend import use_triton
 
 
 def _check(hidden, rows, clusters):

@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from . import use_triton
 from .attention_common import dot_precision
+from .backend import use_triton
 
 FEW_ROWS = 6  # the most rows that take the transposed product (measured above)
 _TILES = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64)  # one config for every M; narrow N: more programs

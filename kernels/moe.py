@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import use_triton
+from .backend import use_triton
 
 
 @triton.jit

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import use_triton
+from .backend import use_triton
 
 
 @triton.jit

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import use_triton
+from .backend import use_triton
 
 
 # ---- cos/sin table -------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import use_triton
+from .backend import use_triton
 
 _BLOCK = 4096  # vocabulary chunk per pass (tests lower it to exercise chunking under the interpreter)
 

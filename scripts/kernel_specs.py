@@ -459,7 +459,7 @@ def run_workloads(workloads=WORKLOADS, recorder=None, tmp=None, prompt_lens=PROM
     import torch
 
     from nanospec import LLM, SamplingParams
-    from nanospec.kernels import using_backend
+    from nanospec.kernels.backend import using_backend
 
     tmp = pathlib.Path(tmp or tempfile.mkdtemp(prefix="kernel_specs_"))
     dirs = {}

@@ -20,7 +20,7 @@ torch.set_num_threads(int(os.environ.get("NANOSPEC_TEST_THREADS", "1")))
 @pytest.fixture
 def triton_backend():
     """Force every kernel through Triton (the interpreter on CPU) for one test."""
-    from nanospec.kernels import get_backend, set_backend
+    from nanospec.kernels.backend import get_backend, set_backend
 
     old = get_backend()
     set_backend("triton")

@@ -486,7 +486,7 @@ def test_gemma4_parity_sliding_full_two_steps(gemma_world, tmp_path, centroids):
 @torch.no_grad()
 def test_gemma4_propose_triton_matches_torch(gemma_world, tmp_path, triton_backend):
     """The whole centroid-head draft step through the Triton kernels (interpreter) equals the torch path."""
-    from nanospec.kernels import using_backend
+    from nanospec.kernels.backend import using_backend
 
     target = gemma_world["target"]
     _, a = gemma_assistant(tmp_path, centroids=True, seed=12)

@@ -12,8 +12,8 @@ from test_gemma4 import _text_config
 from test_gemma4_spec import assistant_config
 
 from nanospec import LLM, SamplingParams
-from nanospec.kernels import using_backend
 from nanospec.kernels.attention import KV_SPLIT_SIZE, decode_attention
+from nanospec.kernels.backend import using_backend
 from nanospec.kernels.matmul import linear_invariant
 
 S, FULL = "sliding_attention", "full_attention"

@@ -147,7 +147,7 @@ def test_graph_buckets_through_the_kernels(tmp_path, smollm2_tokenizer, triton_b
     routed too), through the Triton kernels (the interpreter, 2 layers of moe8x2): the torch path's tokens."""
     from test_cuda_graph import with_buckets
 
-    from nanospec.kernels import using_backend
+    from nanospec.kernels.backend import using_backend
 
     hf = Gemma4ForCausalLM(_text_config("moe8x2", num_hidden_layers=2, layer_types=[S, F])).float()
     randomize(hf, seed=8)

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from nanospec.kernels import attention as A
-from nanospec.kernels import attention_decode, attention_extend, get_backend, set_backend
+from nanospec.kernels import attention_decode, attention_extend
+from nanospec.kernels.backend import get_backend, set_backend
 
 
 def cdiv(a, b):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nanospec.kernels import attention as A
-from nanospec.kernels import using_backend
+from nanospec.kernels.backend import using_backend
 
 
 def poisoned_pool(lens, hkv, d, page, seed=0, spare=2, starts=None):

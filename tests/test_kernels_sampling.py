@@ -191,7 +191,7 @@ def _chi2_ok(observed, expected):
 def test_samples_follow_the_warped_softmax(backend, t, k, p):
     """One seed, many positions (the noise a request meets along its tokens): token frequencies match HF's
     temperature / top-k / top-p softmax (chi-square), and no filtered token is ever drawn."""
-    from nanospec.kernels import using_backend
+    from nanospec.kernels.backend import using_backend
 
     n = 20000 if backend == "torch" else 1500  # the interpreter runs one program per row
     row = torch.tensor([2.0, 1.5, 1.0, 0.7, 0.3, 0.0, -0.5, -1.0])

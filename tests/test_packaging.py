@@ -1,7 +1,8 @@
-"""kernels/ ships only as ``nanospec.kernels`` (DESIGN §1): never as a top-level ``kernels`` package, which
-would shadow (or be shadowed by) HF's PyPI ``kernels`` distribution."""
+"""kernels/ is only ever the subpackage ``nanospec.kernels`` (DESIGN §1): never a top-level ``kernels``
+package, which would shadow (or be shadowed by) PyPI's ``kernels`` distribution that transformers imports."""
 
 import importlib.util
+import os
 import pathlib
 import shutil
 import subprocess
@@ -18,13 +19,19 @@ def test_nanospec_kernels_is_the_repo_folder():
     import nanospec.kernels
     from nanospec.kernels import attention
 
-    assert pathlib.Path(nanospec.kernels.__file__).resolve() == REPO / "kernels" / "__init__.py"
+    assert [pathlib.Path(p).resolve() for p in nanospec.kernels.__path__] == [REPO / "kernels"]
     assert pathlib.Path(attention.__file__).resolve().parent == REPO / "kernels"
     # the engine imports the same module objects (one backend switch for everyone)
     from nanospec import sampler
     from nanospec.kernels import sampling
 
     assert sampler.sample is sampling.sample
+
+
+def test_kernels_folder_is_no_regular_package():
+    """A kernels/__init__.py would make the folder the package ``kernels`` for anything started from the repo
+    root (its directory is sys.path[0]), ahead of PyPI's."""
+    assert not (REPO / "kernels" / "__init__.py").exists()
 
 
 def test_pyproject_maps_kernels_under_nanospec():
@@ -40,21 +47,25 @@ def test_pyproject_maps_kernels_under_nanospec():
     # every package the build lists exists on disk where package-dir says
     for p in packages:
         d = REPO / pkg_dir.get(p, p.replace(".", "/"))
-        assert (d / "__init__.py").is_file(), p
+        assert (d / "__init__.py").is_file() or p == "nanospec.kernels", p
 
 
-def test_installed_top_level_kernels_is_not_ours(tmp_path):
-    """From outside the repo, ``import kernels`` never finds nanospec's folder (absent, or HF's package)."""
+@pytest.mark.parametrize("where", ["repo", "elsewhere"])
+def test_top_level_kernels_is_never_ours(tmp_path, where):
+    """From the repo root (sys.path[0]) and from elsewhere, ``import kernels`` is PyPI's package (or absent),
+    and transformers' model code imports next to nanospec."""
     code = (
-        "import importlib.util, nanospec.kernels as k; s = importlib.util.find_spec('kernels'); "
-        "print(k.__file__); print(s.origin if s else None)"
+        "import importlib.util, transformers.activations, nanospec.kernels as k; "
+        "s = importlib.util.find_spec('kernels'); print(k.__path__[0]); "
+        "print(s.origin if s and s.origin else None)"
     )
+    cwd = REPO if where == "repo" else tmp_path
     out = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+        [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, check=True, timeout=300
     )
     ours, top = out.stdout.split()
-    assert pathlib.Path(ours).resolve() == REPO / "kernels" / "__init__.py"
-    assert top == "None" or not pathlib.Path(top).resolve().is_relative_to(REPO)
+    assert pathlib.Path(ours).resolve() == REPO / "kernels"
+    assert top == "None" or not pathlib.Path(top).resolve().is_relative_to(REPO / "kernels")
 
 
 @pytest.mark.skipif(
@@ -103,6 +114,16 @@ def test_wheel_contents(tmp_path):
         "nanospec-train = nanospec.tools.train:main"
         in zipfile.ZipFile(next((tmp_path / "dist").glob("nanospec-*.whl"))).read(entry_points).decode()
     )
+    # installed from the wheel, nanospec.kernels is the folder inside the installed nanospec
+    target = tmp_path / "site"
+    wheel = next((tmp_path / "dist").glob("nanospec-*.whl"))
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(target)]
+    subprocess.run([*pip, str(wheel)], check=True, capture_output=True)
+    code = "import nanospec.kernels as k, nanospec.kernels.attention; print(k.__path__[0])"
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert pathlib.Path(out.stdout.strip()).resolve() == (target / "nanospec" / "kernels").resolve()
 
 
 def test_console_scripts_point_at_mains():

@@ -254,7 +254,7 @@ def test_draft_verify_through_interpreter(triton_backend, micro_llama_dir, tmp_p
     got = LLM(str(micro_llama_dir), assistant=asst, num_steps=2, topk=2, num_draft_tokens=4, **kw).generate(
         prompts, sp, use_tqdm=False
     )
-    from nanospec.kernels import set_backend
+    from nanospec.kernels.backend import set_backend
 
     set_backend("torch")
     ref = LLM(str(micro_llama_dir), **kw).generate(prompts, sp, use_tqdm=False)

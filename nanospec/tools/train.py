@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..context import AttnMetadata, attn_metadata
-from ..kernels import using_backend
+from ..kernels.backend import using_backend
 from ..models.gemma4_assistant import Gemma4Assistant, assistant_config_for
 from . import cli
 from .cli import number

@@ -1,6 +1,6 @@
-"""nanospec's kernels: each op is a Triton kernel plus a pure-torch reference with the same signature.
-
-Installed as ``nanospec.kernels`` (see pyproject's package-dir mapping), never as a top-level ``kernels``.
+"""The kernels' backend switch. Each op in this folder is a Triton kernel plus a pure-torch reference with the
+same signature. The folder is imported only as ``nanospec.kernels`` (it has no __init__.py; DESIGN §1), never
+as a top-level ``kernels``.
 
 Backend choice: the Triton kernel runs for CUDA tensors, the torch reference for CPU tensors.
 ``set_backend("triton")`` forces the Triton path everywhere (with ``TRITON_INTERPRET=1`` set before the first
