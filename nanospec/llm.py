@@ -158,7 +158,11 @@ class LLM:
             # rank 0 picks the draft length, so every rank drafts the same s (DESIGN §4 rule 8)
             spec = batch.kind == "decode" and self.worker is not None
             plan = self.worker.plan(batch.reqs) if spec else None
-            launched = (batch, self._call("_launch", batch, plan))
+            # preemptions made while planning are released before the launch: a request preempted and
+            # re-prefilled in this step must lose its old next input, not the one its prefill gives it
+            released = self.scheduler.released
+            self.scheduler.released = []
+            launched = (batch, self._call("_launch", batch, plan, released))
             for r in batch.reqs:
                 r.num_blocks_sent = len(r.block_table)
             self.scheduler.on_launch(batch)
@@ -175,9 +179,11 @@ class LLM:
         self._send_releases()
         return stashed + finished
 
-    def _launch(self, batch, plan=None):
-        """Queue a step's device work (no host sync): prefill, or one decode / speculative step (``plan``: the
-        draft length and its estimate, ``DraftLength.choose``)."""
+    def _launch(self, batch, plan=None, released=()):
+        """Drop the next inputs of ``released`` (requests freed while planning), then queue a step's device
+        work (no host sync): prefill, or one decode / speculative step (``plan``: the draft length and its
+        estimate, ``DraftLength.choose``)."""
+        self._release(released)
         for r in batch.reqs if parallel.rank > 0 else ():  # a running request came with its new blocks only
             table = [] if r.status is Status.WAITING else self._block_tables.get(r.request_id, [])
             r.block_table = self._block_tables[r.request_id] = table + r.block_table

@@ -77,15 +77,19 @@ class Scheduler:
         self.released.append((req, reason))
 
     def schedule(self) -> Batch | None:
-        """Next step: a prefill batch or a decode batch; None when idle.
+        """Next step: a prefill batch or a decode batch; None when idle (or when every running request waits
+        for its step in flight to commit).
 
         While requests are decoding, prefill and decode steps alternate: a waiting prompt gets at most one
         prefill step (up to ``max_num_batched_tokens`` tokens, longer prompts are chunked) between two decode
         steps, so running requests never wait longer than one prefill chunk for their next token. Mixing
         decode rows into the prefill forward (vLLM's chunked prefill) would need, under speculation, draft +
         tree-verify rows of varying tree masks inside the extend forward; alternating keeps every forward one
-        mode and bounds the gap just as well. Measured (CPU, 7 decoding requests and one 2,000-token prompt in
-        chunks of 256): see README, "Serving".
+        mode and bounds the gap just as well (docs/benchmarks.md, "Serving").
+
+        Progress under KV pressure (DESIGN §4 rule 10): requests are ranked by arrival (``request_id``); a
+        request that needs blocks may take them only from younger holders (running, or a waiting request
+        holding blocks), youngest first, so the oldest request is never preempted and always advances.
         """
         decode_turn = bool(self.running) and self.last_kind == "prefill"
         batch = self._schedule_decode() if decode_turn else self._schedule_prefill()
@@ -94,10 +98,26 @@ class Scheduler:
         self.last_kind = batch.kind if batch is not None else None
         return batch
 
+    def _decode_need(self, req: Request) -> int:
+        """KV slots ``req``'s next decode step writes up to: its step in flight (if any) and this one."""
+        return req.num_computed + self.lookahead * (1 + req.num_inflight)
+
+    def _make_room(self, req: Request, num_slots: int, reserve: int = 0) -> bool:
+        """Preempt holders younger than ``req``, youngest first, until ``req`` can cover ``num_slots`` slots
+        and ``reserve`` blocks stay free; False (nothing more preempted) when even that does not fit."""
+        while self.allocator.blocks_needed(req, num_slots) + reserve > self.allocator.num_free:
+            younger = [
+                r for r in [*self.running, *self.waiting] if r.block_table and r.request_id > req.request_id
+            ]
+            if not younger:
+                return False
+            self._preempt(max(younger, key=lambda r: r.request_id))
+        return True
+
     def _schedule_prefill(self) -> Batch | None:
         batch = Batch("prefill", [])
         budget = self.max_batched
-        for req in self.waiting:
+        for req in list(self.waiting):
             if len(self.running) + len(batch.reqs) >= self.max_num_seqs or budget == 0:
                 break
             # prefix caching: start after the longest cached prefix (a prompt to score is computed whole)
@@ -106,7 +126,10 @@ class Scheduler:
                 if req.num_cached_tokens is None:
                     req.num_cached_tokens = min(req.num_computed, len(req.prompt_token_ids))
             chunk = min(req.prefill_len - req.num_computed, budget)
-            if not self.allocator.can_allocate(req, req.num_computed + chunk):
+            # admitted only if the older running requests' next decode steps still fit (no thrashing)
+            older = [r for r in self.running if r.request_id < req.request_id]
+            reserve = sum(self.allocator.blocks_needed(r, self._decode_need(r)) for r in older)
+            if not self._make_room(req, req.num_computed + chunk, reserve):
                 break
             self.allocator.allocate(req, req.num_computed + chunk)
             batch.reqs.append(req)
@@ -118,29 +141,31 @@ class Scheduler:
 
     def _schedule_decode(self) -> Batch | None:
         scheduled = []
-        while self.running:
-            req = self.running.pop(0)
-            need = req.num_computed + self.lookahead * (1 + req.num_inflight)
-            while not self.allocator.can_allocate(req, need):
-                victim = self.running.pop() if self.running else req
-                self._preempt(victim)
-                if victim is req:
-                    break
-            else:
+        for req in sorted(self.running, key=lambda r: r.request_id):
+            if req not in self.running:
+                continue  # preempted for an older request in this loop
+            need = self._decode_need(req)
+            if self._make_room(req, need):
                 self.allocator.allocate(req, need)
                 scheduled.append(req)
-        self.running = scheduled
-        return Batch("decode", list(scheduled), [1] * len(scheduled)) if scheduled else None
+            elif not req.num_inflight:
+                self._preempt(req)  # the youngest holder left: its blocks go to the older ones
+            # else: it waits for its step in flight to commit; alone it then fits (the pool check)
+        return Batch("decode", scheduled, [1] * len(scheduled)) if scheduled else None
 
     def _preempt(self, req: Request) -> None:
+        """Free a running request, or a waiting one holding blocks, for recompute by a later prefill over
+        prompt + outputs (nothing is lost); it waits in arrival order."""
         self._release(req, "preempted")
         req.epoch += 1  # a step still in flight for it is dropped when it commits
         req.num_inflight = req.num_computed = 0
-        req.status = Status.WAITING
-        # A half-prefilled head holds blocks and must finish first: queued in front of it, a victim that does
-        # not
-        # fit would wait forever for those blocks (running empty, nothing schedulable).
-        self.waiting.insert(1 if self.waiting and self.waiting[0].num_computed else 0, req)
+        if req.prompt_logprobs is not None and not req.output_token_ids:
+            req.prompt_logprobs = [None]  # its prompt is scored again from the start
+        if req in self.running:
+            self.running.remove(req)
+            req.status = Status.WAITING
+            older = sum(r.request_id < req.request_id for r in self.waiting)
+            self.waiting.insert(older, req)
         self.num_preemptions += 1
 
     def on_launch(self, batch: Batch) -> None:
