@@ -11,10 +11,10 @@
 set -uo pipefail
 OUT=${1:-gpu_out}
 mkdir -p "$OUT"
+# the repo root on the path, so that scripts/*.py import nanospec without an install too (nanospec/__init__.py
+# makes kernels/ nanospec.kernels; on the path the folder never becomes the top-level `kernels`, DESIGN §1)
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
-# without an install, a link provides what the package-dir mapping would (an installed checkout needs none)
-python3 -c "import nanospec.kernels" 2>/dev/null || [ -e nanospec/kernels ] || ln -s ../kernels nanospec/kernels
 rc=0
 step() {  # step NAME CMD...: run CMD, log to $OUT/NAME.txt, remember a failure
   echo "== $1"
