@@ -166,7 +166,7 @@ def test_ray_data_driver_in_the_repo_root(smollm2_dir):
     """A Ray Data driver started in the repo root (Ray puts the driver's cwd on every worker's sys.path): an
     ``LLMPredictor`` actor builds the default model and returns ``LLM.generate``'s greedy tokens. Ray runs on
     loopback (single-machine mode), with a random auth token; the driver shuts Ray down, and every process of
-    its session is killed after it, even when the test fails."""
+    its process group is killed after it, even when the test fails."""
     prompts = ["The capital of France is", "Once upon a time"]
     greedy = dict(temperature=0, max_tokens=4, ignore_eos=True)
     engine = dict(device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=64, page_size=16)
@@ -197,7 +197,7 @@ def test_ray_data_driver_in_the_repo_root(smollm2_dir):
         try:
             out, err = driver.communicate(timeout=300)
         finally:
-            try:  # what is left of the driver's session (Ray's processes share the driver's fate anyway)
+            try:  # what is left of the driver's process group (Ray's processes share its fate anyway)
                 os.killpg(driver.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
