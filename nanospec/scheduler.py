@@ -144,6 +144,8 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.request_id):
             if req not in self.running:
                 continue  # preempted for an older request in this loop
+            if req.num_inflight and len(req.output_token_ids) + self.lookahead >= req.params.max_tokens:
+                continue  # its step in flight may end it: no step past max_model_len (nor its RoPE table)
             need = self._decode_need(req)
             if self._make_room(req, need):
                 self.allocator.allocate(req, need)

@@ -1,0 +1,108 @@
+"""The real engine under KV pressure (DESIGN §4 rule 10): the default model with the shipped assistant, pools
+at and just above the smallest the engine accepts. Every ``generate`` returns, greedy outputs equal the same
+prompts run alone with a roomy pool, the pool is empty afterwards, and preemption and accepted drafts really
+happen (spec off, chain and tree; overlap on and off)."""
+
+import random
+
+import pytest
+
+from nanospec import LLM, SamplingParams
+from nanospec.config import EngineConfig
+from nanospec.kv_cache import cdiv
+
+MAX_MODEL_LEN = 16
+MODES = {
+    "off": {},
+    "chain": dict(assistant="default", num_steps=3, adaptive_speculation=False),
+    "tree": dict(assistant="default", num_steps=2, topk=2, num_draft_tokens=4, adaptive_speculation=False),
+}
+
+
+def _prompts() -> list[list[int]]:
+    """Token-id prompts of 1-12 tokens, several sharing prefixes (prefix caching has blocks to share)."""
+    rng = random.Random(0)
+    shared = [rng.randrange(100, 20000) for _ in range(8)]
+    out = []
+    for i in range(12):
+        n = rng.randint(1, 12)
+        head = shared[: rng.randint(0, 8)] if i % 2 else []
+        out.append((head + [rng.randrange(100, 20000) for _ in range(n)])[:n])
+    return out
+
+
+PROMPTS = _prompts()
+
+
+@pytest.fixture(scope="module")
+def alone():
+    """Each prompt alone with a roomy pool, to its longest length: the greedy reference."""
+    llm = LLM(max_model_len=MAX_MODEL_LEN)
+    out = []
+    for p in PROMPTS:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_MODEL_LEN - len(p), ignore_eos=True)
+        out.append(llm.generate([p], params, use_tqdm=False)[0]["token_ids"])
+    return out
+
+
+def _smallest_pool(options: dict) -> int:
+    """The fewest blocks the engine accepts: one request of max_model_len plus one lookahead, and block 0."""
+    config = EngineConfig.from_kwargs(None, dict(options))
+    lookahead = config.num_draft_tokens if config.speculative else 1
+    return cdiv(config.max_model_len + lookahead, config.page_size) + 1
+
+
+def _run(options: dict, picks: list[tuple[int, int]], alone: list[list[int]]) -> tuple[LLM, list[dict]]:
+    llm = LLM(**options)
+    prompts = [PROMPTS[i] for i, _ in picks]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in picks]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for (i, m), out in zip(picks, outs):
+        assert out["token_ids"] == alone[i][:m], (options, picks)
+    stats = llm.stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0 and stats["kv_cache_usage"] == 0
+    assert stats["num_draft_inputs"] == 0 and not llm.has_unfinished()
+    return llm, outs
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_tiny_pools_finish_with_the_outputs_of_a_roomy_pool(alone, mode, overlap):
+    """6 random tiny pools per mode and overlap setting (36 in all): page sizes 1-16, 1-4 running requests,
+    prefill budgets of 1-8 tokens (chunked prompts), prefix caching on and off."""
+    rng = random.Random(f"{mode}-{overlap}")
+    preemptions = 0
+    accepted = 0
+    for _ in range(6):
+        options = dict(MODES[mode], overlap_schedule=overlap, max_model_len=MAX_MODEL_LEN)
+        options |= dict(page_size=rng.choice([1, 2, 4, 8, 16]), max_num_seqs=rng.randint(1, 4))
+        options |= dict(max_num_batched_tokens=rng.randint(1, 8), enable_prefix_caching=rng.random() < 0.5)
+        options["num_kv_blocks"] = _smallest_pool(options) + rng.choice([0, 0, 1, 2])
+        picks = []
+        for i in rng.sample(range(len(PROMPTS)), rng.randint(3, 5)):
+            picks.append((i, rng.randint(1, MAX_MODEL_LEN - len(PROMPTS[i]))))
+        llm, outs = _run(options, picks, alone)
+        preemptions += llm.scheduler.num_preemptions
+        accepted += sum(a - 1 for out in outs for a in out.get("accept_lengths", []))
+    assert preemptions > 0, "no pool was under pressure"
+    assert accepted > 0 or mode == "off", "no draft was accepted"
+
+
+def test_issue_configuration_finishes(alone):
+    """Five requests that once preempted each other forever on this pool (7 blocks of 4 tokens)."""
+    prompts = [[21, 40, 27, 45, 26, 43, 6, 12, 19], [7] * 6 + [26, 43, 1], [7] * 6 + [16], [7, 7, 18, 41]]
+    prompts.append([7, 27, 15, 10, 17])
+    max_tokens = [10, 1, 6, 12, 10]
+    options = dict(page_size=4, num_kv_blocks=7, max_num_seqs=4, max_num_batched_tokens=5, max_model_len=19)
+    options |= dict(enable_prefix_caching=True, assistant="default", num_steps=3, adaptive_speculation=False)
+    llm = LLM(**options)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.scheduler.num_preemptions > 0
+    roomy = LLM(max_model_len=19)
+    for p, m, out in zip(prompts, max_tokens, outs):
+        ref = roomy.generate(
+            [p], SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True), use_tqdm=False
+        )
+        assert out["token_ids"] == ref[0]["token_ids"]
+    assert llm.stats()["kv_cache_usage"] == 0
