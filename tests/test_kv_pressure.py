@@ -3,7 +3,10 @@ at and just above the smallest the engine accepts. Every ``generate`` returns, g
 prompts run alone with a roomy pool, the pool is empty afterwards, and preemption and accepted drafts really
 happen (spec off, chain and tree; overlap on and off)."""
 
+import pathlib
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -106,3 +109,14 @@ def test_issue_configuration_finishes(alone):
         )
         assert out["token_ids"] == ref[0]["token_ids"]
     assert llm.stats()["kv_cache_usage"] == 0
+
+
+def test_kv_pressure_script_finishes():
+    """docs/benchmarks.md's figure: scripts/kv_pressure.py (no assistant, the quick one) finishes every
+    request with the outputs of a roomy pool."""
+    script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "kv_pressure.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--num-steps", "0"], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert "finished 8 / 8" in out.stdout and "roomy pool: True" in out.stdout
