@@ -28,11 +28,10 @@ class Request:
         params: SamplingParams,
         eos_token_ids: set[int],
         tokenizer=None,
-        seed: int = 0,
     ):
         self.request_id = request_id
         self.params = params
-        self.seed = seed
+        self.seed = 0  # LLM sets it when the request is queued
         self.status = Status.WAITING
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

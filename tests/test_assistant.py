@@ -222,15 +222,13 @@ def test_check_target_mismatch(world, kw, field):
     t = world["target"]
     a = Gemma4Assistant(assistant_config(**kw))
     with pytest.raises(ValueError, match=field):
-        a.check_target(t.config, t.kv_layer_types, t.num_kv_heads, t.head_dim, t.rope_theta, t.rope_scaling)
+        a.check_target(t.config)
 
 
 def test_check_target_accepts_equivalent_rope(world):
     t = world["target"]
     full = {"rope_type": "proportional", "partial_rotary_factor": 1.0, "rope_theta": THETA}
-    Gemma4Assistant(assistant_config(full_rope=full)).check_target(
-        t.config, t.kv_layer_types, t.num_kv_heads, t.head_dim, t.rope_theta, t.rope_scaling
-    )
+    Gemma4Assistant(assistant_config(full_rope=full)).check_target(t.config)
 
 
 def test_bind_before_pool_is_an_error(world):

@@ -392,7 +392,7 @@ def test_rule4_zero_row_draft_and_accept(tiny_llama_dir, asst_dir, topk, n_draft
     if topk > 1:
         assert tree.tree_mask.shape == (0, n_draft, n_draft)
     assert worker.draft([], block_table_tensor([], "cpu"), L0).tokens.shape == (0, n_draft)
-    path, acc, bonus = accept(tree, torch.zeros(0, n_draft, dtype=torch.long))
+    path, acc, bonus = accept(tree, torch.zeros(0, n_draft, dtype=torch.long), 3)
     assert path.shape[0] == 0 and acc.shape == (0,) and bonus.shape == (0,)
     assert emitted_tokens(tree, path, acc, bonus).shape[0] == 0
     before = _pool_digest(kv)

@@ -282,8 +282,6 @@ class Gemma4Assistant(nn.Module):
         self.lm_head = Linear(self.hidden_size, self.vocab_size, bias=False) if own_head else None
         ordered = getattr(config, "use_ordered_embeddings", False)
         self.masked_embedding = MaskedEmbedding(config) if ordered else None
-        if ordered and own_head:  # rows gathered per cluster, never multiplied whole: they stay row-major
-            self.lm_head.rows_gathered = True
         # Set by bind_target (plain attributes, not submodules/buffers: they belong to the target).
         self._embed = self._target_lm_head = self._target_rows = self._rope = None
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -338,10 +336,9 @@ class Gemma4Assistant(nn.Module):
         """Target layer read by each assistant layer: the last target layer of the same layer type."""
         return _layer_map(self.text_config.layer_types, list(target_kv_layer_types))
 
-    def check_target(self, target_config, *_unused) -> list[int]:
+    def check_target(self, target_config) -> list[int]:
         """``check_assistant_config(self.config, target_config)``: returns the layer map, ValueError naming
-        the field. Further positional arguments (the old signature's kv_layer_types, num_kv_heads, head_dim,
-        rope_theta, rope_scaling) are ignored: the HF config holds all of them."""
+        the field."""
         return check_assistant_config(self.config, target_config)
 
     def bind_target(self, target, kv: bool = True) -> None:

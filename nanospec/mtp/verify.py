@@ -15,14 +15,7 @@ def _children(tree: DraftTree, cur: torch.Tensor, active: torch.Tensor) -> torch
     return (tree.parents == cur[:, None]) & active[:, None]
 
 
-def _max_depth(tree: DraftTree, max_depth: int | None) -> int:
-    # Callers that know the depth (num_steps) pass it: no host sync, so the walk can be graph-captured.
-    if max_depth is not None:
-        return max_depth
-    return int(tree.depth.max()) if tree.depth.numel() else 0  # 0 rows: no max() on empty (rule 4)
-
-
-def accept(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int | None = None):
+def accept(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int):
     """From the root, accept the child whose token equals the target's token at the current node.
 
     target_tokens [B, N] int64: the token the target produces after every node (its argmax, or its
@@ -30,10 +23,10 @@ def accept(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int | None =
     child matches. Lossless by construction: every emitted token is the target's own token at its position,
     the same a step without speculation produces there. Returns (path [B, D+1], accept_len [B], bonus [B])
     where accept_len = 1 + accepted drafts and bonus = the target's token at the last accepted node.
-    ``max_depth`` (e.g. num_steps) bounds the walk; None reads it from the tree (one host sync).
+    ``max_depth`` (the draft's num_steps) bounds the walk: known on the host, so no sync and the walk can be
+    graph-captured.
     """
     B, N = tree.tokens.shape
-    max_depth = _max_depth(tree, max_depth)
     cur = torch.zeros(B, dtype=torch.long, device=tree.tokens.device)
     active = torch.ones(B, dtype=torch.bool, device=cur.device)
     path = [cur]
