@@ -9,12 +9,11 @@ from pathlib import Path
 # to PyPI's `kernels`, which transformers imports. It is only ever the subpackage nanospec.kernels: an
 # installed wheel carries it as nanospec/kernels/; a source checkout (editable install, or the repo root)
 # registers the folder under that name here (DESIGN §1).
-_source_kernels = Path(__file__).resolve().parent.parent / "kernels"
-if not (Path(__file__).parent / "kernels").is_dir() and _source_kernels.is_dir():
+_here = Path(__file__).resolve().parent
+if not (_here / "kernels").is_dir():
     _spec = importlib.util.spec_from_loader(__name__ + ".kernels", None, is_package=True)
-    _spec.submodule_search_locations = [str(_source_kernels)]
-    kernels = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = kernels
+    _spec.submodule_search_locations = [str(_here.parent / "kernels")]
+    kernels = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
 
 from .llm import LLM  # noqa: E402
 from .sampling_params import SamplingParams  # noqa: E402

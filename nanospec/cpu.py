@@ -1,7 +1,7 @@
 """The CPU thread policy: how many intra-op threads torch uses, decided once per process, here only.
 
 Two ways in, one decision. A script may probe at start-up (:func:`configure_cpu_threads`: example.py,
-bench.py, the server and the tools do); ``LLM`` then applies its own default (:func:`prepare_cpu_engine`: one
+bench.py, the server and the tools do); ``LLM`` then applies its own default (:func:`default_cpu_threads`: one
 thread on a machine with at most 2 cores) only when neither a probe nor the user (``OMP_NUM_THREADS``,
 ``torch.set_num_threads``) chose. CUDA runs are never touched.
 """
@@ -84,9 +84,3 @@ def default_cpu_threads() -> int:
     if cores <= 2 and not chosen and torch.get_num_threads() == cores:
         torch.set_num_threads(1)
     return torch.get_num_threads()
-
-
-def prepare_cpu_engine(device: torch.device) -> None:
-    """What ``LLM`` runs once on CPU: :func:`default_cpu_threads`. Does nothing on CUDA."""
-    if device.type == "cpu":
-        default_cpu_threads()

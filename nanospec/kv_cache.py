@@ -72,9 +72,6 @@ class BlockAllocator:
         """Extra blocks ``req`` needs so that its table covers ``num_slots`` token slots."""
         return max(0, cdiv(num_slots, self.page_size) - len(req.block_table))
 
-    def can_allocate(self, req: Request, num_slots: int) -> bool:
-        return self.blocks_needed(req, num_slots) <= self.num_free
-
     def allocate(self, req: Request, num_slots: int) -> None:
         """Grow ``req.block_table`` to cover ``num_slots`` slots. Raises RuntimeError when the pool is
         short."""

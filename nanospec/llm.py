@@ -84,7 +84,8 @@ class LLM:
         if assistant is not None:
             args = (runner.model, assistant, self.next_inputs, runner.split_size, emit)
             self.worker = FrozenKVMTPWorker(c, *args)
-        cpu.prepare_cpu_engine(runner.device)  # the CPU thread count
+        if runner.device.type == "cpu":
+            cpu.default_cpu_threads()
         allocator = runner.allocate_kv_cache()
         if self.worker is not None:
             self.worker.bind(runner.kv_pools)

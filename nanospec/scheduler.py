@@ -106,9 +106,8 @@ class Scheduler:
         """Preempt holders younger than ``req``, youngest first, until ``req`` can cover ``num_slots`` slots
         and ``reserve`` blocks stay free; False (nothing more preempted) when even that does not fit."""
         while self.allocator.blocks_needed(req, num_slots) + reserve > self.allocator.num_free:
-            younger = [
-                r for r in [*self.running, *self.waiting] if r.block_table and r.request_id > req.request_id
-            ]
+            holders = [r for r in [*self.running, *self.waiting] if r.block_table]
+            younger = [r for r in holders if r.request_id > req.request_id]
             if not younger:
                 return False
             self._preempt(max(younger, key=lambda r: r.request_id))

@@ -4,8 +4,8 @@ The lifecycle, hook by hook, in the order ``LLM`` calls them (DESIGN §4 rule in
 draft input (bonus token, committed length, seed hidden) lives in ``NextInputs``, which it is born into at the
 end of the request's prefill and dropped from at its release; a step reads and replaces it there.
 
-1. ``FrozenKVMTPWorker(config, target, assistant_dir, next_inputs, split_size)``: load and check the
-   assistant; no KV pool exists yet.                                                              [rule 2]
+1. ``FrozenKVMTPWorker(config, target, assistant_dir, next_inputs, split_size)``: load the assistant
+   (``LLM`` checked its config against the target's first); no KV pool exists yet.              [rule 2]
 2. ``bind(kv_pools)``: after the target's pool is allocated and bound, attach the assistant's layers to the
    target layers they read.                                                                       [rule 2]
 3. ``capture_graphs(sizes, num_splits, width)``: the ``mtp:{s}`` phases (``draft_verify``), one per draft
@@ -92,7 +92,6 @@ class FrozenKVMTPWorker:
         self.device = device = config.torch_device()
         dtype = next(target.parameters()).dtype
         self.assistant = Gemma4Assistant.from_pretrained(assistant_path, device, dtype)
-        self.assistant.check_target(target.config)
         self.kv_pools = None
         self.graphs = None
         # chains can stop after any step; a tree of N nodes needs all its steps
