@@ -293,7 +293,7 @@ class FakeLLM:
             raise self.fail_add
         rid = self.next_id
         self.next_id += 1
-        self.waiting[rid] = SimpleNamespace(request_id=rid, output_token_ids=[], is_finished=False)
+        self.waiting[rid] = SimpleNamespace(request_id=rid, output_token_ids=[], is_finished=False, epoch=0)
         return rid
 
     def get_request(self, rid):

@@ -23,7 +23,9 @@ class Metrics:
     vllm/v1/spec_decode/metrics.py), labelled ``model_name`` and ``engine``; the spec-decode counters exist
     only with an assistant (``num_positions`` = num_steps). The time-per-output-token histogram is
     ``inter_token_latency_seconds``, vLLM's name for it since 0.11 (one observation per engine step that
-    delivers tokens). Plus ``nanospec:num_draft_inputs`` (requests holding a draft input: 0 when idle)."""
+    delivers tokens). ``num_preemptions``: preemptions by recompute (the steps of each live request's
+    ``epoch``, read after every step). Plus ``nanospec:num_draft_inputs`` (requests holding a draft input: 0
+    when idle)."""
 
     def __init__(self, model_name: str, num_positions: int):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -46,6 +48,7 @@ class Metrics:
         self.hits = make(Counter, "prefix_cache_hits", "Prefix cache hits, in cached tokens.")
         success = make(Counter, "request_success", "Count of processed requests.", ["finished_reason"])
         self.success = {r: success.labels(**labels, finished_reason=r) for r in ("stop", "length", "abort")}
+        self.preemptions = make(Counter, "num_preemptions", "Cumulative number of preemptions.")
         self.ttft = make(Histogram, "time_to_first_token_seconds", "Time to 1st token.", buckets=TTFT_BUCKETS)
         self.itl = make(Histogram, "inter_token_latency_seconds", "Inter-token latency.", buckets=ITL_BUCKETS)
         if self.speculative:
@@ -70,6 +73,7 @@ class Choice:
         self.req = None  # the engine's Request (LLM.get_request) while it runs
         self.sent = 0
         self.num_accept = 0
+        self.epoch = 0  # the request's preemptions counted so far
         self.t_last = time.perf_counter()
 
 
@@ -180,6 +184,8 @@ class Engine:
         now = time.perf_counter()
         for rid, c in list(self.live.items()):
             r = c.req
+            m.preemptions.inc(r.epoch - c.epoch)
+            c.epoch = r.epoch
             new = r.output_token_ids[c.sent :]  # its undelivered tokens
             if not new and not r.is_finished:
                 continue
