@@ -7,6 +7,7 @@ from collections import OrderedDict, deque
 import torch
 
 from .request import Request
+from .transfer import to_device
 
 DUMMY_BLOCK = 0  # reserved: padding rows (CUDA graphs, idle slots) point here and never touch a live block
 
@@ -29,7 +30,7 @@ def block_table_tensor(reqs: list[Request], device) -> torch.Tensor:
     """[B, W] int32 block tables, padded with the dummy block (W >= 1)."""
     width = max((len(r.block_table) for r in reqs), default=1) or 1
     rows = [r.block_table + [DUMMY_BLOCK] * (width - len(r.block_table)) for r in reqs]
-    return torch.tensor(rows, dtype=torch.int32).reshape(len(reqs), width).to(device)
+    return to_device(rows, torch.int32, device).reshape(len(reqs), width)
 
 
 class BlockAllocator:

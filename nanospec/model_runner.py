@@ -17,6 +17,7 @@ from .outputs import PrefillOutput, StepOutput, TokenLogprobs, emitted_logprobs
 from .request import Request
 from .sampler import sample_tokens
 from .scheduler import Batch
+from .transfer import to_device
 
 
 def build_target(cfg, device, dtype, max_position: int, model_dir=None, seed: int = 0):
@@ -186,7 +187,7 @@ class ModelRunner:
     # ---- batch preparation
     # -------------------------------------------------------------------------------------------
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+        return to_device(data, dtype, self.device)
 
     def prepare_prefill(self, batch: Batch):
         """Token ids, positions and metadata for one chunk of each request's prompt (+ outputs on resume);
@@ -234,15 +235,14 @@ class ModelRunner:
         logprobs = None
         if new:
             reqs = [batch.reqs[i] for i in new]
-            logits = self.model.compute_logits(hidden[[last[i] for i in new]])
+            logits = self.model.compute_logits(hidden[self._tensor([last[i] for i in new])])
             sampled = sample_tokens(reqs, logits, self._tensor([r.num_tokens for r in reqs]))
             parallel.agree(sampled)  # rank 0's tokens (DESIGN §4 rule 8)
-            bonus[[done.index(i) for i in new]] = sampled
+            bonus[self._tensor([done.index(i) for i in new])] = sampled
             logprobs = emitted_logprobs(reqs, logits[:, None], sampled[:, None])
         done_reqs = [batch.reqs[i] for i in done]
-        out = PrefillOutput(
-            len(batch.reqs), done, new, done_reqs, bonus, hidden[[last[i] for i in done]], logprobs
-        )
+        done_hidden = hidden[self._tensor([last[i] for i in done])]
+        out = PrefillOutput(len(batch.reqs), done, new, done_reqs, bonus, done_hidden, logprobs)
         self._score_prompts(batch, hidden, last, out)
         return out
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from .transfer import to_device
+
 
 @dataclass
 class DraftInput:
@@ -46,7 +48,7 @@ class DraftInput:
         """Rows whose request id is in ``keep_ids``, in ``keep_ids`` order (ids absent here are skipped)."""
         pos = {r: i for i, r in enumerate(self.req_ids)}
         rows = [pos[r] for r in keep_ids if r in pos]
-        idx = torch.tensor(rows, dtype=torch.long, device=self.hidden.device)
+        idx = to_device(rows, torch.long, self.hidden.device)
         picked = {k: None if t is None else t[idx] for k, t in self._tensors().items()}
         return DraftInput([self.req_ids[i] for i in rows], **picked)
 
@@ -84,7 +86,7 @@ class NextInputs:
     def on_prefill_done(self, reqs, first_tokens: torch.Tensor, hidden: torch.Tensor) -> None:
         """Birth of the inputs of ``reqs`` (first_tokens [B] int64, hidden [B, H]); a request recomputed after
         preemption gets a fresh row."""
-        L = torch.tensor([r.prefill_len for r in reqs], dtype=torch.int32).to(hidden.device)
+        L = to_device([r.prefill_len for r in reqs], torch.int32, hidden.device)
         born = DraftInput([r.request_id for r in reqs], first_tokens, hidden[:, : self.hidden_size], L)
         self.rows = self.rows.merge(born)
         if self.trace is not None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .request import Request
+from .transfer import to_device
 
 
 class HostCopy:
@@ -62,7 +63,7 @@ def emitted_logprobs(reqs: list[Request], logits: torch.Tensor, tokens: torch.Te
     wanted = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
     if not wanted:
         return None
-    idx = torch.tensor(wanted, dtype=torch.long, device=logits.device)
+    idx = to_device(wanted, torch.long, logits.device)
     k = max(reqs[i].params.logprobs for i in wanted)
     return TokenLogprobs(logits[idx].flatten(0, 1), tokens[idx].clamp(min=0).flatten(), k)
 

@@ -9,15 +9,16 @@ import torch
 
 from .kernels.sampling import sample
 from .request import Request
+from .transfer import to_device
 
 
 def sampling_tensors(reqs: list[Request], device) -> tuple[torch.Tensor, ...]:
     """(temperature [B] fp32, top_k [B] int32, top_p [B] fp32, seeds [B] int64) of ``reqs``, on ``device``."""
-    temperature = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32)
-    top_k = torch.tensor([r.params.top_k for r in reqs], dtype=torch.int32)
-    top_p = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32)
-    seeds = torch.tensor([r.seed for r in reqs], dtype=torch.int64)
-    return tuple(t.to(device, non_blocking=True) for t in (temperature, top_k, top_p, seeds))
+    temperature = to_device([r.params.temperature for r in reqs], torch.float32, device)
+    top_k = to_device([r.params.top_k for r in reqs], torch.int32, device)
+    top_p = to_device([r.params.top_p for r in reqs], torch.float32, device)
+    seeds = to_device([r.seed for r in reqs], torch.int64, device)
+    return temperature, top_k, top_p, seeds
 
 
 def sample_tokens(reqs: list[Request], logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

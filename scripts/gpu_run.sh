@@ -78,6 +78,7 @@ want gpu && step gpu "${GPU_S:-20}" sh -c 'nvidia-smi --query-gpu=name,memory.to
   python3 -c "import torch, triton, transformers as t; print(torch.__version__, triton.__version__, t.__version__)"'
 want kernel_tests && step kernel_tests "${KERNEL_TESTS_S:-100}" \
   env NANOSPEC_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_kernels_*.py
+want kernel_tests && step no_sync "${NO_SYNC_S:-60}" python3 -m pytest -q -p no:cacheprovider tests/test_transfers.py
 want graphs && step graphs "${GRAPHS_S:-100}" python3 scripts/gpu_graphs.py
 if want bench; then
   step bench_batch1 "${BENCH_S:-40}" python3 bench.py --workload sharegpt --batch-1
