@@ -80,7 +80,7 @@ class LLM:
             emit = lambda event, fields: trace(self.num_steps_run, event, fields)  # noqa: E731
         # the next step's input of every running request; the drafter's seed hidden only under speculation
         hidden_size = runner.model.config.hidden_size if assistant is not None else 0
-        self.next_inputs = NextInputs(hidden_size, runner.device, runner.dtype, emit)
+        self.next_inputs = NextInputs(hidden_size, runner.device, runner.dtype, c.max_num_seqs, emit)
         if assistant is not None:
             args = (runner.model, assistant, self.next_inputs, runner.split_size, emit)
             self.worker = FrozenKVMTPWorker(c, *args)

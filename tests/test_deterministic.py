@@ -66,9 +66,9 @@ class Recorder:
         logits = model.compute_logits
         model.compute_logits = lambda h: calls.append(logits(h)) or calls[-1]
 
-        def launched(batch, plan=None):
+        def launched(batch, plan=None, released=()):
             start, pos = len(calls), [r.num_computed for r in batch.reqs]
-            out = launch(batch, plan)
+            out = launch(batch, plan, released)
             rows = torch.cat(calls[start:]) if len(calls) > start else None
             if batch.kind == "prefill":
                 keys = [(batch.reqs[i].request_id, batch.reqs[i].prefill_len - 1) for i in out.new_idx]

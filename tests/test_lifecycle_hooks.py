@@ -93,6 +93,8 @@ def test_hooks_preemption_releases_the_draft_input_at_once(tiny_llama_dir, asst_
         assert len(lives) == kinds.count("release") >= 1
         for life in lives:
             words = life.split()
+            if not words:
+                continue  # preempted before its prompt was prefilled whole: its blocks go, no input was born
             assert words[0] == "prefill_done" and words[1:] == ["draft", "verify"] * ((len(words) - 1) // 2)
     assert llm.runner.allocator.num_free == llm.runner.allocator.num_usable
 

@@ -100,7 +100,7 @@ def fake_engine(cfg: dict, rng: random.Random) -> LLM:
     llm = LLM.__new__(LLM)
     llm.config = config
     llm.runner = FakeRunner()
-    llm.next_inputs = NextInputs(0, torch.device("cpu"), torch.float32)
+    llm.next_inputs = NextInputs(0, torch.device("cpu"), torch.float32, cfg["max_num_seqs"])
     llm.worker = None
     if lookahead > 1:
         llm.worker = FakeWorker(llm.next_inputs, lookahead, cfg["max_accept"], rng)
