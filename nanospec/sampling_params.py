@@ -8,20 +8,11 @@ MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's limit)
 
 @dataclass
 class SamplingParams:
-    """How one request samples and when it stops.
+    """How one request samples and when it stops; each field's default and meaning: docs/usage.md,
+    "``SamplingParams``".
 
-    temperature: 0 is exact greedy (argmax); > 0 samples. top_p in (0, 1]; top_k = -1 (off) or in [1, 2**31)
-    (from the vocabulary size on, every token is kept).
-    max_tokens >= 1 output tokens. ignore_eos keeps generating past EOS. stop: strings that end the output
-    (the text is cut before the match); stop_token_ids: extra ids that end it (the id is kept in token_ids).
-    seed: the request's sampling seed in [0, 2**63): its token at position t is a function of (seed, t, the
-    target's logits there) only (DESIGN §5, "Seeds"); None: the engine draws one. cache_salt: a non-empty
-    str mixed into the prefix-cache key of the first KV block (vLLM's field): requests share cached KV only
-    when their salts are equal (None: the unsalted cache). logprobs / prompt_logprobs: k in [0, 20] returns,
-    for each output / prompt token, its logprob and the top k (log-softmax of the target's raw logits, before
-    temperature and filters, as vLLM's default); None: off. A prompt to score is computed whole (no prefix
-    cache hit).
-    Raises ValueError / TypeError naming the field when a value is out of range.
+    ``__post_init__`` checks every field (ValueError / TypeError naming it) and turns ``stop`` and
+    ``stop_token_ids`` into lists (``[]`` for None, ``[s]`` for one stop string).
     """
 
     temperature: float = 0.0

@@ -85,7 +85,8 @@ class Scheduler:
         steps, so running requests never wait longer than one prefill chunk for their next token. Mixing
         decode rows into the prefill forward (vLLM's chunked prefill) would need, under speculation, draft +
         tree-verify rows of varying tree masks inside the extend forward; alternating keeps every forward one
-        mode and bounds the gap just as well (docs/benchmarks.md, "Serving").
+        mode and bounds the gap just as well (the figure: docs/benchmarks.md, "Prefix caching, prefill beside
+        decode, overlap scheduling").
 
         Progress under KV pressure (DESIGN §4 rule 10): requests are ranked by arrival (``request_id``); a
         request that needs blocks may take them only from younger holders (running, or a waiting request
