@@ -242,14 +242,14 @@ class ModelRunner:
             logprobs = emitted_logprobs(reqs, logits[:, None], sampled[:, None])
         done_reqs = [batch.reqs[i] for i in done]
         done_hidden = hidden[self._tensor([last[i] for i in done])]
-        out = PrefillOutput(len(batch.reqs), done, new, done_reqs, bonus, done_hidden, logprobs)
-        self._score_prompts(batch, hidden, last, out)
-        return out
+        scores = self._score_prompts(batch, hidden, last)  # (prompt_logprobs, prompt_logprob_rows)
+        return PrefillOutput(len(batch.reqs), done, new, done_reqs, bonus, done_hidden, logprobs, *scores)
 
-    def _score_prompts(self, batch: Batch, hidden: torch.Tensor, last: list[int], out: PrefillOutput) -> None:
+    def _score_prompts(self, batch: Batch, hidden: torch.Tensor, last: list[int]) -> tuple:
         """``SamplingParams.prompt_logprobs``: the logprobs of the prompt tokens this chunk's rows predict
-        (the row at position p scores token p + 1), into ``out``. A request recomputed after preemption was
-        scored in its first prefill."""
+        (the row at position p scores token p + 1), as ``PrefillOutput``'s (``prompt_logprobs``,
+        ``prompt_logprob_rows``); (None, None) when no request asks. A request recomputed after preemption
+        was scored in its first prefill."""
         rows = []
         scored = []
         for i, (req, n) in enumerate(zip(batch.reqs, batch.num_new)):
@@ -262,11 +262,11 @@ class ModelRunner:
             scored.append(
                 (i, req.prompt_token_ids[start + 1 : start + 1 + count], req.params.prompt_logprobs)
             )
-        if rows:
-            tokens = self._tensor([t for _, ids, _ in scored for t in ids])
-            logits = self.model.compute_logits(hidden[rows])
-            out.prompt_logprobs = TokenLogprobs(logits, tokens, max(k for _, _, k in scored))
-            out.prompt_logprob_rows = scored
+        if not rows:
+            return None, None
+        tokens = self._tensor([t for _, ids, _ in scored for t in ids])
+        logits = self.model.compute_logits(hidden[rows])
+        return TokenLogprobs(logits, tokens, max(k for _, _, k in scored)), scored
 
     # ---- plain decode
     # ------------------------------------------------------------------------------------------------
