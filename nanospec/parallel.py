@@ -74,10 +74,17 @@ def agree(*tensors: torch.Tensor) -> None:
 
 
 class Linear(nn.Linear):
-    """A replicated linear layer: every rank holds the whole weight. ``gemm`` is ``linear`` (deterministic
-    mode sets a batch-invariant one on the target's layers: ``kernels.matmul.make_batch_invariant``)."""
+    """A replicated linear layer: every rank holds the whole weight (``tp_spans`` None). ``shard_sizes``: the
+    output sizes of its packed parts in order (gate | up), one part unless given. ``gemm`` is ``linear``
+    (deterministic mode sets a batch-invariant one on the target's layers:
+    ``kernels.matmul.make_batch_invariant``)."""
 
     gemm = staticmethod(linear)
+    tp_spans: list[tuple[int, int, int]] | None = None  # sharded kinds: (dim, first, rows) of each part
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, shard_sizes=None):
+        super().__init__(in_features, out_features, bias)
+        self.shard_sizes: list[int] = shard_sizes or [out_features]
 
     def forward(self, x):
         return self.gemm(x, self.weight, self.bias)
@@ -89,9 +96,8 @@ class ColumnLinear(Linear):
 
     def __init__(self, in_features: int, parts: list[tuple[int, int]], bias: bool = False):
         spans = [span(n, unit) for n, unit in parts]
-        super().__init__(in_features, sum(s for _, s in spans), bias)
+        super().__init__(in_features, sum(s for _, s in spans), bias, [s for _, s in spans])
         self.tp_spans = [(0, *s) for s in spans]
-        self.shard_sizes = [s for _, s in spans]
 
 
 class RowLinear(Linear):
@@ -150,7 +156,7 @@ def shard_of(module, name: str, t: torch.Tensor, part: int = 0) -> torch.Tensor:
     caller's shape check then names them)."""
     if isinstance(module, Experts) and size > 1:
         return module.shard(name, t)
-    spans = getattr(module, "tp_spans", None) if size > 1 else None
+    spans = module.tp_spans if isinstance(module, (Linear, VocabEmbedding)) and size > 1 else None
     whole = spans is None or (spans[0][0] == 1 and name.endswith("bias"))
     return t if whole or t.shape[spans[part][0]] < sum(spans[part][1:]) else t.narrow(*spans[part])
 

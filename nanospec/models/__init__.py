@@ -18,8 +18,8 @@ def load_weights(
     names: Iterable[str] | None = None,
 ) -> None:
     """Copy checkpoint tensors into ``model`` by HF name, packing q/k/v and gate/up through the model's
-    ``packed_modules_mapping`` (a linear with ``shard_sizes`` takes shard i at its offset); a tensor-parallel
-    layer takes this rank's piece (``parallel.shard_of``).
+    ``packed_modules_mapping`` (shard i goes to its offset in the ``parallel.Linear``'s ``shard_sizes``); a
+    tensor-parallel layer takes this rank's piece (``parallel.shard_of``).
 
     A model's ``strip_prefix`` (e.g. "model.", or a tuple tried in order) is removed from checkpoint names.
     Names in ``skip`` (substrings) and rotary caches are ignored; so are names matching the model's
@@ -35,6 +35,10 @@ def load_weights(
     prefixes = (prefixes,) if isinstance(prefixes, str) else prefixes
     unused = tuple(getattr(model, "unused_weights", ()))
 
+    def num_parts(param):  # the packed parts of the linear holding ``param``; 1 for any other module
+        module = modules[param.rsplit(".", 1)[0]]
+        return len(module.shard_sizes) if isinstance(module, parallel.Linear) else 1
+
     def place(name):  # (name without prefix, parameter, packed shard or None), or None: not loaded
         if "rotary_emb" in name or any(s in name for s in skip + unused):
             return None
@@ -46,8 +50,7 @@ def load_weights(
                 target = name.replace(f".{src}.", f".{dst}.")
                 shard = idx
                 break
-        sizes = getattr(modules.get(target.rsplit(".", 1)[0]), "shard_sizes", [])
-        if target not in params or (shard is not None and shard >= len(sizes)):  # v_proj of a k_eq_v layer
+        if target not in params or (shard is not None and shard >= num_parts(target)):  # v_proj of k_eq_v
             raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
         return name, target, shard
 
@@ -55,11 +58,7 @@ def load_weights(
         missing = [
             n
             for n in params
-            if (n, None) not in loaded
-            and not all(
-                (n, i) in loaded
-                for i in range(len(getattr(modules[n.rsplit(".", 1)[0]], "shard_sizes", [0])))
-            )
+            if (n, None) not in loaded and not all((n, i) in loaded for i in range(num_parts(n)))
         ]
         if missing:
             more = " ..." if len(missing) > 5 else ""

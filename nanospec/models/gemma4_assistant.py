@@ -80,8 +80,7 @@ class MLP(nn.Module):
     def __init__(self, tc):
         super().__init__()
         i = tc.intermediate_size
-        self.gate_up_proj = Linear(tc.hidden_size, 2 * i, bias=False)  # packed gate_proj | up_proj
-        self.gate_up_proj.shard_sizes = [i, i]
+        self.gate_up_proj = Linear(tc.hidden_size, 2 * i, False, [i, i])  # packed gate_proj | up_proj
         self.down_proj = Linear(i, tc.hidden_size, bias=False)
         self.act_and_mul = _ACTS[tc.hidden_activation]
 
