@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch import nn
 
 from .attention_common import dot_precision
 from .backend import use_triton
@@ -151,12 +150,3 @@ def linear_invariant(x, weight, bias=None):
         )
     fn = linear_invariant_triton if use_triton(x) else linear_invariant_ref
     return fn(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], -1)
-
-
-def make_batch_invariant(model: nn.Module) -> None:
-    """Deterministic mode for a target: every linear layer's ``gemm`` (``parallel.Linear`` and its sharded
-    kinds) and the LM head's ``lm_head_matmul`` become :func:`linear_invariant` (weights untouched)."""
-    for m in model.modules():
-        if isinstance(m, nn.Linear):
-            m.gemm = linear_invariant
-    model.lm_head_matmul = linear_invariant

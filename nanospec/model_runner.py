@@ -9,7 +9,7 @@ from .config import EngineConfig
 from .context import AttnMetadata, attn_metadata
 from .cuda_graph import GraphRunner, graph_batch_sizes
 from .kernels.attention import KV_SPLIT_SIZE, num_kv_splits
-from .kernels.matmul import make_batch_invariant
+from .kernels.matmul import linear_invariant
 from .kv_cache import DUMMY_BLOCK, BlockAllocator, block_table_tensor, cdiv, slot_mapping
 from .models import init_random_weights, load_weights, target_class
 from .next_inputs import DraftInput, NextInputs
@@ -59,7 +59,7 @@ class ModelRunner:
         # size for every attention row, which the runner and the worker put in each forward's metadata
         self.split_size = KV_SPLIT_SIZE if config.deterministic else None
         if config.deterministic:
-            make_batch_invariant(self.model)
+            parallel.use_gemm(self.model, linear_invariant)
         self.vocab_size = self.model.config.vocab_size
         self.lookahead = config.num_draft_tokens if config.speculative else 1
         self.kv_pools: list[torch.Tensor] = []

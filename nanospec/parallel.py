@@ -76,8 +76,7 @@ def agree(*tensors: torch.Tensor) -> None:
 class Linear(nn.Linear):
     """A replicated linear layer: every rank holds the whole weight (``tp_spans`` None). ``shard_sizes``: the
     output sizes of its packed parts in order (gate | up), one part unless given. ``gemm`` is ``linear``
-    (deterministic mode sets a batch-invariant one on the target's layers:
-    ``kernels.matmul.make_batch_invariant``)."""
+    unless ``use_gemm`` gives the layer another (deterministic mode: the batch-invariant one)."""
 
     gemm = staticmethod(linear)
     tp_spans: list[tuple[int, int, int]] | None = None  # sharded kinds: (dim, first, rows) of each part
@@ -88,6 +87,16 @@ class Linear(nn.Linear):
 
     def forward(self, x):
         return self.gemm(x, self.weight, self.bias)
+
+
+def use_gemm(model: nn.Module, gemm) -> None:
+    """Every linear layer of ``model`` (``Linear`` and its sharded kinds) and its LM head (the model's
+    ``lm_head_matmul``) multiply through ``gemm``, a function of ``linear``'s signature; weights untouched.
+    ``ModelRunner`` gives a deterministic target ``kernels.matmul.linear_invariant`` (DESIGN §4 rule 9)."""
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.gemm = gemm
+    model.lm_head_matmul = gemm
 
 
 class ColumnLinear(Linear):

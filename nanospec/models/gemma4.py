@@ -290,7 +290,7 @@ class Gemma4ForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
-    lm_head_matmul = staticmethod(linear)  # deterministic mode: kernels.matmul.make_batch_invariant
+    lm_head_matmul = staticmethod(linear)  # deterministic mode: parallel.use_gemm
 
     def __init__(self, cfg, max_position: int):
         super().__init__()
