@@ -73,9 +73,9 @@ class BlockAllocator:
         """Extra blocks ``req`` needs so that its table covers ``num_slots`` token slots."""
         return max(0, cdiv(num_slots, self.page_size) - len(req.block_table))
 
-    def allocate(self, req: Request, num_slots: int) -> None:
-        """Grow ``req.block_table`` to cover ``num_slots`` slots. Raises RuntimeError when the pool is
-        short."""
+    def allocate(self, req: Request, num_slots: int) -> list[int]:
+        """Grow ``req.block_table`` to cover ``num_slots`` slots; returns the blocks added. Raises
+        RuntimeError when the pool is short."""
         n = self.blocks_needed(req, num_slots)
         if n > self.num_free:
             raise RuntimeError(f"KV pool exhausted: need {n} blocks, {self.num_free} free")
@@ -87,6 +87,7 @@ class BlockAllocator:
                 del self.cached[self.block_hash.pop(block)]
             self.ref_count[block] = 1
             req.block_table.append(block)
+        return req.block_table[len(req.block_table) - n :]
 
     def free(self, req: Request) -> None:
         """Drop ``req``'s hold on every block (committed rows and any rejected-draft tail); a block no one

@@ -16,7 +16,7 @@ from .models.assistant_io import read_config
 from .models.gemma4_assistant import check_assistant_config
 from .mtp.worker import FrozenKVMTPWorker, resolve_assistant
 from .next_inputs import NextInputs
-from .request import Request, Status
+from .request import Request
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 
@@ -90,7 +90,6 @@ class LLM:
         runner.capture_graphs()
         if self.worker is not None:
             self.worker.capture_graphs(*runner.graph_shape())
-        self._block_tables = {}  # ranks > 0: request id -> block table of each request that runs
         self.scheduler = Scheduler(c, allocator, runner.lookahead)
         on_cuda = self.runner.device.type == "cuda"
         self.overlap = c.overlap_schedule if c.overlap_schedule is not None else on_cuda
@@ -162,8 +161,6 @@ class LLM:
             released = self.scheduler.released
             self.scheduler.released = []
             launched = (batch, self._call("_launch", batch, plan, released))
-            for r in batch.reqs:
-                r.num_blocks_sent = len(r.block_table)
             self.scheduler.on_launch(batch)
         finished = []
         if self._inflight is not None:
@@ -183,9 +180,6 @@ class LLM:
         work (no host sync): prefill, or one decode / speculative step (``plan``: the draft length and its
         estimate, ``DraftLength.choose``)."""
         self._release(released)
-        for r in batch.reqs if parallel.rank > 0 else ():  # a running request came with its new blocks only
-            table = [] if r.status is Status.WAITING else self._block_tables.get(r.request_id, [])
-            r.block_table = self._block_tables[r.request_id] = table + r.block_table
         if batch.kind == "prefill":
             out = self.runner.prefill(batch)
             if out.done:
@@ -205,7 +199,6 @@ class LLM:
     def _release(self, released: list) -> None:
         for req, reason in released:
             self.next_inputs.on_release([req], reason)
-            self._block_tables.pop(req.request_id, None)
 
     # ---- tensor parallelism (nanospec/parallel.py): rank 0 sends each call, every rank runs it ------------
     def _call(self, name: str, *args):
@@ -220,8 +213,11 @@ class LLM:
             raise
 
     def _serve(self) -> None:
-        """Ranks > 0: rank 0's calls in its order until it closes (a None message), then exit."""
+        """Ranks > 0: rank 0's calls in its order until it closes (a None message), then exit. Each call's
+        requests first get their whole block tables from the ones this rank keeps (DESIGN §9)."""
+        tables = {}  # request id -> block ids (parallel.restore_block_tables)
         while (msg := parallel.broadcast()) is not None:
+            parallel.restore_block_tables(tables, *msg)
             attrgetter(msg[0])(self)(*msg[1])
         os._exit(0)  # nothing of this rank outlives the group: skip the interpreter's teardown
 

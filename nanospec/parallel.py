@@ -237,6 +237,22 @@ def _rank_main(r: int, n: int, rdzv: str, engine: type, model_dir: str, kwargs: 
     engine(model_dir, **kwargs)
 
 
+def restore_block_tables(tables: dict[int, list[int]], name: str, args: tuple) -> None:
+    """Ranks > 0, before rank 0's call ``name(*args)`` runs here. ``tables`` (request id -> block ids) is the
+    rank's copy of each launched request's block table, so that a step message carries of a running
+    request's table only the blocks its step added (DESIGN §9). ``_release(released)`` and ``_launch(batch,
+    plan, released)`` drop the released requests' tables; then every request of a launched batch gets its
+    whole table: a waiting one arrives with it, a running one with none, its table being the one kept here
+    and the plan's ``Batch.new_blocks``."""
+    for req, _ in args[-1] if name in ("_launch", "_release") else ():
+        tables.pop(req.request_id, None)
+    batch = args[0] if name == "_launch" else None
+    for i, req in enumerate(batch.reqs if batch is not None else ()):
+        if batch.kind == "decode":
+            req.block_table = tables[req.request_id] + batch.new_blocks[i]
+        tables[req.request_id] = req.block_table
+
+
 def broadcast(msg=None):
     """Rank 0's ``msg`` (a call, or None to stop) on every rank; ranks > 0 wait for it here."""
     box = [msg]

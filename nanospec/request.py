@@ -49,7 +49,6 @@ class Request:
         self.num_cached_tokens: int | None = None  # prompt tokens whose KV came from the prefix cache
         # chained sha256 keys of the full blocks of all_token_ids (prefix caching)
         self.block_hashes: list[bytes] = []
-        self.num_blocks_sent = 0  # tensor parallelism: blocks of block_table the other ranks hold (rank 0)
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self._tokenizer = tokenizer
 
@@ -122,12 +121,12 @@ class Request:
         """The copy rank 0 sends to the other tensor-parallel ranks with each step, of a size that does not
         grow with the output (DESIGN §9): no tokenizer, block hashes, logprobs or accept / draft lengths;
         while the request waits to prefill, its tokens and whole block table; once it runs, no tokens (a
-        decode step reads none) and only the blocks added since the last step (the ranks keep the others)."""
+        decode step reads none) and no block table (the ranks keep it, ``parallel.BlockTables``; the step's
+        plan carries the blocks it added, ``Batch.new_blocks``)."""
         drop = dict(_tokenizer=None, block_hashes=[], accept_lengths=[], draft_lengths=[])
         drop |= dict(logprobs=None, prompt_logprobs=None)  # the ranks read params.logprobs only
         if self.status is not Status.WAITING:
-            new_blocks = self.block_table[self.num_blocks_sent :]
-            drop |= dict(prompt_token_ids=[], output_token_ids=[], block_table=new_blocks)
+            drop |= dict(prompt_token_ids=[], output_token_ids=[], block_table=[])
         return self.__dict__ | drop
 
     def output_text(self) -> str:

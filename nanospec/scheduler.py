@@ -11,11 +11,14 @@ from .request import Request, Status
 @dataclass
 class Batch:
     """One step's plan. kind "prefill": compute ``num_new[i]`` prompt tokens of ``reqs[i]`` starting at its
-    ``num_computed``; kind "decode": one decode (or draft + verify) step for every request."""
+    ``num_computed``; kind "decode": one decode (or draft + verify) step for every request, ``new_blocks[i]``
+    the blocks request i's table gained in this plan (all a step message carries of a running request's
+    table: DESIGN §9)."""
 
     kind: str
     reqs: list[Request]
     num_new: list[int] = field(default_factory=list)
+    new_blocks: list[list[int]] = field(default_factory=list)
     epochs: list[int] = field(default_factory=list)  # each request's epoch at launch (set by on_launch)
     # prefill: whether request i's prompt completes (set by on_launch)
     done: list[bool] = field(default_factory=list)
@@ -141,6 +144,7 @@ class Scheduler:
 
     def _schedule_decode(self) -> Batch | None:
         scheduled = []
+        new_blocks = []
         for req in sorted(self.running, key=lambda r: r.request_id):
             if req not in self.running:
                 continue  # preempted for an older request in this loop
@@ -148,12 +152,12 @@ class Scheduler:
                 continue  # its step in flight may end it: no step past max_model_len (nor its RoPE table)
             need = self._decode_need(req)
             if self._make_room(req, need):
-                self.allocator.allocate(req, need)
+                new_blocks.append(self.allocator.allocate(req, need))
                 scheduled.append(req)
             elif not req.num_inflight:
                 self._preempt(req)  # the youngest holder left: its blocks go to the older ones
             # else: it waits for its step in flight to commit; alone it then fits (the pool check)
-        return Batch("decode", scheduled, [1] * len(scheduled)) if scheduled else None
+        return Batch("decode", scheduled, [1] * len(scheduled), new_blocks) if scheduled else None
 
     def _preempt(self, req: Request) -> None:
         """Free a running request, or a waiting one holding blocks, for recompute by a later prefill over

@@ -108,7 +108,6 @@ def fake_engine(cfg: dict, rng: random.Random) -> LLM:
     llm.scheduler = Scheduler(config, allocator, lookahead)
     llm.overlap = cfg["overlap"]
     llm.num_steps_run = 0
-    llm._block_tables = {}
     llm._inflight = None
     llm._stash = []
     return llm
