@@ -59,13 +59,13 @@ class LLM:
             assistant = resolve_assistant(c.assistant, loader.is_default_target(hf_config, self.tokenizer))
             check_assistant_config(assistant_config := read_config(assistant), hf_config)
         parallel.check_sizes(c, hf_config, assistant_config)
-        parallel.start(c, LLM, str(model_dir), kwargs)
+        rank = parallel.start(c, LLM, str(model_dir), kwargs)
         try:  # a failure from here on closes the ranks already started
             self._build(c, hf_config, model_dir, assistant)
         except BaseException:
             self.close()
             raise
-        if parallel.rank > 0:  # a rank of a tensor-parallel engine: rank 0's calls, then exit
+        if rank > 0:  # a rank of a tensor-parallel engine: rank 0's calls, then exit
             self._serve()
 
     def _build(self, c, hf_config, model_dir, assistant) -> None:
@@ -205,8 +205,7 @@ class LLM:
         """Run the method at dotted path ``name`` on every rank, rank 0 first sending it; a rank's death
         becomes a RuntimeError naming it (``parallel.raise_if_dead``)."""
         try:
-            if parallel.size > 1:
-                parallel.broadcast((name, args))
+            parallel.broadcast((name, args))
             return attrgetter(name)(self)(*args)
         except Exception:
             parallel.raise_if_dead()

@@ -195,11 +195,11 @@ def check_sizes(config, target, assistant=None) -> None:
         raise ValueError(f"tensor_parallel_size={n} does not split {bad(n)[0]} (allowed: {ok})")
 
 
-def start(config, engine: type, model_dir: str, kwargs: dict) -> None:
+def start(config, engine: type, model_dir: str, kwargs: dict) -> int:
     """Before a model is built, join the group of n = ``config.tensor_parallel_size`` ranks: torchrun's
     (``env://``), the one this rank was started into, or as rank 0 start ranks 1..n-1 (torch.multiprocessing
     spawn, each building ``engine(model_dir, **kwargs)``, the ``LLM`` class, without a trace; rendezvous
-    through a temporary file, the ranks' sockets on loopback).
+    through a temporary file, the ranks' sockets on loopback). Returns this process's rank (0 when n is 1).
     ValueError while another tensor-parallel LLM is open in this process, or when ``n`` is not the
     launcher's WORLD_SIZE."""
     global rank, size, _cpu, _rdzv
@@ -208,7 +208,7 @@ def start(config, engine: type, model_dir: str, kwargs: dict) -> None:
     if size > 1:
         raise ValueError("a tensor-parallel LLM is open in this process: close() it before building another")
     if n == 1:
-        return
+        return 0
     if "RANK" not in os.environ:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo" if sys.platform == "linux" else "lo0")
         fd, _rdzv = tempfile.mkstemp(prefix="nanospec-tp-")
@@ -229,6 +229,7 @@ def start(config, engine: type, model_dir: str, kwargs: dict) -> None:
     _cpu = dist.new_group(backend="gloo", timeout=timedelta(days=30))
     rank = r
     size = n
+    return r
 
 
 def _rank_main(r: int, n: int, rdzv: str, engine: type, model_dir: str, kwargs: dict) -> None:
@@ -254,9 +255,11 @@ def restore_block_tables(tables: dict[int, list[int]], name: str, args: tuple) -
 
 
 def broadcast(msg=None):
-    """Rank 0's ``msg`` (a call, or None to stop) on every rank; ranks > 0 wait for it here."""
+    """Rank 0's ``msg`` (a call, or None to stop) on every rank; ranks > 0 wait for it here (``msg`` itself
+    at size 1)."""
     box = [msg]
-    dist.broadcast_object_list(box, 0, group=_cpu)
+    if size > 1:
+        dist.broadcast_object_list(box, 0, group=_cpu)
     return box[0]
 
 
