@@ -11,8 +11,10 @@ Models build these from ``rank`` / ``size`` and never branch on the rank themsel
 Process model: rank 0 is the caller's process and owns the scheduler; it sends each step (and each release
 of a request's inputs) to the other ranks over a CPU (gloo) group, and every rank runs the same calls in the
 same order (``LLM._call``). Tokens are decided on rank 0 and broadcast (``agree``), so every rank ends a step
-with the same inputs for the next one. The group comes from ``env://`` settings (torchrun) or, when the
-engine starts its own ranks, from a temporary file (no port to race for; the ranks' sockets on loopback).
+with the same inputs for the next one. A running request travels without its block table: the other ranks
+keep it and append the blocks each plan adds (``restore_block_tables``). The group comes from ``env://``
+settings (torchrun) or, when the engine starts its own ranks, from a temporary file (no port to race for; the
+ranks' sockets on loopback).
 """
 
 import atexit
