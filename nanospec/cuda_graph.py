@@ -124,13 +124,14 @@ class GraphRunner:
         for g in self.graphs.values():
             g.capture()
 
-    def run(self, phase: str, inputs: dict[str, torch.Tensor], num_splits: int | None, **eager_kwargs):
-        """The phase's outputs for the live batch (padding rows dropped). ``num_splits`` and ``eager_kwargs``
-        serve only the eager call (a graph has its own fixed split count and sees tensors only)."""
+    def run(self, phase: str, inputs: dict[str, torch.Tensor], num_splits: int | None):
+        """The phase's outputs for the live batch (padding rows dropped): the same function on the same named
+        tensors, eager or replayed. ``num_splits`` serves only the eager call (a graph has its own fixed
+        split count)."""
         bs = next(iter(inputs.values())).shape[0]
         bucket = select_bucket(bs, self.sizes)
         if bucket is None:
-            return self.phases[phase][0](num_splits=num_splits, **inputs, **eager_kwargs)
+            return self.phases[phase][0](num_splits=num_splits, **inputs)
         for name, t in inputs.items():
             self.buf.fill(name, t)
         out = self.graphs[phase].run(bucket)

@@ -8,6 +8,7 @@ from nanospec.kernels.attention import num_kv_splits
 from nanospec.kv_cache import block_table_tensor, slot_mapping
 from nanospec.loader import load_config
 from nanospec.model_runner import build_target
+from nanospec.mtp.worker import FrozenKVMTPWorker
 
 HB = 64  # hidden size of conftest's tiny Llama target
 REF_LEN = 48
@@ -73,3 +74,32 @@ def prepare_decode(runner, reqs):
     slots = slot_mapping(bt, torch.arange(len(reqs), device=runner.device), pos, runner.config.page_size)
     md = AttnMetadata.decode(bt, (pos + 1).int(), slots, num_kv_splits(max(r.num_computed for r in reqs) + 1))
     return torch.tensor([r.last_token for r in reqs], device=runner.device), pos, md
+
+
+def record_step_reqs(worker):
+    """Wrap this ``worker``'s ``step`` to keep each step's requests in ``worker.step_reqs``: a test drafter
+    that must know whose rows it drafts reads them there (``draft`` itself sees tensors only)."""
+    step = worker.step
+
+    def recording(reqs, plan=None):
+        worker.step_reqs = reqs
+        return step(reqs, plan)
+
+    worker.step = recording
+
+
+def install_drafter(monkeypatch, fn):
+    """Replace every worker's drafter by ``fn(worker, reqs, block_table, seq_lens, num_splits=None,
+    num_steps=None, sampling=None) -> DraftTree``, an oracle that reads the step's requests (their reference
+    continuation): ``FrozenKVMTPWorker.step`` records its requests on the worker, ``draft`` hands them on."""
+    step = FrozenKVMTPWorker.step
+
+    def recording_step(self, reqs, plan=None):
+        self.step_reqs = reqs
+        return step(self, reqs, plan)
+
+    def draft(self, inp, block_table, seq_lens, num_splits=None, num_steps=None, sampling=None):
+        return fn(self, self.step_reqs, block_table, seq_lens, num_splits, num_steps, sampling)
+
+    monkeypatch.setattr(FrozenKVMTPWorker, "step", recording_step)
+    monkeypatch.setattr(FrozenKVMTPWorker, "draft", draft)

@@ -8,12 +8,11 @@ import itertools
 
 import pytest
 import torch
-from helpers import PROMPTS, greedy, make_llm
+from helpers import PROMPTS, greedy, install_drafter, make_llm
 from transformers import AutoModelForCausalLM
 
 from nanospec.mtp.draft import chain_tree
 from nanospec.mtp.policy import DraftLength
-from nanospec.mtp.worker import FrozenKVMTPWorker
 
 CHAIN = {"num_steps": 3}
 TREE = {"num_steps": 2, "topk": 2, "num_draft_tokens": 4}
@@ -32,7 +31,7 @@ def oracle(monkeypatch, reference):
         bonus = self.next_inputs.take(reqs).bonus_tokens
         return chain_tree(bonus, torch.tensor(rows, dtype=torch.long).view(len(reqs), S))
 
-    monkeypatch.setattr(FrozenKVMTPWorker, "draft", draft)
+    install_drafter(monkeypatch, draft)
 
 
 def force(monkeypatch, schedule):

@@ -13,6 +13,7 @@ import multiprocessing
 import pytest
 import torch
 from conftest import randomize
+from helpers import install_drafter
 from safetensors.torch import load_file, save_file
 from test_gemma4 import _text_config
 from test_gemma4_spec import assistant_config
@@ -20,7 +21,6 @@ from test_spec_lossless import oracle_draft
 from transformers import Gemma4AssistantForCausalLM, Gemma4ForCausalLM
 
 from nanospec import LLM, SamplingParams, model_runner, parallel
-from nanospec.mtp import worker as worker_mod
 
 S, F = "sliding_attention", "full_attention"
 
@@ -62,7 +62,7 @@ def test_oracle_drafts_accepted_and_lossless(monkeypatch, moe, steps, topk):
     through the MoE layers, accepted and rejected, give exactly the spec-off tokens."""
     _, tdir, adir, prompts = moe
     reference = [o["token_ids"] for o in LLM(str(tdir), **KW).generate(prompts, SP, use_tqdm=False)]
-    monkeypatch.setattr(worker_mod.FrozenKVMTPWorker, "draft", oracle_draft(reference, prompts, topk, 4))
+    install_drafter(monkeypatch, oracle_draft(reference, prompts, topk, 4))
     spec = dict(num_steps=steps, topk=topk, num_draft_tokens=1 + steps * topk)
     outs = LLM(str(tdir), assistant=str(adir), **spec, **KW).generate(prompts, SP, use_tqdm=False)
     assert [o["token_ids"] for o in outs] == reference

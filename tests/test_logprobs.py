@@ -5,12 +5,11 @@ last token before max_model_len; bitwise so with deterministic=True."""
 
 import pytest
 import torch
-from helpers import PROMPTS, make_llm
+from helpers import PROMPTS, install_drafter, make_llm
 from transformers import AutoModelForCausalLM
 
 from nanospec import SamplingParams
 from nanospec.mtp.draft import chain_tree
-from nanospec.mtp.worker import FrozenKVMTPWorker
 
 K = 3
 
@@ -71,7 +70,7 @@ def oracle(monkeypatch, tiny_llama_dir):
         bonus = self.next_inputs.take(reqs).bonus_tokens
         return chain_tree(bonus, torch.tensor(rows, dtype=torch.long).view(len(reqs), S))
 
-    monkeypatch.setattr(FrozenKVMTPWorker, "draft", draft)
+    install_drafter(monkeypatch, draft)
 
 
 def test_logprobs_equal_hf(tiny_llama_dir, hf):

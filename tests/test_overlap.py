@@ -7,10 +7,9 @@ so it stays right when the host lags a step."""
 
 import pytest
 import torch
-from helpers import PROMPTS, greedy, make_llm
+from helpers import PROMPTS, greedy, install_drafter, make_llm
 
 from nanospec.mtp.draft import chain_tree
-from nanospec.mtp.worker import FrozenKVMTPWorker
 
 MODES = {"plain": {}, "chain": {"num_steps": 3}, "tree": {"num_steps": 2, "topk": 2, "num_draft_tokens": 4}}
 
@@ -30,7 +29,7 @@ def device_oracle(monkeypatch, reference):
             rows.append(d if L % 3 else d[:2] + [(t + 1) % 49152 for t in d[2:]])
         return chain_tree(inp.bonus_tokens, torch.tensor(rows, dtype=torch.long).view(len(reqs), S))
 
-    monkeypatch.setattr(FrozenKVMTPWorker, "draft", draft)
+    install_drafter(monkeypatch, draft)
 
 
 def run(llm, arrivals):

@@ -12,12 +12,11 @@ import itertools
 import pytest
 import torch
 from conftest import vocab8_target
-from helpers import PROMPTS, make_llm
+from helpers import PROMPTS, install_drafter, make_llm
 
 from nanospec import SamplingParams
 from nanospec.mtp.draft import DraftTree, chain_tree
 from nanospec.mtp.policy import DraftLength
-from nanospec.mtp.worker import FrozenKVMTPWorker
 
 MODES = {"chain": {"num_steps": 3}, "tree": {"num_steps": 2, "topk": 2, "num_draft_tokens": 5}}
 SCHEDULES = {"chain": [0, 3, 1, 2], "tree": [0, 2, 2]}
@@ -84,7 +83,7 @@ def oracle(monkeypatch, reference):
             return chain_tree(bonus, truth)
         return _tree_with_decoys(bonus, truth, seq_lens)
 
-    monkeypatch.setattr(FrozenKVMTPWorker, "draft", draft)
+    install_drafter(monkeypatch, draft)
 
 
 def _tree_with_decoys(bonus, truth, seq_lens):

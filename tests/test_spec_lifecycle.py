@@ -17,7 +17,7 @@ import hashlib
 import pytest
 import torch
 from conftest import save_assistant
-from helpers import HB, P_DISTINCT, PROMPTS, greedy, make_llm
+from helpers import HB, P_DISTINCT, PROMPTS, greedy, install_drafter, make_llm
 
 import nanospec.models.gemma4_assistant as g4
 import nanospec.mtp.draft as draft_mod
@@ -60,7 +60,7 @@ def oracle(monkeypatch, reference):
             drafts = torch.tensor(rows, dtype=torch.long).view(len(reqs), S)
             return chain_tree(seed.bonus_tokens, drafts)
 
-        monkeypatch.setattr(FrozenKVMTPWorker, "draft", draft)
+        install_drafter(monkeypatch, draft)
 
     return install
 
@@ -299,7 +299,7 @@ def test_rule3_draft_writes_no_kv(tiny_llama_dir, asst_dir, record_draft_metadat
         v.clear()
     before = _pool_digest(kv)
     L = torch.tensor([r.num_computed for r in reqs], dtype=torch.int32)
-    tree = worker.draft(reqs, block_table_tensor(reqs, "cpu"), L)
+    tree = worker.draft(llm.next_inputs.take(reqs), block_table_tensor(reqs, "cpu"), L)
     assert _pool_digest(kv) == before
     assert tree.tokens.shape == (len(reqs), llm.config.num_draft_tokens)
     mds = record_draft_metadata["assistant"]
@@ -341,9 +341,9 @@ def test_rule3_long_prompt_num_steps_1(tiny_llama_dir, asst_dir, record_draft_me
     llm = make_llm(tiny_llama_dir, asst_dir, num_steps=1, **kw)
     digests, orig = [], FrozenKVMTPWorker.draft
 
-    def checked(self, reqs, bt, L, num_splits=None, num_steps=None, sampling=None):
+    def checked(self, inp, bt, L, num_splits=None, num_steps=None, sampling=None):
         before = _pool_digest(llm.runner.kv_pools[0])  # pool checksum around every draft
-        out = orig(self, reqs, bt, L, num_splits, num_steps, sampling)
+        out = orig(self, inp, bt, L, num_splits, num_steps, sampling)
         digests.append(before == _pool_digest(llm.runner.kv_pools[0]))
         return out
 
@@ -391,7 +391,7 @@ def test_rule4_zero_row_draft_and_accept(tiny_llama_dir, asst_dir, topk, n_draft
     assert tree.is_chain == (topk == 1)
     if topk > 1:
         assert tree.tree_mask.shape == (0, n_draft, n_draft)
-    assert worker.draft([], block_table_tensor([], "cpu"), L0).tokens.shape == (0, n_draft)
+    assert worker.draft(idle, block_table_tensor([], "cpu"), L0).tokens.shape == (0, n_draft)
     path, acc, bonus = accept(tree, torch.zeros(0, n_draft, dtype=torch.long), 3)
     assert path.shape[0] == 0 and acc.shape == (0,) and bonus.shape == (0,)
     assert emitted_tokens(tree, path, acc, bonus).shape[0] == 0
@@ -559,7 +559,7 @@ def test_rule6_rows_independent_tree(tiny_llama_dir, asst_dir, reference, monkey
             m.expand(B, 5, 5).clone(),
         )
 
-    monkeypatch.setattr(FrozenKVMTPWorker, "draft", draft)
+    install_drafter(monkeypatch, draft)
     llm = make_llm(tiny_llama_dir, asst_dir, num_steps=2, topk=2, num_draft_tokens=5, page_size=4)
     params = [greedy(n) for n in (20, 25, 14, 30)]
     batched = llm.generate(PROMPTS, params, use_tqdm=False)

@@ -6,12 +6,11 @@ import math
 import pytest
 import torch
 from conftest import randomize, vocab8_target
-from helpers import chat_texts
+from helpers import chat_texts, install_drafter
 
 from nanospec import LLM, SamplingParams
 from nanospec.loader import load_config
 from nanospec.models.gemma4_assistant import assistant_config_for
-from nanospec.mtp import worker as worker_mod
 from nanospec.mtp.draft import DraftTree, chain_tree
 
 
@@ -131,7 +130,7 @@ def oracle_draft(reference, prompts, topk, wrong_every, rng_seed=0):
 def test_greedy_lossless_oracle_drafter(monkeypatch, tiny_llama_dir, tiny_assistant, reference, topk):
     """Multi-token acceptance (and, for trees, sibling walks + accepted-path KV compaction) stays lossless."""
     S = 4
-    monkeypatch.setattr(worker_mod.FrozenKVMTPWorker, "draft", oracle_draft(reference, PROMPTS, topk, 5))
+    install_drafter(monkeypatch, oracle_draft(reference, PROMPTS, topk, 5))
     llm = engine(
         tiny_llama_dir,
         assistant=tiny_assistant,

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 from conftest import make_tiny_model, randomize
-from helpers import TRAIN_ENGINE, chat_texts, tiny_target
+from helpers import TRAIN_ENGINE, chat_texts, record_step_reqs, tiny_target
 
 from nanospec import LLM, SamplingParams
 from nanospec.models.gemma4_assistant import Gemma4Assistant
@@ -38,20 +38,21 @@ ENGINE = TRAIN_ENGINE
 
 def record_drafts(llm):
     """Wrap the worker's (eager, CPU) draft: per call, (request ids, seq_lens, drafted chain [B, S+1],
-    per-step (logits, h_next))."""
+    per-step (logits, h_next)); the ids are the step's (``record_step_reqs``)."""
     worker, records = llm.worker, []
     orig = worker.draft
+    record_step_reqs(worker)
 
-    def draft(reqs, bt, L, *args, **kwargs):
+    def draft(inp, bt, L, *args, **kwargs):
         steps = []
         hook = worker.assistant.register_forward_hook(
             lambda m, a, out: steps.append((out[0].clone(), out[1].clone()))
         )
         try:
-            tree = orig(reqs, bt, L, *args, **kwargs)
+            tree = orig(inp, bt, L, *args, **kwargs)
         finally:
             hook.remove()
-        records.append(([r.request_id for r in reqs], L.tolist(), tree.tokens.clone(), steps))
+        records.append(([r.request_id for r in worker.step_reqs], L.tolist(), tree.tokens.clone(), steps))
         return tree
 
     worker.draft = draft

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from conftest import make_tiny_model, randomize
-from helpers import TRAIN_ENGINE, tiny_target
+from helpers import TRAIN_ENGINE, record_step_reqs, tiny_target
 
 from nanospec import LLM, SamplingParams
 from nanospec.models.gemma4_assistant import Gemma4Assistant
@@ -100,10 +100,11 @@ def test_greedy_drafts_match_nanospec_drafting(tiny_llama_dir, tmp_path):
     llm = LLM(str(tiny_llama_dir), assistant=str(tmp_path / "a"), num_steps=S, **ENGINE)
     worker, drafts = llm.worker, []
     orig = worker.draft
+    record_step_reqs(worker)  # whose rows each draft holds
 
-    def draft(reqs, bt, L, *args, **kwargs):
-        tree = orig(reqs, bt, L, *args, **kwargs)
-        drafts.append(([r.request_id for r in reqs], L.tolist(), tree.tokens.clone()))
+    def draft(inp, bt, L, *args, **kwargs):
+        tree = orig(inp, bt, L, *args, **kwargs)
+        drafts.append(([r.request_id for r in worker.step_reqs], L.tolist(), tree.tokens.clone()))
         return tree
 
     worker.draft = draft

@@ -8,8 +8,9 @@ end of the request's prefill and dropped from at its release; a step reads and r
    (``LLM`` checked its config against the target's first); no KV pool exists yet.              [rule 2]
 2. ``bind(kv_pools)``: after the target's pool is allocated and bound, attach the assistant's layers to the
    target layers they read.                                                                       [rule 2]
-3. ``capture_graphs(sizes, num_splits, width)``: the ``mtp:{s}`` phases (``draft_verify``), one per draft
-   length the policy may choose, once everything is bound.
+3. ``capture_graphs(sizes, num_splits, width)``: the ``mtp:{s}`` phases (``draft_verify``: tensors in,
+   tensors out, the same code eager or captured), one per draft length the policy may choose, once
+   everything is bound.
 4. ``plan(reqs)`` (rank 0, at launch) -> ``step(reqs, plan) -> StepOutput``: one speculative decode step for
    every running request, drafting the plan's s steps from exactly KV rows [0, L), writing nothing [rule 3];
    verify the tree, writing rows [L, L + N); accept per row [rule 6]; the next draft input is each row's
@@ -159,7 +160,7 @@ class FrozenKVMTPWorker:
             "seeds": seeds,
         }
         tree_tokens, out, acc, bonus, hidden, path, logits = self.graphs.run(
-            f"mtp:{s}", inputs, num_kv_splits(bound), reqs=reqs, num_steps=s
+            f"mtp:{s}", inputs, num_kv_splits(bound)
         )
         logprobs = None
         if any(r.params.logprobs is not None for r in reqs):  # emitted token j: the target's at node path[j]
@@ -193,13 +194,14 @@ class FrozenKVMTPWorker:
             seconds = out.timer.seconds()
             self.policy.observe(out.draft_len, len(out.accept_lens), out.accept_lens, seconds, out.sampled)
 
-    def draft(self, reqs, block_table, seq_lens, num_splits=None, num_steps=None, sampling=None):
-        """The draft tree of ``reqs`` from their draft inputs (reads KV rows [0, L), writes nothing):
-        ``num_steps`` (default: all) steps; ``sampling`` as ``run_draft``'s."""
+    def draft(self, inp: DraftInput, block_table, seq_lens, num_splits=None, num_steps=None, sampling=None):
+        """The draft tree of the rows of ``inp`` (their bonus tokens and seed hiddens; reads KV rows [0, L),
+        writes nothing): ``num_steps`` (default: all) steps; ``sampling`` as ``run_draft``'s. The one draft
+        path, eager or captured (``draft_verify``)."""
         s = self.num_steps if num_steps is None else num_steps
         return run_draft(
             self.assistant,
-            self.next_inputs.take(reqs),
+            inp,
             block_table,
             seq_lens,
             s,
@@ -252,40 +254,15 @@ class FrozenKVMTPWorker:
         return emitted_tokens(tree, path, acc, bonus), acc, bonus, seed_hidden, path, logits
 
     def draft_verify(
-        self,
-        bonus,
-        hidden,
-        block_table,
-        L,
-        temperature,
-        top_k,
-        top_p,
-        seeds,
-        num_splits=None,
-        reqs=None,
-        num_steps=None,
+        self, bonus, hidden, block_table, L, temperature, top_k, top_p, seeds, num_splits=None, num_steps=None
     ):
         """One whole speculative step of ``num_steps`` draft steps (default: all) from draft-input tensors
         (bonus [B], hidden [B, Hb]) and the rows' sampling tensors (``sampler.sampling_tensors``): the
-        ``mtp:{s}`` phase a CUDA graph captures. Eager calls pass ``reqs`` so that ``draft`` sees the
-        requests. Returns (tree tokens [B, N], then ``verify``'s outputs)."""
+        ``mtp:{s}`` phase, the same code whether a CUDA graph captures it or it runs eagerly. Returns (tree
+        tokens [B, N], then ``verify``'s outputs)."""
         s = self.num_steps if num_steps is None else num_steps
         sampling = (temperature, top_k, top_p, seeds)
-        if reqs is None:
-            tree = run_draft(
-                self.assistant,
-                DraftInput([], bonus, hidden),
-                block_table,
-                L,
-                s,
-                self.topk,
-                self._num_nodes(s),
-                self.position_offset,
-                num_splits,
-                sampling,
-            )
-        else:
-            tree = self.draft(reqs, block_table, L, num_splits, s, sampling)
+        tree = self.draft(DraftInput([], bonus, hidden), block_table, L, num_splits, s, sampling)
         return (tree.tokens, *self.verify(tree, block_table, L, sampling, s))
 
     def _trace_step(self, reqs, lens, tree_tokens, result) -> None:
