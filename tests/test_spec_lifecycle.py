@@ -13,6 +13,7 @@ committed length.
 
 import copy
 import hashlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -120,48 +121,53 @@ def test_rule1_all_finish_in_one_verify_leaves_idle_input(
 
 
 # Same bug family (spec_info filter/merge during batch surgery, brief §4 "filter_batch / merge_batch" and the
-# preempt -> re-prefill path): filter/merge over any mix of prefill seeds, decode seeds and idle inputs keeps
-# real shapes [B] / [B, Hb], request order, and one row per request (a re-prefilled request's new seed wins).
-def test_rule1_draft_input_filter_merge_mix():
+# preempt -> re-prefill path): births, takes in any order, releases and re-births over the persistent
+# slots keep real shapes [B] / [B, Hb], batch order, and one row per request (a re-prefilled request's new
+# seed wins).
+def test_rule1_next_input_slots_survive_batch_surgery():
     Hb = 8
+    slots = NextInputs(Hb, "cpu", torch.float32, 6)
 
-    def seeds(ids):  # row of request r: bonus 10*r, hidden filled with r
-        return DraftInput(
-            list(ids),
-            torch.tensor([10 * r for r in ids], dtype=torch.long),
-            torch.tensor([[float(r)] * Hb for r in ids]).reshape(len(ids), Hb),
-            torch.tensor([100 + r for r in ids], dtype=torch.int32),
-        )
+    def reqs(ids):
+        return [SimpleNamespace(request_id=r, prefill_len=100 + r) for r in ids]
+
+    def born(ids, bonus=None):  # row of request r: bonus 10*r, hidden filled with r, L = 100 + r
+        bonus = [10 * r for r in ids] if bonus is None else bonus
+        hidden = torch.tensor([[float(r)] * Hb for r in ids]).reshape(len(ids), Hb)
+        slots.on_prefill_done(reqs(ids), torch.tensor(bonus, dtype=torch.long), hidden)
 
     def check(x, ids):
-        assert x.req_ids == list(ids)
+        assert type(x) is DraftInput and x.req_ids == list(ids)
         assert x.bonus_tokens.shape == (len(ids),) and x.hidden.shape == (len(ids), Hb)
         assert x.bonus_tokens.dtype == torch.long and x.hidden.dtype == torch.float32
         assert x.bonus_tokens.tolist() == [10 * r for r in ids]
-        assert torch.equal(x.hidden, seeds(ids).hidden)
+        assert x.hidden.tolist() == [[float(r)] * Hb for r in ids]
         assert x.seq_lens.dtype == torch.int32 and x.seq_lens.tolist() == [100 + r for r in ids]
 
-    idle = DraftInput.idle(Hb, "cpu", torch.float32)
-    check(idle, [])
-    prefill, decode = seeds([5, 6]), seeds([1, 2, 3])
-    check(idle.merge(prefill), [5, 6])
-    check(decode.merge(idle), [1, 2, 3])
-    check(idle.merge(idle), [])
-    batch = decode.merge(prefill)
-    check(batch, [1, 2, 3, 5, 6])
-    check(batch.filter([6, 2, 9]), [6, 2])  # keep_ids order; unknown ids skipped
-    check(batch.filter([]), [])  # everything finished -> idle shapes
-    check(batch.filter([]).merge(seeds([7])), [7])
-    check(idle.filter([1]), [])
+    check(slots.rows, [])  # idle: real 0-row shapes
+    check(slots.take([]), [])
+    born([5, 6])
+    born([1, 2, 3])
+    check(slots.rows, [5, 6, 1, 2, 3])
+    check(slots.take(reqs([6, 2])), [6, 2])  # batch order
+    slots.on_release(reqs([5, 9]), "finished")  # unknown ids skipped
+    check(slots.rows, [6, 1, 2, 3])
+    with pytest.raises(RuntimeError, match="no next input"):
+        slots.take(reqs([5]))
+    # a step replaces its rows only
+    rows = slots.take(reqs([3, 1]))
+    slots.advance(DraftInput(rows.req_ids, rows.bonus_tokens + 1, rows.hidden * 2, rows.seq_lens + 4))
+    assert slots.take(reqs([1, 2, 3])).bonus_tokens.tolist() == [11, 20, 31]
+    assert slots.take(reqs([1, 2, 3])).seq_lens.tolist() == [105, 102, 107]
     # preempt -> re-prefill: request 2's new seed replaces its old row, no duplicate
-    fresh = DraftInput(
-        [2], torch.tensor([99]), torch.full((1, Hb), -2.0), torch.tensor([7], dtype=torch.int32)
-    )
-    m = batch.merge(fresh)
-    assert m.req_ids == [1, 3, 5, 6, 2] and m.bonus_tokens.shape == (5,) and m.hidden.shape == (5, Hb)
-    assert m.bonus_tokens.tolist() == [10, 30, 50, 60, 99] and m.hidden[-1].eq(-2.0).all()
-    assert m.seq_lens.tolist() == [101, 103, 105, 106, 7]
-    check(m.filter([1, 3, 5, 6]), [1, 3, 5, 6])
+    slots.on_release(reqs([2]), "preempted")
+    born([2], bonus=[99])
+    assert len(slots) == 4 and slots.take(reqs([2])).bonus_tokens.tolist() == [99]
+    born([7, 8])
+    with pytest.raises(RuntimeError, match="slots"):
+        born([4])  # more running requests than max_num_seqs
+    slots.on_release(reqs([6, 1, 2, 3, 7, 8]), "finished")
+    check(slots.rows, [])
 
 
 # =============================================================================================== rule 2
@@ -182,7 +188,7 @@ def test_rule2_construct_then_allocate_then_bind(tiny_llama_dir, asst_dir, targe
     )
     target = build_target(target_cfg, cpu, f32, 128, tiny_llama_dir)
     assert all(layer.self_attn.k_cache is None for layer in target.layers)  # no pool anywhere
-    next_inputs = NextInputs(HB, cpu, f32)
+    next_inputs = NextInputs(HB, cpu, f32, 4)
     worker = FrozenKVMTPWorker(cfg, target, asst_dir, next_inputs)  # construction needs no pool
     assert worker.assistant._kv is None and len(next_inputs) == 0
     md = AttnMetadata.draft(torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))

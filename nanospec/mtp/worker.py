@@ -115,7 +115,7 @@ class FrozenKVMTPWorker:
         f32 = torch.float32
         buffers = {
             "bonus": ((1,), i64, 0),
-            "hidden": ((1, self.target.config.hidden_size), self.next_inputs.rows.hidden.dtype, 0),
+            "hidden": ((1, self.target.config.hidden_size), self.next_inputs.hidden.dtype, 0),
             "block_table": ((1, width), i32, DUMMY_BLOCK),
             "L": ((1,), i32, 0),
             "temperature": ((1,), f32, 0.0),
