@@ -95,7 +95,7 @@ class StepOutput:
 
     rows: torch.Tensor
     speculative: bool = False
-    draft_len: int = 0  # draft steps of a speculative step (0: it verified the bonus token alone)
+    num_steps: int = 0  # draft steps of a speculative step (0: it verified the bonus token alone)
     num_drafted: int = 0  # draft tokens it verified per request (tree nodes but the root)
     timer: object = None  # the step's StepTimer (speculation), read when the step commits
     sampled: bool = False  # a row of the step sampled (the draft-length policy books it apart)

@@ -11,7 +11,8 @@ from .request import Request, Status
 @dataclass
 class Batch:
     """One step's plan. kind "prefill": compute ``num_new[i]`` prompt tokens of ``reqs[i]`` starting at its
-    ``num_computed``; kind "decode": one decode (or draft + verify) step for every request, ``new_blocks[i]``
+    ``num_computed``; kind "decode": one decode (or draft + verify) step for every request, writing
+    ``num_new[i]`` KV rows (the lookahead: 1, or the N tokens a verify writes), ``new_blocks[i]``
     the blocks request i's table gained in this plan (all a step message carries of a running request's
     table: DESIGN §9)."""
 
@@ -157,7 +158,9 @@ class Scheduler:
             elif not req.num_inflight:
                 self._preempt(req)  # the youngest holder left: its blocks go to the older ones
             # else: it waits for its step in flight to commit; alone it then fits (the pool check)
-        return Batch("decode", scheduled, [1] * len(scheduled), new_blocks) if scheduled else None
+        return (
+            Batch("decode", scheduled, [self.lookahead] * len(scheduled), new_blocks) if scheduled else None
+        )
 
     def _preempt(self, req: Request) -> None:
         """Free a running request, or a waiting one holding blocks, for recompute by a later prefill over

@@ -171,7 +171,7 @@ class FrozenKVMTPWorker:
         result = StepOutput(
             torch.cat([acc[:, None], out], 1),
             speculative=s > 0,
-            draft_len=s,
+            num_steps=s,
             num_drafted=self._num_nodes(s) - 1,
             timer=timer.stop(),
             sampled=_is_sampled(reqs),
@@ -192,7 +192,7 @@ class FrozenKVMTPWorker:
         """A committed step's accept lengths and measured time, for the draft-length policy."""
         if out.timer is not None:
             seconds = out.timer.seconds()
-            self.policy.observe(out.draft_len, len(out.accept_lens), out.accept_lens, seconds, out.sampled)
+            self.policy.observe(out.num_steps, len(out.accept_lens), out.accept_lens, seconds, out.sampled)
 
     def draft(self, inp: DraftInput, block_table, seq_lens, num_splits=None, num_steps=None, sampling=None):
         """The draft tree of the rows of ``inp`` (their bonus tokens and seed hiddens; reads KV rows [0, L),
