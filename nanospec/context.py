@@ -76,29 +76,30 @@ class AttnMetadata:
     def verify(
         cls,
         block_table,
-        committed_lens,
+        num_computed_tokens,
         slot_mapping,
         num_tokens: int,
         tree_mask=None,
         split_size: int | None = None,
     ) -> "AttnMetadata":
-        """``num_tokens`` tree tokens per request after ``committed_lens`` [B] int32 cached rows; the tree
-        mask (None for a chain) says which tree tokens each one sees. A chain with ``split_size`` is built as
-        a prefill (deterministic mode: token j of request b is the decode row of L_b + j + 1 keys)."""
-        B = committed_lens.shape[0]
-        dev = committed_lens.device
+        """``num_tokens`` tree tokens per request after ``num_computed_tokens`` [B] int32 cached rows; the
+        tree mask (None for a chain) says which tree tokens each one sees. A chain with ``split_size`` is
+        built as a prefill (deterministic mode: token j of request b is the decode row of L_b + j + 1
+        keys)."""
+        B = num_computed_tokens.shape[0]
+        dev = num_computed_tokens.device
         cu = torch.arange(0, (B + 1) * num_tokens, num_tokens, dtype=torch.int32, device=dev)
-        seq_lens = committed_lens + num_tokens
+        seq_lens = num_computed_tokens + num_tokens
         if split_size and tree_mask is None:
             return cls.prefill(block_table, seq_lens, slot_mapping, cu, num_tokens, split_size)
         return cls("verify", block_table, seq_lens, slot_mapping, cu, num_tokens, tree_mask)
 
     @classmethod
     def draft(
-        cls, block_table, committed_lens, row_to_req=None, num_splits: int | None = None
+        cls, block_table, num_computed_tokens, row_to_req=None, num_splits: int | None = None
     ) -> "AttnMetadata":
         """Frozen-KV draft queries over exactly rows [0, L) of each request; no write slots exist."""
-        return cls("draft", block_table, committed_lens, row_to_req=row_to_req, num_splits=num_splits)
+        return cls("draft", block_table, num_computed_tokens, row_to_req=row_to_req, num_splits=num_splits)
 
 
 _current: AttnMetadata | None = None

@@ -198,7 +198,7 @@ class ModelRunner:
         cu = [0]
         lens = []
         for i, (req, n) in enumerate(zip(batch.reqs, batch.num_new)):
-            s = req.num_computed
+            s = req.num_computed_tokens
             ids += req.all_token_ids[s : s + n]
             pos += range(s, s + n)
             rows += [i] * n
@@ -255,7 +255,7 @@ class ModelRunner:
         for i, (req, n) in enumerate(zip(batch.reqs, batch.num_new)):
             if req.params.prompt_logprobs is None or req.output_token_ids:
                 continue
-            start = req.num_computed
+            start = req.num_computed_tokens
             count = min(start + n, len(req.prompt_token_ids) - 1) - start
             first_row = last[i] - n + 1
             rows += range(first_row, first_row + count)
@@ -278,19 +278,19 @@ class ModelRunner:
             return StepOutput(torch.zeros(0, 2, dtype=torch.long))
         inp = next_inputs.take(reqs)
         bt = block_table_tensor(reqs, self.device)
-        pos = inp.seq_lens.long()
+        pos = inp.num_computed_tokens.long()
         slots = slot_mapping(bt, torch.arange(len(reqs), device=self.device), pos, self.config.page_size)
-        bound = max(r.num_computed + r.num_inflight for r in reqs) + 1
+        bound = max(r.num_computed_tokens + r.num_inflight for r in reqs) + 1
         inputs = {
             "ids": inp.bonus_tokens,
             "pos": pos,
             "slots": slots,
             "block_table": bt,
-            "seq_lens": inp.seq_lens + 1,
+            "seq_lens": inp.num_computed_tokens + 1,
         }
         logits = self.graphs.run("decode", inputs, num_kv_splits(bound))
         toks = sample_tokens(reqs, logits, pos + 1)  # the produced token sits at position L + 1
         parallel.agree(toks)
-        next_inputs.advance(DraftInput(inp.req_ids, toks, inp.hidden, inp.seq_lens + 1))
+        next_inputs.advance(DraftInput(inp.req_ids, toks, inp.hidden, inp.num_computed_tokens + 1))
         rows = torch.stack([torch.ones_like(toks), toks], 1)
         return StepOutput(rows, logprobs=emitted_logprobs(reqs, logits[:, None], toks[:, None]))

@@ -17,14 +17,14 @@ class DraftInput:
 
     req_ids: request ids; bonus_tokens [B] int64: last token sampled by the target (not in KV yet);
     hidden [B, Hb]: target post-final-norm hidden of the last accepted token ([B, 0] for plain decode);
-    seq_lens [B] int32: committed KV length L of each row (None where the caller tracks it). Always
-    real-shaped, also with 0 rows.
+    num_computed_tokens [B] int32: committed KV length L of each row (None where the caller tracks it).
+    Always real-shaped, also with 0 rows.
     """
 
     req_ids: list[int]
     bonus_tokens: torch.Tensor
     hidden: torch.Tensor
-    seq_lens: torch.Tensor | None = None
+    num_computed_tokens: torch.Tensor | None = None
 
     @classmethod
     def idle(cls, hidden_size: int, device, dtype) -> "DraftInput":
@@ -62,7 +62,7 @@ class NextInputs:
         self.hidden_size = hidden_size
         self.bonus_tokens = torch.zeros(capacity, dtype=torch.long, device=device)
         self.hidden = torch.zeros(capacity, hidden_size, dtype=dtype, device=device)
-        self.seq_lens = torch.zeros(capacity, dtype=torch.int32, device=device)
+        self.num_computed_tokens = torch.zeros(capacity, dtype=torch.int32, device=device)
         self.slots: dict[int, int] = {}  # request id -> slot, in the order the inputs were born
         self.free = list(range(capacity))
         self.trace = trace
@@ -80,7 +80,7 @@ class NextInputs:
 
     def _gather(self, req_ids: list[int]) -> DraftInput:
         idx = self._index(req_ids)
-        return DraftInput(req_ids, self.bonus_tokens[idx], self.hidden[idx], self.seq_lens[idx])
+        return DraftInput(req_ids, self.bonus_tokens[idx], self.hidden[idx], self.num_computed_tokens[idx])
 
     def on_prefill_done(self, reqs, first_tokens: torch.Tensor, hidden: torch.Tensor) -> None:
         """Birth of the inputs of ``reqs`` (first_tokens [B] int64, hidden [B, H]). RuntimeError if more
@@ -107,7 +107,7 @@ class NextInputs:
         idx = self._index(rows.req_ids)
         self.bonus_tokens[idx] = rows.bonus_tokens
         self.hidden[idx] = rows.hidden
-        self.seq_lens[idx] = rows.seq_lens
+        self.num_computed_tokens[idx] = rows.num_computed_tokens
 
     def on_release(self, reqs, reason: str) -> None:
         """Free the slots of ``reqs`` (reason: "finished" | "aborted" | "preempted"); unknown ids are

@@ -14,10 +14,10 @@ class Status(Enum):
 class Request:
     """One generation request.
 
-    ``num_computed`` counts the tokens whose K/V are committed in the target pool (L in DESIGN §3). While
-    decoding, the last output token (the bonus token under speculation) is not in KV yet, so
-    ``num_computed == num_tokens - 1``. ``block_table`` lists the request's KV blocks in order. ``seed``
-    keys the sampling noise of every token the request produces (``kernels.sampling``): its
+    ``num_computed_tokens`` counts the tokens whose K/V are committed in the target pool (L in DESIGN §3).
+    While decoding, the last output token (the bonus token under speculation) is not in KV yet, so
+    ``num_computed_tokens == num_tokens - 1``. ``block_table`` lists the request's KV blocks in order.
+    ``seed`` keys the sampling noise of every token the request produces (``kernels.sampling``): its
     ``SamplingParams.seed``, or one the engine drew for it.
     """
 
@@ -37,7 +37,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.block_table: list[int] = []
         # num_inflight: decode steps launched but not yet committed (overlap scheduling: 0 or 1)
-        self.num_computed = self.num_inflight = 0
+        self.num_computed_tokens = self.num_inflight = 0
         self.epoch = 0  # bumped by preemption: a step launched in an earlier epoch is dropped
         self.finish_reason: str | None = None
         self.stop_str_index: int | None = None  # where the text is cut, when a stop string matched

@@ -11,7 +11,7 @@ from .request import Request, Status
 @dataclass
 class Batch:
     """One step's plan. kind "prefill": compute ``num_new[i]`` prompt tokens of ``reqs[i]`` starting at its
-    ``num_computed``; kind "decode": one decode (or draft + verify) step for every request, writing
+    ``num_computed_tokens``; kind "decode": one decode (or draft + verify) step for every request, writing
     ``num_new[i]`` KV rows (the lookahead: 1, or the N tokens a verify writes), ``new_blocks[i]``
     the blocks request i's table gained in this plan (all a step message carries of a running request's
     table: DESIGN §9)."""
@@ -26,9 +26,9 @@ class Batch:
 
     def completes(self, i: int) -> bool:
         """Whether request i's prefill finishes this step (a new request then samples its first token); valid
-        until ``on_launch`` advances ``num_computed``."""
+        until ``on_launch`` advances ``num_computed_tokens``."""
         r = self.reqs[i]
-        return self.kind == "decode" or r.num_computed + self.num_new[i] == r.prefill_len
+        return self.kind == "decode" or r.num_computed_tokens + self.num_new[i] == r.prefill_len
 
 
 class Scheduler:
@@ -105,7 +105,7 @@ class Scheduler:
 
     def _decode_need(self, req: Request) -> int:
         """KV slots ``req``'s next decode step writes up to: its step in flight (if any) and this one."""
-        return req.num_computed + self.lookahead * (1 + req.num_inflight)
+        return req.num_computed_tokens + self.lookahead * (1 + req.num_inflight)
 
     def _make_room(self, req: Request, num_slots: int, reserve: int = 0) -> bool:
         """Preempt holders younger than ``req``, youngest first, until ``req`` can cover ``num_slots`` slots
@@ -126,20 +126,20 @@ class Scheduler:
                 break
             # prefix caching: start after the longest cached prefix (a prompt to score is computed whole)
             if not req.block_table and req.params.prompt_logprobs is None:
-                req.num_computed = self.allocator.match_prefix(req)
+                req.num_computed_tokens = self.allocator.match_prefix(req)
                 if req.num_cached_tokens is None:
-                    req.num_cached_tokens = min(req.num_computed, len(req.prompt_token_ids))
-            chunk = min(req.prefill_len - req.num_computed, budget)
+                    req.num_cached_tokens = min(req.num_computed_tokens, len(req.prompt_token_ids))
+            chunk = min(req.prefill_len - req.num_computed_tokens, budget)
             # admitted only if the older running requests' next decode steps still fit (no thrashing)
             older = [r for r in self.running if r.request_id < req.request_id]
             reserve = sum(self.allocator.blocks_needed(r, self._decode_need(r)) for r in older)
-            if not self._make_room(req, req.num_computed + chunk, reserve):
+            if not self._make_room(req, req.num_computed_tokens + chunk, reserve):
                 break
-            self.allocator.allocate(req, req.num_computed + chunk)
+            self.allocator.allocate(req, req.num_computed_tokens + chunk)
             batch.reqs.append(req)
             batch.num_new.append(chunk)
             budget -= chunk
-            if req.num_computed + chunk < req.prefill_len:
+            if req.num_computed_tokens + chunk < req.prefill_len:
                 break  # a chunked prompt goes on next step, before anything queued behind it
         return batch if batch.reqs else None
 
@@ -158,16 +158,15 @@ class Scheduler:
             elif not req.num_inflight:
                 self._preempt(req)  # the youngest holder left: its blocks go to the older ones
             # else: it waits for its step in flight to commit; alone it then fits (the pool check)
-        return (
-            Batch("decode", scheduled, [self.lookahead] * len(scheduled), new_blocks) if scheduled else None
-        )
+        rows_written = [self.lookahead] * len(scheduled)
+        return Batch("decode", scheduled, rows_written, new_blocks) if scheduled else None
 
     def _preempt(self, req: Request) -> None:
         """Free a running request, or a waiting one holding blocks, for recompute by a later prefill over
         prompt + outputs (nothing is lost); it waits in arrival order."""
         self._release(req, "preempted")
         req.epoch += 1  # a step still in flight for it is dropped when it commits
-        req.num_inflight = req.num_computed = 0
+        req.num_inflight = req.num_computed_tokens = 0
         if req.prompt_logprobs is not None and not req.output_token_ids:
             req.prompt_logprobs = [None]  # its prompt is scored again from the start
         if req in self.running:
@@ -186,8 +185,8 @@ class Scheduler:
             if batch.kind == "decode":
                 req.num_inflight += 1
                 continue
-            req.num_computed += batch.num_new[i]
-            self.allocator.register_prefill(req, req.num_computed)
+            req.num_computed_tokens += batch.num_new[i]
+            self.allocator.register_prefill(req, req.num_computed_tokens)
             if batch.done[i]:
                 self.waiting.remove(req)
                 req.status = Status.RUNNING
@@ -217,7 +216,7 @@ class Scheduler:
                 req.add_prompt_logprobs(prompt_logprobs[i])
             if batch.kind == "decode":
                 req.num_inflight -= 1
-                req.num_computed += len(toks)
+                req.num_computed_tokens += len(toks)
                 if accept_lens is not None:
                     req.accept_lengths.append(accept_lens[i])
                     req.draft_lengths.append(num_drafted)

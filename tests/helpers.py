@@ -52,7 +52,7 @@ def next_inputs(llm):
     return (
         inp.req_ids,
         inp.bonus_tokens.tolist(),
-        inp.seq_lens.tolist(),
+        inp.num_computed_tokens.tolist(),
         inp.hidden.tolist(),
         [p.shape[2] for p in llm.runner.kv_pools],
     )
@@ -68,11 +68,13 @@ def rank_min(llm):
 
 def prepare_decode(runner, reqs):
     """Decode inputs built on the host from the requests (the engine keeps them on the device): each one's
-    last token at position ``num_computed``; returns (ids, positions, AttnMetadata)."""
+    last token at position ``num_computed_tokens``; returns (ids, positions, AttnMetadata)."""
     bt = block_table_tensor(reqs, runner.device)
-    pos = torch.tensor([r.num_computed for r in reqs], device=runner.device)
+    pos = torch.tensor([r.num_computed_tokens for r in reqs], device=runner.device)
     slots = slot_mapping(bt, torch.arange(len(reqs), device=runner.device), pos, runner.config.page_size)
-    md = AttnMetadata.decode(bt, (pos + 1).int(), slots, num_kv_splits(max(r.num_computed for r in reqs) + 1))
+    md = AttnMetadata.decode(
+        bt, (pos + 1).int(), slots, num_kv_splits(max(r.num_computed_tokens for r in reqs) + 1)
+    )
     return torch.tensor([r.last_token for r in reqs], device=runner.device), pos, md
 
 

@@ -104,7 +104,7 @@ def test_switches_keep_the_draft_input_fresh(tiny_llama_dir, asst_dir, reference
         for r in llm.scheduler.running:
             i = rows[r.request_id]
             assert inp.bonus_tokens[i].item() == r.last_token
-            assert inp.seq_lens[i].item() == r.num_computed == r.num_tokens - 1
+            assert inp.num_computed_tokens[i].item() == r.num_computed_tokens == r.num_tokens - 1
             with torch.no_grad():
                 h = hf.model(torch.tensor([r.all_token_ids[:-1]])).last_hidden_state[0, -1]
             torch.testing.assert_close(inp.hidden[i], h, atol=2e-4, rtol=1e-4)

@@ -67,7 +67,7 @@ class Recorder:
         model.compute_logits = lambda h: calls.append(logits(h)) or calls[-1]
 
         def launched(batch, plan=None, released=()):
-            start, pos = len(calls), [r.num_computed for r in batch.reqs]
+            start, pos = len(calls), [r.num_computed_tokens for r in batch.reqs]
             out = launch(batch, plan, released)
             rows = torch.cat(calls[start:]) if len(calls) > start else None
             if batch.kind == "prefill":

@@ -36,12 +36,12 @@ def _engine(model_dir, **kw):
 def _prefill(llm, reqs, num_new):
     """One prefill step over ``num_new[i]`` new tokens of each request; returns logits for every new token."""
     for r, n in zip(reqs, num_new):
-        llm.runner.allocator.allocate(r, r.num_computed + n)
+        llm.runner.allocator.allocate(r, r.num_computed_tokens + n)
     ids, pos, md, _ = llm.runner.prepare_prefill(Batch("prefill", reqs, list(num_new)))
     with torch.inference_mode(), attn_metadata(md):
         logits = llm.runner.model.compute_logits(llm.runner.model(ids, pos))
     for r, n in zip(reqs, num_new):
-        r.num_computed += n
+        r.num_computed_tokens += n
     return logits.split(list(num_new))
 
 
@@ -49,13 +49,13 @@ def _decode(llm, reqs, tokens):
     """Append ``tokens[i]`` to request i and run one decode step through the paged cache; returns [B, V]."""
     for r, t in zip(reqs, tokens):
         r.output_token_ids.append(t)
-        llm.runner.allocator.allocate(r, r.num_computed + 1)
+        llm.runner.allocator.allocate(r, r.num_computed_tokens + 1)
     ids, pos, md = prepare_decode(llm.runner, reqs)
     assert ids.tolist() == list(tokens)
     with torch.inference_mode(), attn_metadata(md):
         logits = llm.runner.model.compute_logits(llm.runner.model(ids, pos))
     for r in reqs:
-        r.num_computed += 1
+        r.num_computed_tokens += 1
     return logits
 
 
@@ -94,7 +94,7 @@ def _check_logits_parity(model_dir, chunks=None, seed=0):
         for i, lg in zip(active, _prefill(llm, [reqs[i] for i in active], [step[i] for i in active])):
             got[i].append(lg)
     for i, r in enumerate(reqs):
-        assert r.num_computed == LENS[i]
+        assert r.num_computed_tokens == LENS[i]
         assert len(r.block_table) == -(-LENS[i] // PAGE)
         _close(torch.cat(got[i]), hf_pre[i], f"prefill logits of prompt {i}")
     # the prefill logits must be informative (not all ~0), or parity would prove little
@@ -104,7 +104,7 @@ def _check_logits_parity(model_dir, chunks=None, seed=0):
         logits = _decode(llm, reqs, toks)
         for i in range(len(reqs)):
             _close(logits[i], hf_dec[i][s], f"decode step {s} logits of prompt {i}")
-    assert [r.num_computed for r in reqs] == [n + 3 for n in LENS]
+    assert [r.num_computed_tokens for r in reqs] == [n + 3 for n in LENS]
     # the incremental argmax is a real function of the cache: HF's top token matches nanospec's
     assert logits.argmax(-1).tolist() == [int(hf_dec[i][-1].argmax()) for i in range(len(reqs))]
     for r in reqs:

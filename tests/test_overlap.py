@@ -47,7 +47,7 @@ def idle_exact(llm):
     a = llm.runner.allocator
     assert not any(a.ref_count) and a.num_free == a.num_usable and not llm.has_unfinished()
     inputs = llm.next_inputs.rows
-    assert len(inputs) == 0 and inputs.seq_lens.shape == (0,)
+    assert len(inputs) == 0 and inputs.num_computed_tokens.shape == (0,)
 
 
 def both(model_dir, assistant, mode, arrivals, preempts=False, **kw):

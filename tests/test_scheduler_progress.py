@@ -56,8 +56,8 @@ class FakeRunner:
     def decode(self, reqs, next_inputs: NextInputs) -> StepOutput:
         inp = next_inputs.take(reqs)
         ids = torch.tensor(inp.req_ids)
-        toks = (ids * 31 + (inp.seq_lens.long() + 1) * 7) % VOCAB
-        next_inputs.advance(DraftInput(inp.req_ids, toks, inp.hidden, inp.seq_lens + 1))
+        toks = (ids * 31 + (inp.num_computed_tokens.long() + 1) * 7) % VOCAB
+        next_inputs.advance(DraftInput(inp.req_ids, toks, inp.hidden, inp.num_computed_tokens + 1))
         return StepOutput(torch.stack([torch.ones_like(toks), toks], 1))
 
 
@@ -81,10 +81,12 @@ class FakeWorker:
         inp = self.next_inputs.take(reqs)
         acc = torch.tensor([self.rng.randint(1, self.max_accept) for _ in reqs])
         ids = torch.tensor(inp.req_ids)[:, None]
-        positions = inp.seq_lens.long()[:, None] + 1 + torch.arange(self.lookahead)
+        positions = inp.num_computed_tokens.long()[:, None] + 1 + torch.arange(self.lookahead)
         out = (ids * 31 + positions * 7) % VOCAB
         bonus = out[torch.arange(len(reqs)), acc - 1]
-        self.next_inputs.advance(DraftInput(inp.req_ids, bonus, inp.hidden, inp.seq_lens + acc.int()))
+        self.next_inputs.advance(
+            DraftInput(inp.req_ids, bonus, inp.hidden, inp.num_computed_tokens + acc.int())
+        )
         return StepOutput(torch.cat([acc[:, None], out], 1), speculative=True, num_drafted=self.lookahead - 1)
 
 
@@ -179,7 +181,12 @@ def run_config(cfg: dict, seed: int) -> dict:
         alive = [r for r in reqs.values() if r.request_id not in finished]
         if alive:
             oldest = min(alive, key=lambda r: r.request_id)
-            progress = (oldest.request_id, oldest.epoch, len(oldest.output_token_ids), oldest.num_computed)
+            progress = (
+                oldest.request_id,
+                oldest.epoch,
+                len(oldest.output_token_ids),
+                oldest.num_computed_tokens,
+            )
             if progress[:2] == last_progress[:2]:
                 assert progress >= last_progress, "the oldest request was preempted"
             since = 0 if progress != last_progress else since + 1

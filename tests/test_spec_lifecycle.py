@@ -142,7 +142,9 @@ def test_rule1_next_input_slots_survive_batch_surgery():
         assert x.bonus_tokens.dtype == torch.long and x.hidden.dtype == torch.float32
         assert x.bonus_tokens.tolist() == [10 * r for r in ids]
         assert x.hidden.tolist() == [[float(r)] * Hb for r in ids]
-        assert x.seq_lens.dtype == torch.int32 and x.seq_lens.tolist() == [100 + r for r in ids]
+        assert x.num_computed_tokens.dtype == torch.int32 and x.num_computed_tokens.tolist() == [
+            100 + r for r in ids
+        ]
 
     check(slots.rows, [])  # idle: real 0-row shapes
     check(slots.take([]), [])
@@ -156,9 +158,11 @@ def test_rule1_next_input_slots_survive_batch_surgery():
         slots.take(reqs([5]))
     # a step replaces its rows only
     rows = slots.take(reqs([3, 1]))
-    slots.advance(DraftInput(rows.req_ids, rows.bonus_tokens + 1, rows.hidden * 2, rows.seq_lens + 4))
+    slots.advance(
+        DraftInput(rows.req_ids, rows.bonus_tokens + 1, rows.hidden * 2, rows.num_computed_tokens + 4)
+    )
     assert slots.take(reqs([1, 2, 3])).bonus_tokens.tolist() == [11, 20, 31]
-    assert slots.take(reqs([1, 2, 3])).seq_lens.tolist() == [105, 102, 107]
+    assert slots.take(reqs([1, 2, 3])).num_computed_tokens.tolist() == [105, 102, 107]
     # preempt -> re-prefill: request 2's new seed replaces its old row, no duplicate
     slots.on_release(reqs([2]), "preempted")
     born([2], bonus=[99])
@@ -299,12 +303,12 @@ def test_rule3_draft_writes_no_kv(tiny_llama_dir, asst_dir, record_draft_metadat
     llm.step()  # one verify
     reqs = list(llm.scheduler.running)
     for r in reqs:  # reserve the verify rows as the scheduler does, so garbage rows beyond L exist too
-        llm.runner.allocator.allocate(r, r.num_computed + llm.runner.lookahead)
+        llm.runner.allocator.allocate(r, r.num_computed_tokens + llm.runner.lookahead)
     worker, kv = llm.worker, llm.runner.kv_pools[0]
     for v in record_draft_metadata.values():
         v.clear()
     before = _pool_digest(kv)
-    L = torch.tensor([r.num_computed for r in reqs], dtype=torch.int32)
+    L = torch.tensor([r.num_computed_tokens for r in reqs], dtype=torch.int32)
     tree = worker.draft(llm.next_inputs.take(reqs), block_table_tensor(reqs, "cpu"), L)
     assert _pool_digest(kv) == before
     assert tree.tokens.shape == (len(reqs), llm.config.num_draft_tokens)
@@ -320,7 +324,7 @@ def test_rule3_write_slots_make_the_assistant_raise(tiny_llama_dir, asst_dir):
     llm.add_request(PROMPTS[1], greedy(4))
     llm.step()
     a, (r,) = llm.worker.assistant, llm.scheduler.running
-    bt, L = block_table_tensor([r], "cpu"), torch.tensor([r.num_computed], dtype=torch.int32)
+    bt, L = block_table_tensor([r], "cpu"), torch.tensor([r.num_computed_tokens], dtype=torch.int32)
     args = (torch.tensor([r.all_token_ids[-1]]), torch.zeros(1, HB), L.long() - 1)
     kv = llm.runner.kv_pools[0]
     before = _pool_digest(kv)

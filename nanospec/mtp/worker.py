@@ -145,9 +145,9 @@ class FrozenKVMTPWorker:
         s, estimate = self.plan(reqs) if plan is None else plan
         timer = StepTimer(self.device)
         inp = self.next_inputs.take(reqs)
-        L = inp.seq_lens
+        L = inp.num_computed_tokens
         bt = block_table_tensor(reqs, self.device)
-        bound = max(r.num_computed + r.num_inflight * self.num_draft_tokens for r in reqs)
+        bound = max(r.num_computed_tokens + r.num_inflight * self.num_draft_tokens for r in reqs)
         temperature, top_k, top_p, seeds = sampling_tensors(reqs, self.device)
         inputs = {
             "bonus": inp.bonus_tokens,
