@@ -262,8 +262,8 @@ class LLM:
 
     def get_request(self, request_id: int) -> Request | None:
         """The queued or running request with this id (its ``output_token_ids``, ``is_finished``,
-        ``finish_reason``, ``num_cached_tokens``, ``accept_lengths`` and ``draft_lengths`` as each ``step``
-        leaves them), or None once it has finished. For front ends that stream: call it after
+        ``finish_reason``, ``num_cached_tokens``, ``accept_lengths`` and ``draft_token_counts`` as each
+        ``step`` leaves them), or None once it has finished. For front ends that stream: call it after
         ``add_request`` (the newest request is found first)."""
         queued = itertools.chain(reversed(self.scheduler.waiting), self.scheduler.running)
         return next((r for r in queued if r.request_id == request_id), None)

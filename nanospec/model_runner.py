@@ -12,7 +12,7 @@ from .kernels.attention import KV_SPLIT_SIZE, num_kv_splits
 from .kernels.matmul import linear_invariant
 from .kv_cache import DUMMY_BLOCK, BlockAllocator, block_table_tensor, cdiv, slot_mapping
 from .models import init_random_weights, load_weights, target_class
-from .next_inputs import DraftInput, NextInputs
+from .next_inputs import NextInputs, StepInput
 from .outputs import PrefillOutput, StepOutput, TokenLogprobs, emitted_logprobs
 from .request import Request
 from .sampler import sample_tokens
@@ -291,6 +291,6 @@ class ModelRunner:
         logits = self.graphs.run("decode", inputs, num_kv_splits(bound))
         toks = sample_tokens(reqs, logits, pos + 1)  # the produced token sits at position L + 1
         parallel.agree(toks)
-        next_inputs.advance(DraftInput(inp.req_ids, toks, inp.hidden, inp.num_computed_tokens + 1))
+        next_inputs.advance(StepInput(inp.req_ids, toks, inp.hidden, inp.num_computed_tokens + 1))
         rows = torch.stack([torch.ones_like(toks), toks], 1)
         return StepOutput(rows, logprobs=emitted_logprobs(reqs, logits[:, None], toks[:, None]))

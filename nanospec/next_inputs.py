@@ -12,7 +12,7 @@ from .transfer import to_device
 
 
 @dataclass
-class DraftInput:
+class StepInput:
     """Inputs of one step: one row per request of the batch, in batch order.
 
     req_ids: request ids; bonus_tokens [B] int64: last token sampled by the target (not in KV yet);
@@ -27,7 +27,7 @@ class DraftInput:
     num_computed_tokens: torch.Tensor | None = None
 
     @classmethod
-    def idle(cls, hidden_size: int, device, dtype) -> "DraftInput":
+    def idle(cls, hidden_size: int, device, dtype) -> "StepInput":
         """The 0-row input (no request running; never a verify input)."""
         return cls(
             [],
@@ -74,13 +74,13 @@ class NextInputs:
         return to_device([self.slots[i] for i in req_ids], torch.long, self.hidden.device)
 
     @property
-    def rows(self) -> DraftInput:
+    def rows(self) -> StepInput:
         """Every live input, in birth order (for inspection and tests; a step uses ``take``)."""
         return self._gather(list(self.slots))
 
-    def _gather(self, req_ids: list[int]) -> DraftInput:
+    def _gather(self, req_ids: list[int]) -> StepInput:
         idx = self._index(req_ids)
-        return DraftInput(req_ids, self.bonus_tokens[idx], self.hidden[idx], self.num_computed_tokens[idx])
+        return StepInput(req_ids, self.bonus_tokens[idx], self.hidden[idx], self.num_computed_tokens[idx])
 
     def on_prefill_done(self, reqs, first_tokens: torch.Tensor, hidden: torch.Tensor) -> None:
         """Birth of the inputs of ``reqs`` (first_tokens [B] int64, hidden [B, H]). RuntimeError if more
@@ -91,18 +91,18 @@ class NextInputs:
                     raise RuntimeError("more running requests than next-input slots (max_num_seqs)")
                 self.slots[r.request_id] = self.free.pop()
         L = to_device([r.prefill_len for r in reqs], torch.int32, hidden.device)
-        self.advance(DraftInput([r.request_id for r in reqs], first_tokens, hidden[:, : self.hidden_size], L))
+        self.advance(StepInput([r.request_id for r in reqs], first_tokens, hidden[:, : self.hidden_size], L))
         if self.trace is not None:
             for r, t in zip(reqs, first_tokens.tolist()):
                 self.trace("prefill_done", {"req": r.request_id, "bonus": t, "L": r.prefill_len})
 
-    def take(self, reqs) -> DraftInput:
+    def take(self, reqs) -> StepInput:
         """The inputs of ``reqs``, in batch order; RuntimeError if one is missing."""
         if any(r.request_id not in self.slots for r in reqs):
             raise RuntimeError("a decode request has no next input")
         return self._gather([r.request_id for r in reqs])
 
-    def advance(self, rows: DraftInput) -> None:
+    def advance(self, rows: StepInput) -> None:
         """A step's results: ``rows`` replace those requests' inputs in their slots."""
         idx = self._index(rows.req_ids)
         self.bonus_tokens[idx] = rows.bonus_tokens

@@ -45,7 +45,7 @@ class Request:
         self.logprobs: list[dict] | None = None if params.logprobs is None else []
         self.prompt_logprobs: list[dict | None] | None = None if params.prompt_logprobs is None else [None]
         self.accept_lengths: list[int] = []
-        self.draft_lengths: list[int] = []  # draft tokens verified in each of those steps
+        self.draft_token_counts: list[int] = []  # draft tokens verified in each of those steps
         self.num_cached_tokens: int | None = None  # prompt tokens whose KV came from the prefix cache
         # chained sha256 keys of the full blocks of all_token_ids (prefix caching)
         self.block_hashes: list[bytes] = []
@@ -123,7 +123,7 @@ class Request:
         while the request waits to prefill, its tokens and whole block table; once it runs, no tokens (a
         decode step reads none) and no block table (the ranks keep it, ``parallel.BlockTables``; the step's
         plan carries the blocks it added, ``Batch.new_blocks``)."""
-        drop = dict(_tokenizer=None, block_hashes=[], accept_lengths=[], draft_lengths=[])
+        drop = dict(_tokenizer=None, block_hashes=[], accept_lengths=[], draft_token_counts=[])
         drop |= dict(logprobs=None, prompt_logprobs=None)  # the ranks read params.logprobs only
         if self.status is not Status.WAITING:
             drop |= dict(prompt_token_ids=[], output_token_ids=[], block_table=[])

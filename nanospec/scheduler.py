@@ -205,9 +205,10 @@ class Scheduler:
         i's sampled tokens (empty for an unfinished prefill chunk or a resumed request); under speculation the
         accepted drafts plus the bonus token, whose K/V rows (all but the bonus) the verify step committed,
         and ``accept_lens[i]`` is recorded in ``accept_lengths`` (before any cut by a stop rule), with the
-        ``num_drafted`` draft tokens verified in ``draft_lengths``. ``logprobs[i]`` (None: not asked) holds
-        one dict per token of ``new_tokens[i]``, ``prompt_logprobs[i]`` one per prompt token a prefill chunk
-        scored. The one place tokens are committed; every token is checked for a stop (DESIGN §4 rule 5)."""
+        ``num_drafted`` draft tokens verified in ``draft_token_counts``. ``logprobs[i]`` (None: not asked)
+        holds one dict per token of ``new_tokens[i]``, ``prompt_logprobs[i]`` one per prompt token a prefill
+        chunk scored. The one place tokens are committed; every token is checked for a stop (DESIGN §4 rule
+        5)."""
         finished = []
         for i, (req, toks) in enumerate(zip(batch.reqs, new_tokens)):
             if req.is_finished or req.epoch != batch.epochs[i]:
@@ -219,7 +220,7 @@ class Scheduler:
                 req.num_computed_tokens += len(toks)
                 if accept_lens is not None:
                     req.accept_lengths.append(accept_lens[i])
-                    req.draft_lengths.append(num_drafted)
+                    req.draft_token_counts.append(num_drafted)
             elif not batch.done[i]:
                 continue
             req.append_tokens(toks, None if logprobs is None else logprobs[i])

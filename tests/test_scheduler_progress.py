@@ -18,7 +18,7 @@ import torch
 from nanospec.config import EngineConfig
 from nanospec.kv_cache import BlockAllocator, cdiv
 from nanospec.llm import LLM
-from nanospec.next_inputs import DraftInput, NextInputs
+from nanospec.next_inputs import NextInputs, StepInput
 from nanospec.outputs import PrefillOutput, StepOutput
 from nanospec.request import Request
 from nanospec.sampling_params import SamplingParams
@@ -57,7 +57,7 @@ class FakeRunner:
         inp = next_inputs.take(reqs)
         ids = torch.tensor(inp.req_ids)
         toks = (ids * 31 + (inp.num_computed_tokens.long() + 1) * 7) % VOCAB
-        next_inputs.advance(DraftInput(inp.req_ids, toks, inp.hidden, inp.num_computed_tokens + 1))
+        next_inputs.advance(StepInput(inp.req_ids, toks, inp.hidden, inp.num_computed_tokens + 1))
         return StepOutput(torch.stack([torch.ones_like(toks), toks], 1))
 
 
@@ -85,7 +85,7 @@ class FakeWorker:
         out = (ids * 31 + positions * 7) % VOCAB
         bonus = out[torch.arange(len(reqs)), acc - 1]
         self.next_inputs.advance(
-            DraftInput(inp.req_ids, bonus, inp.hidden, inp.num_computed_tokens + acc.int())
+            StepInput(inp.req_ids, bonus, inp.hidden, inp.num_computed_tokens + acc.int())
         )
         return StepOutput(torch.cat([acc[:, None], out], 1), speculative=True, num_drafted=self.lookahead - 1)
 

@@ -30,7 +30,7 @@ from nanospec.model_runner import ModelRunner, build_target
 from nanospec.mtp.draft import DraftTree, chain_tree, run_draft
 from nanospec.mtp.verify import accept, compact_accepted_kv, emitted_tokens
 from nanospec.mtp.worker import FrozenKVMTPWorker
-from nanospec.next_inputs import DraftInput, NextInputs
+from nanospec.next_inputs import NextInputs, StepInput
 from nanospec.scheduler import Batch
 
 V, S = 49152, 5  # vocab; draft steps of the oracle tests
@@ -84,7 +84,7 @@ def straddle(tok, ids, i):
 # =============================================================================================== rule 1
 # Bug: sglang #27007 (fixed by PR #26859). When every request finished in the same verify, the v1 worker
 # skipped the seed step and left the *verify* input in spec_info; merging the next prefill crashed
-# (AttributeError, VerifyInput has no merge_batch). Rule: the batch is left with an idle (0-row) DraftInput.
+# (AttributeError, VerifyInput has no merge_batch). Rule: the batch is left with an idle (0-row) StepInput.
 @pytest.mark.parametrize("drafter", ["real", "oracle"])
 def test_rule1_all_finish_in_one_verify_leaves_idle_input(
     tiny_llama_dir, asst_dir, reference, oracle, drafter
@@ -104,7 +104,7 @@ def test_rule1_all_finish_in_one_verify_leaves_idle_input(
     assert [r.output_token_ids for r in sorted(done, key=lambda r: r.request_id)] == [ra[:n_len], rb[:n_len]]
     assert not llm.has_unfinished()
     seeds = llm.next_inputs.rows
-    assert type(seeds) is DraftInput  # never a verify object / tree
+    assert type(seeds) is StepInput  # never a verify object / tree
     assert len(seeds) == 0 and seeds.req_ids == []
     assert seeds.bonus_tokens.shape == (0,) and seeds.bonus_tokens.dtype == torch.long
     assert seeds.hidden.shape == (0, HB) and seeds.hidden.dtype == torch.float32
@@ -137,7 +137,7 @@ def test_rule1_next_input_slots_survive_batch_surgery():
         slots.on_prefill_done(reqs(ids), torch.tensor(bonus, dtype=torch.long), hidden)
 
     def check(x, ids):
-        assert type(x) is DraftInput and x.req_ids == list(ids)
+        assert type(x) is StepInput and x.req_ids == list(ids)
         assert x.bonus_tokens.shape == (len(ids),) and x.hidden.shape == (len(ids), Hb)
         assert x.bonus_tokens.dtype == torch.long and x.hidden.dtype == torch.float32
         assert x.bonus_tokens.tolist() == [10 * r for r in ids]
@@ -159,7 +159,7 @@ def test_rule1_next_input_slots_survive_batch_surgery():
     # a step replaces its rows only
     rows = slots.take(reqs([3, 1]))
     slots.advance(
-        DraftInput(rows.req_ids, rows.bonus_tokens + 1, rows.hidden * 2, rows.num_computed_tokens + 4)
+        StepInput(rows.req_ids, rows.bonus_tokens + 1, rows.hidden * 2, rows.num_computed_tokens + 4)
     )
     assert slots.take(reqs([1, 2, 3])).bonus_tokens.tolist() == [11, 20, 31]
     assert slots.take(reqs([1, 2, 3])).num_computed_tokens.tolist() == [105, 102, 107]
@@ -390,7 +390,7 @@ def test_rule4_zero_row_draft_and_accept(tiny_llama_dir, asst_dir, topk, n_draft
         tiny_llama_dir, asst_dir, num_steps=3, topk=topk, num_draft_tokens=n_draft if topk > 1 else None
     )
     worker, kv = llm.worker, llm.runner.kv_pools[0]
-    idle = DraftInput.idle(HB, "cpu", torch.float32)
+    idle = StepInput.idle(HB, "cpu", torch.float32)
     bt0, L0 = torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
     tree = run_draft(worker.assistant, idle, bt0, L0, 3, topk, n_draft)
     assert (

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from ..context import AttnMetadata, attn_metadata
-from ..next_inputs import DraftInput
+from ..next_inputs import StepInput
 
 # The drafter samples at half the request's temperature. A drafter flatter than the target (the usual case:
 # distilled with a KL loss) proposes, under the shared noise, tokens the target rarely picks; sharpening it
@@ -69,7 +69,7 @@ def build_tree(bonus, pool_tokens, pool_scores, pool_parents, pool_depth, num_dr
 
 def run_draft(
     assistant,
-    seed: DraftInput,
+    seed: StepInput,
     block_table,
     seq_lens,
     num_steps: int,

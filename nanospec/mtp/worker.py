@@ -35,7 +35,7 @@ from ..kernels.attention import num_kv_splits
 from ..kernels.sampling import sample
 from ..kv_cache import DUMMY_BLOCK, block_table_tensor, slot_mapping
 from ..models.gemma4_assistant import Gemma4Assistant
-from ..next_inputs import DraftInput, NextInputs
+from ..next_inputs import NextInputs, StepInput
 from ..outputs import StepOutput, emitted_logprobs
 from ..sampler import sampling_tensors
 from .draft import run_draft
@@ -167,7 +167,7 @@ class FrozenKVMTPWorker:
             node_logits = logits[torch.arange(len(reqs), device=self.device)[:, None], path.clamp(min=0)]
             logprobs = emitted_logprobs(reqs, node_logits, out)
         # a step that drafts nothing (s = 0) verifies the bonus token alone: the draft input stays fresh
-        self.next_inputs.advance(DraftInput(inp.req_ids, bonus, hidden, L + acc.int()))
+        self.next_inputs.advance(StepInput(inp.req_ids, bonus, hidden, L + acc.int()))
         result = StepOutput(
             torch.cat([acc[:, None], out], 1),
             speculative=s > 0,
@@ -194,7 +194,7 @@ class FrozenKVMTPWorker:
             seconds = out.timer.seconds()
             self.policy.observe(out.num_steps, len(out.accept_lens), out.accept_lens, seconds, out.sampled)
 
-    def draft(self, inp: DraftInput, block_table, seq_lens, num_splits=None, num_steps=None, sampling=None):
+    def draft(self, inp: StepInput, block_table, seq_lens, num_splits=None, num_steps=None, sampling=None):
         """The draft tree of the rows of ``inp`` (their bonus tokens and seed hiddens; reads KV rows [0, L),
         writes nothing): ``num_steps`` (default: all) steps; ``sampling`` as ``run_draft``'s. The one draft
         path, eager or captured (``draft_verify``)."""
@@ -262,7 +262,7 @@ class FrozenKVMTPWorker:
         tokens [B, N], then ``verify``'s outputs)."""
         s = self.num_steps if num_steps is None else num_steps
         sampling = (temperature, top_k, top_p, seeds)
-        tree = self.draft(DraftInput([], bonus, hidden), block_table, L, num_splits, s, sampling)
+        tree = self.draft(StepInput([], bonus, hidden), block_table, L, num_splits, s, sampling)
         return (tree.tokens, *self.verify(tree, block_table, L, sampling, s))
 
     def _trace_step(self, reqs, lens, tree_tokens, result) -> None:

@@ -200,7 +200,7 @@ class Engine:
             if m.speculative:  # a draft per speculative step, a - 1 of its tokens accepted
                 acc = r.accept_lengths[c.num_accept :]
                 m.drafts.inc(len(acc))
-                m.draft_tokens.inc(sum(r.draft_lengths[c.num_accept :]))
+                m.draft_tokens.inc(sum(r.draft_token_counts[c.num_accept :]))
                 m.accepted.inc(sum(acc) - len(acc))
                 for pos, counter in enumerate(m.per_pos):
                     counter.inc(sum(a - 1 > pos for a in acc))
