@@ -83,12 +83,11 @@ class NextInputs:
         return StepInput(req_ids, self.bonus_tokens[idx], self.hidden[idx], self.num_computed_tokens[idx])
 
     def on_prefill_done(self, reqs, first_tokens: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Birth of the inputs of ``reqs`` (first_tokens [B] int64, hidden [B, H]). RuntimeError if more
-        requests run than there are slots."""
+        """Birth of the inputs of ``reqs`` (first_tokens [B] int64, hidden [B, H]). The scheduler never runs
+        more requests than there are slots (``max_num_seqs``); an AssertionError says it did."""
         for r in reqs:
             if r.request_id not in self.slots:
-                if not self.free:
-                    raise RuntimeError("more running requests than next-input slots (max_num_seqs)")
+                assert self.free, "more running requests than next-input slots (max_num_seqs)"
                 self.slots[r.request_id] = self.free.pop()
         L = to_device([r.prefill_len for r in reqs], torch.int32, hidden.device)
         self.advance(StepInput([r.request_id for r in reqs], first_tokens, hidden[:, : self.hidden_size], L))

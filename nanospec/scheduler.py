@@ -47,8 +47,7 @@ class Scheduler:
     """
 
     def __init__(self, config: EngineConfig, allocator: BlockAllocator, lookahead: int = 1):
-        self.max_num_seqs = config.max_num_seqs
-        self.max_batched = config.max_num_batched_tokens
+        self.config = config
         self.allocator = allocator
         self.lookahead = lookahead
         self.released: list[tuple[Request, str]] = []  # (request, reason) freed since LLM last looked
@@ -120,9 +119,9 @@ class Scheduler:
 
     def _schedule_prefill(self) -> Batch | None:
         batch = Batch("prefill", [])
-        budget = self.max_batched
+        budget = self.config.max_num_batched_tokens
         for req in list(self.waiting):
-            if len(self.running) + len(batch.reqs) >= self.max_num_seqs or budget == 0:
+            if len(self.running) + len(batch.reqs) >= self.config.max_num_seqs or budget == 0:
                 break
             # prefix caching: start after the longest cached prefix (a prompt to score is computed whole)
             if not req.block_table and req.params.prompt_logprobs is None:
@@ -130,16 +129,19 @@ class Scheduler:
                 if req.num_cached_tokens is None:
                     req.num_cached_tokens = min(req.num_computed_tokens, len(req.prompt_token_ids))
             chunk = min(req.prefill_len - req.num_computed_tokens, budget)
-            # admitted only if the older running requests' next decode steps still fit (no thrashing)
+            end = req.num_computed_tokens + chunk
+            # a prompt that completes here takes its first decode step's rows too, and is admitted only if
+            # the older running requests' next decode steps still fit beside it: it is not preempted at once
+            need = end + self.lookahead if end == req.prefill_len else end
             older = [r for r in self.running if r.request_id < req.request_id]
             reserve = sum(self.allocator.blocks_needed(r, self._decode_need(r)) for r in older)
-            if not self._make_room(req, req.num_computed_tokens + chunk, reserve):
+            if not self._make_room(req, need, reserve):
                 break
-            self.allocator.allocate(req, req.num_computed_tokens + chunk)
+            self.allocator.allocate(req, need)
             batch.reqs.append(req)
             batch.num_new.append(chunk)
             budget -= chunk
-            if req.num_computed_tokens + chunk < req.prefill_len:
+            if end < req.prefill_len:
                 break  # a chunked prompt goes on next step, before anything queued behind it
         return batch if batch.reqs else None
 
