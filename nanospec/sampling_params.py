@@ -3,6 +3,8 @@
 import math
 from dataclasses import dataclass
 
+from .structured import StructuredOutputsParams
+
 MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's limit)
 
 
@@ -26,6 +28,7 @@ class SamplingParams:
     cache_salt: str | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self):
         def num(name, kinds):
@@ -71,6 +74,21 @@ class SamplingParams:
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise TypeError(
                 f"SamplingParams.cache_salt must be a non-empty str or None, got {self.cache_salt!r}"
+            )
+
+        if isinstance(self.structured_outputs, dict):
+            unknown = set(self.structured_outputs) - set(StructuredOutputsParams.__dataclass_fields__)
+            if unknown:
+                raise ValueError(
+                    f"SamplingParams.structured_outputs: unknown field(s) {sorted(unknown)}; allowed: json, "
+                    "json_object, regex, choice, grammar"
+                )
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise TypeError(
+                "SamplingParams.structured_outputs must be StructuredOutputsParams, a dict or None, "
+                f"got {so!r}"
             )
 
     @property
