@@ -11,7 +11,10 @@ raw logits (lowest index on ties), no noise.
 Filtering follows vLLM / HF (``TemperatureLogitsWarper`` -> ``TopKLogitsWarper`` -> ``TopPLogitsWarper``):
 keep the ``top_k`` largest scaled logits, then the smallest set of most likely tokens whose renormalised mass
 reaches ``top_p`` (the token that crosses ``top_p`` is kept). ``top_k <= 0`` or ``>= V`` and ``top_p >= 1``
-disable them.
+disable them. A packed allowed-token ``bitmask`` (structured output: int32 ``[R, ceil(V / 32)]``, bit
+``v & 31`` of word ``v >> 5`` set when token v is allowed) sets the logits of the other tokens to ``-inf``
+first, so greedy, sampled and filtered rows all see the masked distribution; the kernel tests the bits as
+it loads the logits (no ``[R, V]`` mask is built on a GPU).
 
 The reference sorts each sampled row. The Triton kernel (one program per row) never holds a row in registers:
 it streams the vocabulary in BLOCK chunks: a max / argmax / sum-exp pass, then two bisections (<= 32
@@ -86,7 +89,22 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.
 _GUMBEL_MAX = float(-torch.log(-torch.log(torch.tensor(2**31 - 1).float() * torch.tensor(_UNIFORM_SCALE))))
 
 
-def sample_ref(logits, temperature, top_k, top_p, seeds, positions, token_ids=None):
+def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor | None, token_ids=None) -> torch.Tensor:
+    """``logits`` [R, V] with the tokens ``bitmask`` [R, W] int32 does not allow set to ``-inf`` (a copy;
+    ``logits`` itself when ``bitmask`` is None). ``token_ids`` [R, V] int64: the token id of each column
+    (None: column v is token v)."""
+    if bitmask is None:
+        return logits
+    ids = (
+        torch.arange(logits.shape[1], device=logits.device).expand_as(logits)
+        if token_ids is None
+        else token_ids
+    )
+    allowed = (bitmask.gather(1, ids >> 5) >> (ids & 31)) & 1
+    return logits.masked_fill(allowed == 0, float("-inf"))
+
+
+def sample_ref(logits, temperature, top_k, top_p, seeds, positions, token_ids=None, bitmask=None):
     """Torch reference of :func:`sample` (the engine's CPU path).
 
     Sampled rows draw noise only for the tokens that can still win: ``g <= G`` (the noise's largest value)
@@ -95,7 +113,8 @@ def sample_ref(logits, temperature, top_k, top_p, seeds, positions, token_ids=No
     top-p filter (a prefix of that order too) is computed on that prefix alone, its mass normalised by the
     whole vocabulary's (or the top-k's) sum, exactly as a full sort would.
     """
-    R, V = _check(logits, temperature, top_k, top_p, seeds, positions, token_ids)
+    R, V = _check(logits, temperature, top_k, top_p, seeds, positions, token_ids, bitmask)
+    logits = mask_logits(logits, bitmask, token_ids)
     column = logits.argmax(-1)
     rows = (temperature > 0).nonzero().flatten()
     if rows.numel() > 0:
@@ -142,10 +161,16 @@ def _key(z):
 
 
 @triton.jit
-def _chunk(lrow, off, V, t, BLOCK: tl.constexpr):
+def _chunk(lrow, irow, brow, off, V, t, HAS_IDS: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
     idx = off + tl.arange(0, BLOCK)
     mask = idx < V
     x = tl.load(lrow + idx, mask=mask, other=float("-inf")).to(tl.float32)
+    if HAS_MASK:  # structured output: a token the bitmask does not allow has logit -inf
+        token = idx
+        if HAS_IDS:
+            token = tl.load(irow + idx, mask=mask, other=0)
+        word = tl.load(brow + (token >> 5), mask=mask, other=0)
+        x = tl.where(((word >> (token & 31)) & 1) != 0, x, float("-inf"))
     z = x / t
     return idx, mask, x, z, _key(z)
 
@@ -159,15 +184,20 @@ def _sampling_kernel(
     seed_ptr,
     pos_ptr,
     ids_ptr,
+    bitmask_ptr,
     out_ptr,
     V,
     s_l,
     s_i,
+    s_b,
     HAS_IDS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     lrow = logits_ptr + row * s_l
+    irow = ids_ptr + row * s_i
+    brow = bitmask_ptr + row * s_b
     temp = tl.load(temp_ptr + row).to(tl.float32)
     k = tl.load(topk_ptr + row).to(tl.int32)
     p = tl.load(topp_ptr + row).to(tl.float32)
@@ -181,7 +211,7 @@ def _sampling_kernel(
     mnz = float("inf")
     s = 0.0
     for off in range(0, V, BLOCK):
-        idx, mask, x, z, kz = _chunk(lrow, off, V, t, BLOCK)
+        idx, mask, x, z, kz = _chunk(lrow, irow, brow, off, V, t, HAS_IDS, HAS_MASK, BLOCK)
         cm = tl.max(x, axis=0)
         arg = tl.where(cm > m, tl.min(tl.where(mask & (x == cm), idx, V), axis=0), arg)
         m = tl.maximum(m, cm)
@@ -203,7 +233,7 @@ def _sampling_kernel(
             cnt = 0
             ms = 0.0
             for off in range(0, V, BLOCK):
-                idx, mask, x, z, kz = _chunk(lrow, off, V, t, BLOCK)
+                idx, mask, x, z, kz = _chunk(lrow, irow, brow, off, V, t, HAS_IDS, HAS_MASK, BLOCK)
                 sel = mask & (kz >= mid)
                 cnt += tl.sum(sel.to(tl.int32), axis=0)
                 ms += tl.sum(tl.where(sel, tl.exp(z - mz), 0.0), axis=0)
@@ -222,7 +252,7 @@ def _sampling_kernel(
             mid = lo + (hi - lo) // 2
             ms = 0.0
             for off in range(0, V, BLOCK):
-                idx, mask, x, z, kz = _chunk(lrow, off, V, t, BLOCK)
+                idx, mask, x, z, kz = _chunk(lrow, irow, brow, off, V, t, HAS_IDS, HAS_MASK, BLOCK)
                 ms += tl.sum(tl.where(mask & (kz >= mid), tl.exp(z - mz), 0.0), axis=0)
             ok = ms >= target
             lo = tl.where(ok, mid, lo)
@@ -237,9 +267,9 @@ def _sampling_kernel(
         seed = tl.load(seed_ptr + row)
         position = tl.load(pos_ptr + row).to(tl.int64)
         for off in range(0, V, BLOCK):
-            idx, mask, x, z, kz = _chunk(lrow, off, V, t, BLOCK)
+            idx, mask, x, z, kz = _chunk(lrow, irow, brow, off, V, t, HAS_IDS, HAS_MASK, BLOCK)
             if HAS_IDS:
-                token = tl.load(ids_ptr + row * s_i + idx, mask=mask, other=0).to(tl.int64)
+                token = tl.load(irow + idx, mask=mask, other=0).to(tl.int64)
             else:
                 token = idx.to(tl.int64)
             u = tl.rand(seed, (position << 32) | token)
@@ -249,18 +279,19 @@ def _sampling_kernel(
             best_i = tl.where(cb > best, ci, best_i)
             best = tl.maximum(best, cb)
     if HAS_IDS:  # the winning column's token id
-        best_i = tl.load(ids_ptr + row * s_i + best_i)
+        best_i = tl.load(irow + best_i)
     tl.store(out_ptr + row, best_i.to(tl.int64))
 
 
-def sample_triton(logits, temperature, top_k, top_p, seeds, positions, token_ids=None):
+def sample_triton(logits, temperature, top_k, top_p, seeds, positions, token_ids=None, bitmask=None):
     """Triton implementation of :func:`sample` (one program per row, chunked vocabulary passes)."""
-    R, V = _check(logits, temperature, top_k, top_p, seeds, positions, token_ids)
+    R, V = _check(logits, temperature, top_k, top_p, seeds, positions, token_ids, bitmask)
     out = torch.empty((R,), dtype=torch.int64, device=logits.device)
     if R == 0:
         return out
     lg = logits if logits.stride(-1) == 1 else logits.contiguous()
     ids = lg if token_ids is None else token_ids.contiguous()
+    words = out if bitmask is None else bitmask.contiguous()
     _sampling_kernel[(R,)](
         lg,
         temperature.contiguous(),
@@ -269,18 +300,21 @@ def sample_triton(logits, temperature, top_k, top_p, seeds, positions, token_ids
         seeds.contiguous(),
         positions.contiguous(),
         ids,
+        words,
         out,
         V,
         lg.stride(0),
         ids.stride(0),
+        words.stride(0),
         HAS_IDS=token_ids is not None,
+        HAS_MASK=bitmask is not None,
         BLOCK=min(triton.next_power_of_2(V), _BLOCK),
         num_warps=8,
     )
     return out
 
 
-def _check(logits, temperature, top_k, top_p, seeds, positions, token_ids):
+def _check(logits, temperature, top_k, top_p, seeds, positions, token_ids, bitmask):
     if logits.dim() != 2:
         raise ValueError(f"sampling: logits must be [R, V], got {tuple(logits.shape)}")
     R, V = logits.shape
@@ -290,11 +324,15 @@ def _check(logits, temperature, top_k, top_p, seeds, positions, token_ids):
             raise ValueError(f"sampling: {name} shape {tuple(x.shape)} != ({R},)")
     if token_ids is not None and token_ids.shape != (R, V):
         raise ValueError(f"sampling: token_ids shape {tuple(token_ids.shape)} != ({R}, {V})")
+    if bitmask is not None and (bitmask.dim() != 2 or bitmask.shape[0] != R or bitmask.dtype != torch.int32):
+        raise ValueError(
+            f"sampling: bitmask must be int32 [{R}, W], got {bitmask.dtype} {tuple(bitmask.shape)}"
+        )
     return R, V
 
 
 # ------------------------------------------------------------------------------------------------ public op
-def sample(logits, temperature, top_k, top_p, seeds, positions, token_ids=None):
+def sample(logits, temperature, top_k, top_p, seeds, positions, token_ids=None, bitmask=None):
     """One token per row: ``argmax(logits / T + g(seed, t, v))`` over the top-k / top-p kept tokens.
 
     Args:
@@ -306,6 +344,8 @@ def sample(logits, temperature, top_k, top_p, seeds, positions, token_ids=None):
         positions: ``[R]`` int64: the absolute position of the token each row produces.
         token_ids: optional ``[R, V]`` int64: the token id of each column (a drafter's candidate set);
             None: column v is token v.
+        bitmask: optional ``[R, W]`` int32, W >= ceil(max token id + 1 / 32): the tokens each row may
+            produce (structured output); every row must allow at least one of its columns.
 
     Returns:
         ``[R]`` int64 token ids; ``R == 0`` launches nothing.
@@ -314,4 +354,4 @@ def sample(logits, temperature, top_k, top_p, seeds, positions, token_ids=None):
         ValueError: when a shape does not match ``logits``.
     """
     fn = sample_triton if use_triton(logits) else sample_ref
-    return fn(logits, temperature, top_k, top_p, seeds, positions, token_ids)
+    return fn(logits, temperature, top_k, top_p, seeds, positions, token_ids, bitmask)

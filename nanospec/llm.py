@@ -19,6 +19,7 @@ from .next_inputs import NextInputs
 from .request import Request
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .structured import Grammars, StepMasks
 
 
 def _print_event(step: int, event: str, fields: dict) -> None:
@@ -70,6 +71,7 @@ class LLM:
 
     def _build(self, c, hf_config, model_dir, assistant) -> None:
         self.runner = runner = ModelRunner(c, hf_config, model_dir)
+        self.grammars = Grammars(self.tokenizer, runner.vocab_size, self.eos_token_ids)
         self.worker = None
         self.num_steps_run = 0
         emit = None
@@ -120,7 +122,12 @@ class LLM:
                 f"prompt length {len(ids)} + max_tokens {params.max_tokens} exceeds "
                 f"max_model_len={self.config.max_model_len}"
             )
-        req = Request(self._next_id, ids, params, self.eos_token_ids, self.tokenizer)
+        matcher = None
+        if params.structured_outputs is not None:
+            if self.config.tensor_parallel_size > 1:
+                raise ValueError("SamplingParams.structured_outputs needs tensor_parallel_size=1")
+            matcher = self.grammars.matcher(params.structured_outputs)
+        req = Request(self._next_id, ids, params, self.eos_token_ids, self.tokenizer, matcher)
         self._next_id += 1
         return req
 
@@ -131,6 +138,13 @@ class LLM:
         if req.seed is None:
             req.seed = self._seeds.randrange(2**63)
         self.scheduler.add(req)
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile ``params.structured_outputs`` for this model's tokenizer into the cache ``add_request``
+        reads (nothing without one). Thread-safe: a server calls it off the engine thread, so a slow compile
+        never holds up the running requests. ValueError naming the field when it does not compile."""
+        if params.structured_outputs is not None:
+            self.grammars.matcher(params.structured_outputs)
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
         """Queue one request; returns its id. Validation errors leave the engine untouched."""
@@ -180,14 +194,17 @@ class LLM:
         work (no host sync): prefill, or one decode / speculative step (``plan``: the draft length and its
         estimate, ``DraftLength.choose``)."""
         self._release(released)
+        masks = None
+        if any(r.matcher is not None for r in batch.reqs):
+            masks = StepMasks(batch.reqs, self.runner.vocab_size, self.eos_token_ids, self.runner.device)
         if batch.kind == "prefill":
-            out = self.runner.prefill(batch)
+            out = self.runner.prefill(batch, masks)
             if out.done:
                 self.next_inputs.on_prefill_done(out.done, out.bonus, out.hidden)
             return out
         if self.worker is None:
-            return self.runner.decode(batch.reqs, self.next_inputs)
-        return self.worker.step(batch.reqs, plan)
+            return self.runner.decode(batch.reqs, self.next_inputs, masks)
+        return self.worker.step(batch.reqs, plan, masks)
 
     def _send_releases(self) -> None:
         """Drop the next inputs of the requests the scheduler freed since the last call (finished, aborted,

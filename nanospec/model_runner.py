@@ -10,6 +10,7 @@ from .context import AttnMetadata, attn_metadata
 from .cuda_graph import GraphRunner, graph_batch_sizes
 from .kernels.attention import KV_SPLIT_SIZE, num_kv_splits
 from .kernels.matmul import linear_invariant
+from .kernels.sampling import mask_logits
 from .kv_cache import DUMMY_BLOCK, BlockAllocator, block_table_tensor, cdiv, slot_mapping
 from .models import init_random_weights, load_weights, target_class
 from .next_inputs import NextInputs, StepInput
@@ -220,10 +221,10 @@ class ModelRunner:
     # ---- running
     # -----------------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, batch: Batch) -> PrefillOutput:
+    def prefill(self, batch: Batch, masks=None) -> PrefillOutput:
         """Run one prefill step (chunks of several requests), no host sync. New requests whose prompt
-        completes sample their first token; resumed ones (after preemption) emit nothing: their newest token
-        is out."""
+        completes sample their first token (``masks``: the batch's ``structured.StepMasks``, or None);
+        resumed ones (after preemption) emit nothing: their newest token is out."""
         if not batch.reqs:  # DESIGN §4 rule 4: an empty step never reaches attention metadata
             return PrefillOutput(0, [], [], [], torch.zeros(0, dtype=torch.long), torch.zeros(0))
         ids, pos, md, last = self.prepare_prefill(batch)
@@ -236,10 +237,11 @@ class ModelRunner:
         if new:
             reqs = [batch.reqs[i] for i in new]
             logits = self.model.compute_logits(hidden[self._tensor([last[i] for i in new])])
-            sampled = sample_tokens(reqs, logits, self._tensor([r.num_tokens for r in reqs]))
+            bitmask = None if masks is None else masks.root(new)
+            sampled = sample_tokens(reqs, logits, self._tensor([r.num_tokens for r in reqs]), bitmask)
             parallel.agree(sampled)  # rank 0's tokens (DESIGN §4 rule 8)
             bonus[self._tensor([done.index(i) for i in new])] = sampled
-            logprobs = emitted_logprobs(reqs, logits[:, None], sampled[:, None])
+            logprobs = emitted_logprobs(reqs, mask_logits(logits, bitmask)[:, None], sampled[:, None])
         done_reqs = [batch.reqs[i] for i in done]
         done_hidden = hidden[self._tensor([last[i] for i in done])]
         scores = self._score_prompts(batch, hidden, last)  # (prompt_logprobs, prompt_logprob_rows)
@@ -271,9 +273,10 @@ class ModelRunner:
     # ---- plain decode
     # ------------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def decode(self, reqs: list[Request], next_inputs: NextInputs) -> StepOutput:
+    def decode(self, reqs: list[Request], next_inputs: NextInputs, masks=None) -> StepOutput:
         """One plain decode step: each request's next token, its input read from and its next input left in
-        ``next_inputs``, on the device (no host sync)."""
+        ``next_inputs``, on the device (no host sync); ``masks``: the batch's ``structured.StepMasks``, or
+        None."""
         if not reqs:  # DESIGN §4 rule 4
             return StepOutput(torch.zeros(0, 2, dtype=torch.long))
         inp = next_inputs.take(reqs)
@@ -289,8 +292,10 @@ class ModelRunner:
             "seq_lens": inp.num_computed_tokens + 1,
         }
         logits = self.graphs.run("decode", inputs, num_kv_splits(bound))
-        toks = sample_tokens(reqs, logits, pos + 1)  # the produced token sits at position L + 1
+        bitmask = None if masks is None else masks.root(range(len(reqs)))
+        toks = sample_tokens(reqs, logits, pos + 1, bitmask)  # the produced token sits at position L + 1
         parallel.agree(toks)
         next_inputs.advance(StepInput(inp.req_ids, toks, inp.hidden, inp.num_computed_tokens + 1))
         rows = torch.stack([torch.ones_like(toks), toks], 1)
-        return StepOutput(rows, logprobs=emitted_logprobs(reqs, logits[:, None], toks[:, None]))
+        logprobs = emitted_logprobs(reqs, mask_logits(logits, bitmask)[:, None], toks[:, None])
+        return StepOutput(rows, logprobs=logprobs)

@@ -50,7 +50,8 @@ class TokenLogprobs:
         chosen, top_ids, top_values = (c.tolist() for c in self.copies)
         out = []
         for c, ids, values, token, k in zip(chosen, top_ids, top_values, tokens, ks):
-            entry = dict(zip(ids[:k], values[:k]))
+            # a token a grammar forbids (logprob -inf) is not among the top ones
+            entry = {i: v for i, v in zip(ids[:k], values[:k]) if v > float("-inf")}
             entry.setdefault(token, c)
             out.append(entry)
         return out

@@ -18,7 +18,9 @@ class Request:
     While decoding, the last output token (the bonus token under speculation) is not in KV yet, so
     ``num_computed_tokens == num_tokens - 1``. ``block_table`` lists the request's KV blocks in order.
     ``seed`` keys the sampling noise of every token the request produces (``kernels.sampling``): its
-    ``SamplingParams.seed``, or one the engine drew for it.
+    ``SamplingParams.seed``, or one the engine drew for it. ``matcher`` (structured output): the llguidance
+    matcher of ``SamplingParams.structured_outputs``, advanced by every committed output token; the request
+    then ends at an end token even with ``ignore_eos`` (the grammar allows one only where it is complete).
     """
 
     def __init__(
@@ -28,6 +30,7 @@ class Request:
         params: SamplingParams,
         eos_token_ids: set[int],
         tokenizer=None,
+        matcher=None,
     ):
         self.request_id = request_id
         self.params = params
@@ -49,7 +52,9 @@ class Request:
         self.num_cached_tokens: int | None = None  # prompt tokens whose KV came from the prefix cache
         # chained sha256 keys of the full blocks of all_token_ids (prefix caching)
         self.block_hashes: list[bytes] = []
-        self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self.matcher = matcher
+        ends_at_eos = not params.ignore_eos or matcher is not None
+        self._stop_ids = set(params.stop_token_ids) | (set(eos_token_ids) if ends_at_eos else set())
         self._tokenizer = tokenizer
 
     @property
@@ -84,6 +89,9 @@ class Request:
         """
         p = self.params
         for i, tok in enumerate(tokens):
+            if self.matcher is not None and not self.matcher.consume_token(tok):
+                # every sampled token was masked by this matcher's state: a mismatch is an engine bug
+                raise RuntimeError(f"request {self.request_id}: token {tok} left its grammar")
             self.output_token_ids.append(tok)
             if self.logprobs is not None:
                 self.logprobs.append(logprobs[i])
@@ -123,7 +131,7 @@ class Request:
         while the request waits to prefill, its tokens and whole block table; once it runs, no tokens (a
         decode step reads none) and no block table (the ranks keep it, ``parallel.BlockTables``; the step's
         plan carries the blocks it added, ``Batch.new_blocks``)."""
-        drop = dict(_tokenizer=None, block_hashes=[], accept_lengths=[], draft_token_counts=[])
+        drop = dict(_tokenizer=None, matcher=None, block_hashes=[], accept_lengths=[], draft_token_counts=[])
         drop |= dict(logprobs=None, prompt_logprobs=None)  # the ranks read params.logprobs only
         if self.status is not Status.WAITING:
             drop |= dict(prompt_token_ids=[], output_token_ids=[], block_table=[])

@@ -7,7 +7,7 @@ or draft produced the row (DESIGN §5, "Seeds").
 
 import torch
 
-from .kernels.sampling import sample
+from .kernels.sampling import mask_logits, sample
 from .request import Request
 from .transfer import to_device
 
@@ -21,9 +21,12 @@ def sampling_tensors(reqs: list[Request], device) -> tuple[torch.Tensor, ...]:
     return temperature, top_k, top_p, seeds
 
 
-def sample_tokens(reqs: list[Request], logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def sample_tokens(
+    reqs: list[Request], logits: torch.Tensor, positions: torch.Tensor, bitmask=None
+) -> torch.Tensor:
     """The token each row produces [B] int64, from logits [B, V]; ``positions`` [B] int64 are the absolute
-    positions of those tokens. A batch of greedy rows only takes the argmax (no parameter tensors)."""
+    positions of those tokens; ``bitmask`` [B, W] int32 (structured output) the tokens each row may produce,
+    or None. A batch of greedy rows only takes the argmax (no parameter tensors)."""
     if all(r.params.greedy for r in reqs):
-        return logits.argmax(-1)
-    return sample(logits, *sampling_tensors(reqs, logits.device), positions)
+        return mask_logits(logits, bitmask).argmax(-1)
+    return sample(logits, *sampling_tensors(reqs, logits.device), positions, bitmask=bitmask)

@@ -153,6 +153,8 @@ class Scheduler:
                 continue  # preempted for an older request in this loop
             if req.num_inflight and len(req.output_token_ids) + self.lookahead >= req.params.max_tokens:
                 continue  # its step in flight may end it: no step past max_model_len (nor its RoPE table)
+            if req.matcher is not None and (req.num_inflight or not req.output_token_ids):
+                continue  # its grammar masks need every token before this step committed (DESIGN §5)
             need = self._decode_need(req)
             if self._make_room(req, need):
                 new_blocks.append(self.allocator.allocate(req, need))

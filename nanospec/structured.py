@@ -10,14 +10,21 @@ mask, roll back). A bitmask is packed int32, ``ceil(V / 32)`` words per row, bit
 """
 
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import llguidance
 import llguidance.hf
+import torch
+from llguidance.torch import fill_next_token_bitmask
+
+from .transfer import to_device
 
 # JSON is emitted with json.dumps' separators and no other whitespace: a model cannot loop on whitespace,
 # and the text reads as Python and JavaScript write JSON
 JSON_OPTIONS = {"whitespace_flexible": False}
+GRAMMAR_CACHE_SIZE = 64  # compiled grammars kept per model
 
 
 @dataclass
@@ -75,3 +82,112 @@ class StructuredOutputsParams:
         if self.choice is not None:
             return llguidance.grammar_from("choice", json.dumps(self.choice))
         return llguidance.grammar_from("grammar", self.grammar)
+
+
+class Grammars:
+    """The grammar matchers of one model: llguidance's view of its tokenizer (built on first use), and each
+    constraint's compiled matcher, cached by grammar text (agents send the same schema again and again); a
+    request gets a copy. Thread-safe, so a server compiles off the engine thread (``LLM.compile_grammar``).
+
+    ``eos_token_ids``: the tokens that end a request; the grammar allows them only where it is complete.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = set(eos_token_ids)
+        self.lock = threading.Lock()
+        self.ll_tokenizer = None
+        self.compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+
+    def matcher(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """A fresh matcher of ``params``' grammar, at the start of the output. ValueError naming the field
+        when the grammar does not compile against this tokenizer."""
+        grammar = params.to_grammar()
+        with self.lock:
+            if self.ll_tokenizer is None:
+                eos = sorted(self.eos_token_ids)
+                self.ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, self.vocab_size, eos)
+            compiled = self.compiled.get(grammar)
+        if compiled is None:
+            compiled = llguidance.LLMatcher(self.ll_tokenizer, grammar)
+            if compiled.is_error():
+                raise ValueError(f"SamplingParams.structured_outputs is not valid: {compiled.get_error()}")
+        with self.lock:
+            self.compiled[grammar] = compiled
+            self.compiled.move_to_end(grammar)
+            if len(self.compiled) > GRAMMAR_CACHE_SIZE:
+                self.compiled.popitem(last=False)
+        return compiled.deep_copy()
+
+
+class StepMasks:
+    """The allowed-token bitmasks of one step's rows, computed on the host by the requests' matchers.
+
+    A row is a request and a draft path: the tokens drafted after its bonus token (the newest committed
+    token), i.e. the row's position in the draft or verify tree. Its mask is the grammar's after the request's
+    committed tokens and that path: the matcher walks the path, fills the row, and rolls back. A path that
+    leaves the grammar or passes an end token is never accepted (the target's masked token cannot match it),
+    so its row may allow anything: it allows token 0 alone, the cheapest row to sample, and a matcher is
+    never asked past its end. Rows of requests without a constraint allow everything. Masks of a path seen
+    before in the step are reused (a chain's draft masks are its verify masks).
+    """
+
+    def __init__(self, reqs, vocab_size: int, eos_token_ids, device):
+        self.matchers = [r.matcher for r in reqs]
+        self.words = -(-vocab_size // 32)
+        self.eos_token_ids = set(eos_token_ids)
+        self.device = device
+        self.seen: dict[tuple, tuple[torch.Tensor, int]] = {}
+
+    def __call__(self, paths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Masks of the rows whose draft paths are ``paths`` [R, D] int64 (R a multiple of the batch size,
+        each request's rows together; D may be 0): (bitmask [R, W] int32, forced [R] int64: the token the
+        grammar forces there, -1 if none), on the device. Reads ``paths`` on the host (one sync)."""
+        rows = paths.tolist()
+        per_request = len(rows) // len(self.matchers)
+        return self.rows([(i // per_request, path) for i, path in enumerate(rows)])
+
+    def root(self, indices) -> torch.Tensor:
+        """Bitmask [len(indices), W] int32 on the device of the requests at ``indices`` of the batch, after
+        their committed tokens (the token a prefill or a plain decode step produces)."""
+        return self.rows([(b, []) for b in indices])[0]
+
+    def tree(self, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        """Bitmask [B * N, W] int32 of every node of a draft tree (tokens, parents [B, N] int64: root first,
+        parents before children), on the device: node j's path is its ancestors' tokens and its own."""
+        rows = []
+        for b, (toks, pars) in enumerate(zip(tokens.tolist(), parents.tolist())):
+            paths = [[]]
+            for j in range(1, len(toks)):
+                paths.append(paths[pars[j]] + [toks[j]])
+            rows += [(b, path) for path in paths]
+        return self.rows(rows)[0]
+
+    def rows(self, rows: list[tuple[int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(bitmask, forced) of (request index, path) rows; see ``__call__``."""
+        bitmask = torch.full((len(rows), self.words), -1, dtype=torch.int32)
+        forced = [-1] * len(rows)
+        for i, (b, path) in enumerate(rows):
+            key = (b, *path)
+            if key not in self.seen:
+                self.seen[key] = self.fill(self.matchers[b], path)
+            bitmask[i], forced[i] = self.seen[key]
+        return to_device(bitmask, torch.int32, self.device), to_device(forced, torch.long, self.device)
+
+    def fill(self, matcher, path: list[int]) -> tuple[torch.Tensor, int]:
+        row = torch.full((1, self.words), -1, dtype=torch.int32)
+        if matcher is None:
+            return row[0], -1
+        row.zero_()
+        row[0, 0] = 1  # a dead path: token 0 alone
+        if self.eos_token_ids.intersection(path):
+            return row[0], -1
+        n = matcher.try_consume_tokens(path)
+        forced = -1
+        if n == len(path):
+            fill_next_token_bitmask(matcher, row)
+            forced_tokens = matcher.compute_ff_tokens()
+            forced = forced_tokens[0] if forced_tokens else -1
+        matcher.rollback(n)
+        return row[0], forced

@@ -13,8 +13,13 @@ import torch
 
 
 def to_device(data, dtype: torch.dtype, device) -> torch.Tensor:
-    """``data`` (a number or a nested list) as a tensor of ``dtype`` on ``device``, sent without blocking
-    the host."""
+    """``data`` (a number, a nested list or a host tensor) as a tensor of ``dtype`` on ``device``, sent
+    without blocking the host."""
+    if isinstance(data, torch.Tensor):
+        data = data.to(dtype)
+        if torch.device(device).type != "cuda":
+            return data.to(device)
+        return data.pin_memory().to(device, non_blocking=True)
     if torch.device(device).type != "cuda":
         return torch.tensor(data, dtype=dtype, device=device)
     return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

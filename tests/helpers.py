@@ -83,9 +83,9 @@ def record_step_reqs(worker):
     that must know whose rows it drafts reads them there (``draft`` itself sees tensors only)."""
     step = worker.step
 
-    def recording(reqs, plan=None):
+    def recording(reqs, plan=None, masks=None):
         worker.step_reqs = reqs
-        return step(reqs, plan)
+        return step(reqs, plan, masks)
 
     worker.step = recording
 
@@ -96,11 +96,11 @@ def install_drafter(monkeypatch, fn):
     continuation): ``FrozenKVMTPWorker.step`` records its requests on the worker, ``draft`` hands them on."""
     step = FrozenKVMTPWorker.step
 
-    def recording_step(self, reqs, plan=None):
+    def recording_step(self, reqs, plan=None, masks=None):
         self.step_reqs = reqs
-        return step(self, reqs, plan)
+        return step(self, reqs, plan, masks)
 
-    def draft(self, inp, block_table, seq_lens, num_splits=None, num_steps=None, sampling=None):
+    def draft(self, inp, block_table, seq_lens, num_splits=None, num_steps=None, sampling=None, masks=None):
         return fn(self, self.step_reqs, block_table, seq_lens, num_splits, num_steps, sampling)
 
     monkeypatch.setattr(FrozenKVMTPWorker, "step", recording_step)

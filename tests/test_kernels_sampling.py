@@ -121,6 +121,42 @@ def test_sample_over_a_candidate_set(small_block, triton_backend):
     assert torch.equal(sampling.sample_triton(cand, *params(), s, p, ids), want)
 
 
+def random_bitmask(R, V, keep, gen):
+    """An int32 [R, ceil(V / 32)] bitmask allowing each token with probability ``keep`` (at least one)."""
+    allowed = torch.rand(R, V, generator=gen) < keep
+    allowed[:, 7] = True
+    padded = torch.zeros(R, -(-V // 32) * 32, dtype=torch.int64)
+    padded[:, :V] = allowed.long()
+    words = (padded.view(R, -1, 32) << torch.arange(32)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).int(), allowed
+
+
+@pytest.mark.parametrize("keep", [0.002, 0.3, 0.9])
+def test_bitmask_is_sampling_with_the_other_tokens_at_minus_inf(keep, small_block, triton_backend):
+    """Structured output: a packed bitmask (bit v & 31 of word v >> 5) gives the token that sampling logits
+    with every disallowed token at -inf gives: greedy, top-k, top-p and sampled rows, Triton == reference,
+    over the full vocabulary and over a candidate set."""
+    gen = torch.Generator().manual_seed(int(keep * 1000))
+    V, M = 2500, 300
+    logits = torch.randn(len(TEMP), V, generator=gen) * 2
+    bitmask, allowed = random_bitmask(len(TEMP), V, keep, gen)
+    masked = logits.masked_fill(~allowed, float("-inf"))
+    assert torch.equal(sampling.mask_logits(logits, bitmask), masked)
+    for seed in range(2):
+        s, p = keys(len(TEMP), seed)
+        want = sampling.sample_ref(masked, *params(), s, p)
+        assert allowed.gather(1, want[:, None]).all()
+        assert torch.equal(sampling.sample_ref(logits, *params(), s, p, bitmask=bitmask), want)
+        assert torch.equal(sampling.sample_triton(logits, *params(), s, p, bitmask=bitmask), want)
+    ids = torch.stack(
+        [torch.cat([torch.tensor([7]), torch.randperm(V, generator=gen)[: M - 1] + V]) % V for _ in TEMP]
+    )
+    cand = logits.gather(1, ids)
+    want = sampling.sample_ref(masked.gather(1, ids), *params(), s, p, ids)
+    assert torch.equal(sampling.sample_ref(cand, *params(), s, p, ids, bitmask), want)
+    assert torch.equal(sampling.sample_triton(cand, *params(), s, p, ids, bitmask), want)
+
+
 def test_greedy_ties_lowest_index_and_triton_tie_rule(triton_backend):
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, -1.0]])
     s, p = keys(1)
@@ -147,6 +183,8 @@ def test_empty_and_dispatch(triton_backend):
         sampling.sample(torch.randn(2, 10), *two, *keys(3))
     with pytest.raises(ValueError, match="token_ids"):
         sampling.sample(torch.randn(2, 10), *two, *keys(2), torch.zeros(2, 9).long())
+    with pytest.raises(ValueError, match="bitmask"):
+        sampling.sample(torch.randn(2, 10), *two, *keys(2), bitmask=torch.zeros(2, 1))
 
 
 def _hf_probs(logits, temp, top_k, top_p):

@@ -36,7 +36,7 @@ from ..kernels.activation import gelu_and_mul, silu_and_mul
 from ..kernels.attention import draft_attention
 from ..kernels.centroid import centroid_logits
 from ..kernels.rope import apply_rope, rope_cos_sin
-from ..kernels.sampling import sample
+from ..kernels.sampling import mask_logits, sample
 from ..loader import layer_geometry
 from ..parallel import ColumnLinear, Linear, RowLinear, gather, linear, span
 from . import assistant_io
@@ -466,18 +466,20 @@ class Gemma4Assistant(nn.Module):
         fill = (cand.amin(-1, keepdim=True) - 1.0).expand(-1, self.vocab_size)
         return fill.contiguous().scatter_(1, ids, cand), h_next
 
-    def draft_token(self, tokens, h_prev, positions, sampling, token_positions):
+    def draft_token(self, tokens, h_prev, positions, sampling, token_positions, bitmask=None):
         """One chain draft step: ``tokens [R]``, ``h_prev [R, Hb]``, ``positions [R]`` -> ``(token [R] int64,
         h_next [R, Hb])``, the token ``kernels.sampling.sample`` draws from the assistant's logits with the
         rows' ``sampling`` = (temperature, top_k, top_p, seeds [R]) at ``token_positions [R]`` int64 (the
         target's noise there); ``sampling`` None: the argmax. The centroid head samples among its candidates
-        only (nothing of size V is built)."""
+        only (nothing of size V is built). ``bitmask`` [R, W] int32 (structured output): the tokens each row
+        may draft (a centroid row whose candidates it all forbids drafts unmasked: that draft is rejected)."""
         if self.masked_embedding is None:
             logits, h_next = self(tokens, h_prev, positions)
             ids = None
         else:
             hn, h_next = self.body(tokens, h_prev, positions)
             logits, ids = self._candidates(hn)
+        logits = _masked(logits, bitmask, ids)
         if sampling is not None:
             return sample(logits, *sampling, token_positions, ids), h_next
         best = logits.argmax(-1)
@@ -485,7 +487,7 @@ class Gemma4Assistant(nn.Module):
             best = ids.gather(1, best[:, None]).squeeze(1)
         return best, h_next
 
-    def propose(self, tokens, h_prev, positions, k: int):
+    def propose(self, tokens, h_prev, positions, k: int, bitmask=None):
         """One draft step returning the top ``k`` tokens per row: ``tokens [R]``, ``h_prev [R, Hb]``,
         ``positions [R]`` -> ``(top_logprobs [R, k] fp32, top_tokens [R, k] int64, h_next [R, Hb])``, best
         first.
@@ -493,7 +495,8 @@ class Gemma4Assistant(nn.Module):
         Dense head: ``log_softmax(logits).topk(k)``. Centroid head: the top k candidates (k = 1: their
         argmax), log-probabilities equal to HF's ``log_softmax`` of its masked [V] tensor, whose logsumexp is
         that of the candidates plus ``(V - M) * exp(min - 1)`` for the M candidates; nothing of size V is
-        built and nothing syncs with the host. Raises ValueError unless 1 <= k <= V (M for the centroid head).
+        built and nothing syncs with the host. ``bitmask``: as ``draft_token``'s. Raises ValueError unless
+        1 <= k <= V (M for the centroid head).
         """
         me = self.masked_embedding
         limit = (
@@ -505,16 +508,26 @@ class Gemma4Assistant(nn.Module):
             _bad("propose k", f"must be in [1, {limit}], got {k}")
         if me is None:
             logits, h_next = self(tokens, h_prev, positions)
-            top_lp, top_tok = torch.log_softmax(logits, -1).topk(k, dim=-1)
+            top_lp, top_tok = torch.log_softmax(_masked(logits, bitmask), -1).topk(k, dim=-1)
             return top_lp, top_tok, h_next
         hn, h_next = self.body(tokens, h_prev, positions)
         cand, ids = self._candidates(hn)
+        cand = _masked(cand, bitmask, ids)
         top, j = cand.topk(k, dim=-1)
         hi = cand.amax(-1, keepdim=True)
         lo = cand.amin(-1, keepdim=True)
         rest = self.vocab_size - cand.shape[-1]  # tokens HF fills with lo - 1
         lse = hi + ((cand - hi).exp().sum(-1, keepdim=True) + rest * (lo - 1.0 - hi).exp()).log()
         return top - lse, ids.gather(1, j), h_next
+
+
+def _masked(logits, bitmask, ids=None):
+    """``logits`` with the tokens ``bitmask`` forbids at -inf (``kernels.sampling.mask_logits``); a row that
+    would keep nothing is left as it is."""
+    if bitmask is None:
+        return logits
+    masked = mask_logits(logits, bitmask, ids)
+    return torch.where(masked.isfinite().any(-1, keepdim=True), masked, logits)
 
 
 def assistant_config_for(

@@ -78,6 +78,7 @@ def run_draft(
     position_offset: int = -1,
     num_splits=None,
     sampling=None,
+    masks=None,
 ) -> DraftTree:
     """Draft ``num_steps`` tokens (topk 1: a chain) or a tree of N nodes (topk > 1) for every seed row.
 
@@ -92,6 +93,9 @@ def run_draft(
     topk > 1: B*k independent single-token queries; per step keep the best k of k^2 children by cumulative
     log-prob, then keep the top N-1 of all candidates (as SGLang's
     select_top_k_tokens/organize_draft_results).
+    ``masks`` (structured output: a ``structured.StepMasks``, or None): each step drafts inside the grammar,
+    masked after the tokens drafted so far on its branch (read on the host: one sync per step), and a chain
+    drafts a token the grammar forces whatever the drafter proposes.
     """
     B = seed.hidden.shape[0]
     k = topk
@@ -105,12 +109,19 @@ def run_draft(
         drafts = []
         with attn_metadata(AttnMetadata.draft(block_table, seq_lens, num_splits=num_splits)):
             for i in range(1, num_steps + 1):
-                tok, h = assistant.draft_token(tok, h, pos, draft_sampling, seq_lens.long() + i)
+                bitmask = forced = None
+                if masks is not None:
+                    bitmask, forced = masks(torch.stack(drafts, 1) if drafts else tok.new_zeros(B, 0))
+                tok, h = assistant.draft_token(tok, h, pos, draft_sampling, seq_lens.long() + i, bitmask)
+                if forced is not None:
+                    tok = torch.where(forced >= 0, forced, tok)
                 drafts.append(tok)
         return chain_tree(seed.bonus_tokens, torch.stack(drafts, 1) if drafts else tok.new_zeros(B, 0))
     dev = h.device
+    bitmask = None if masks is None else masks.root(range(B))
     with attn_metadata(AttnMetadata.draft(block_table, seq_lens, num_splits=num_splits)):
-        scores, tok, h = assistant.propose(tok, h, pos, k)  # [B, k]: the seed step runs once per request
+        # [B, k]: the seed step runs once per request
+        scores, tok, h = assistant.propose(tok, h, pos, k, bitmask)
     h = h.repeat_interleave(k, 0)
     toks = [tok]
     scs = [scores]
@@ -120,9 +131,13 @@ def run_draft(
     base = k
     rows = torch.arange(B, device=dev, dtype=torch.int32).repeat_interleave(k)
     md = AttnMetadata.draft(block_table, seq_lens, row_to_req=rows, num_splits=num_splits)
+    paths = tok[..., None]  # [B, k, step]: each frontier node's drafted tokens (masks only)
     for step in range(1, num_steps):
+        bitmask = None if masks is None else masks(paths.flatten(0, 1))[0]
         with attn_metadata(md):
-            child_lp, child_tok, h = assistant.propose(tok.reshape(-1), h, pos.repeat_interleave(k), k)
+            child_lp, child_tok, h = assistant.propose(
+                tok.reshape(-1), h, pos.repeat_interleave(k), k, bitmask
+            )
         cum = (scores[:, :, None] + child_lp.view(B, k, k)).view(B, k * k)
         toks.append(child_tok.view(B, k * k))
         scs.append(cum)
@@ -132,6 +147,9 @@ def run_draft(
         tok = toks[-1].gather(1, best)
         Hb = h.shape[-1]  # explicit: a 0-row (idle) input cannot infer a -1 dim (DESIGN §4 rule 4)
         h = h.view(B, k, Hb).gather(1, (best // k)[..., None].expand(-1, -1, Hb)).reshape(B * k, Hb)
+        if masks is not None:
+            paths = paths.gather(1, (best // k)[..., None].expand(-1, -1, step))
+            paths = torch.cat([paths, tok[..., None]], 2)
         frontier = base + best
         base += k * k
     depth = torch.cat([torch.full_like(t, d) for t, d in zip(toks, deps)], 1)

@@ -32,7 +32,7 @@ from .. import parallel
 from ..context import AttnMetadata, attn_metadata
 from ..cuda_graph import GraphRunner
 from ..kernels.attention import num_kv_splits
-from ..kernels.sampling import sample
+from ..kernels.sampling import mask_logits, sample
 from ..kv_cache import DUMMY_BLOCK, block_table_tensor, slot_mapping
 from ..models.gemma4_assistant import Gemma4Assistant
 from ..next_inputs import NextInputs, StepInput
@@ -136,10 +136,12 @@ class FrozenKVMTPWorker:
         return self.policy.choose(len(reqs), _is_sampled(reqs))
 
     @torch.inference_mode()
-    def step(self, reqs, plan=None) -> StepOutput:
+    def step(self, reqs, plan=None, masks=None) -> StepOutput:
         """Draft, verify over the tree, accept, and keep the next draft inputs (see the module docstring).
         ``plan`` = (s, estimate) from ``self.plan`` (None: ask it here). The inputs, committed lengths
-        included, are gathered on the device: no host sync until the output is read."""
+        included, are gathered on the device: no host sync until the output is read. ``masks`` (structured
+        output: the batch's ``structured.StepMasks``, or None) runs the step eagerly, the host masking each
+        draft step and every verify node (DESIGN §5)."""
         if not reqs:  # DESIGN §4 rule 4
             return StepOutput(torch.zeros(0, 2, dtype=torch.long), speculative=True)
         s, estimate = self.plan(reqs) if plan is None else plan
@@ -159,9 +161,11 @@ class FrozenKVMTPWorker:
             "top_p": top_p,
             "seeds": seeds,
         }
-        tree_tokens, out, acc, bonus, hidden, path, logits = self.graphs.run(
-            f"mtp:{s}", inputs, num_kv_splits(bound)
-        )
+        if masks is None:
+            outputs = self.graphs.run(f"mtp:{s}", inputs, num_kv_splits(bound))
+        else:
+            outputs = self.draft_verify(**inputs, num_splits=num_kv_splits(bound), num_steps=s, masks=masks)
+        tree_tokens, out, acc, bonus, hidden, path, logits = outputs
         logprobs = None
         if any(r.params.logprobs is not None for r in reqs):  # emitted token j: the target's at node path[j]
             node_logits = logits[torch.arange(len(reqs), device=self.device)[:, None], path.clamp(min=0)]
@@ -194,10 +198,19 @@ class FrozenKVMTPWorker:
             seconds = out.timer.seconds()
             self.policy.observe(out.num_steps, len(out.accept_lens), out.accept_lens, seconds, out.sampled)
 
-    def draft(self, inp: StepInput, block_table, seq_lens, num_splits=None, num_steps=None, sampling=None):
+    def draft(
+        self,
+        inp: StepInput,
+        block_table,
+        seq_lens,
+        num_splits=None,
+        num_steps=None,
+        sampling=None,
+        masks=None,
+    ):
         """The draft tree of the rows of ``inp`` (their bonus tokens and seed hiddens; reads KV rows [0, L),
-        writes nothing): ``num_steps`` (default: all) steps; ``sampling`` as ``run_draft``'s. The one draft
-        path, eager or captured (``draft_verify``)."""
+        writes nothing): ``num_steps`` (default: all) steps; ``sampling`` and ``masks`` as ``run_draft``'s.
+        The one draft path, eager or captured (``draft_verify``)."""
         s = self.num_steps if num_steps is None else num_steps
         return run_draft(
             self.assistant,
@@ -210,13 +223,14 @@ class FrozenKVMTPWorker:
             self.position_offset,
             num_splits,
             sampling,
+            masks,
         )
 
     def _num_nodes(self, s: int) -> int:
         """Tree nodes verified per request when drafting s steps (a shorter draft is a chain)."""
         return self.num_draft_tokens if s == self.num_steps else s + 1
 
-    def verify(self, tree, block_table, L, sampling, num_steps=None):
+    def verify(self, tree, block_table, L, sampling, num_steps=None, masks=None):
         """Target forward over the tree (K/V written to rows [L, L+N)), the target's token at every node,
         accept, compact, next seed hidden.
 
@@ -226,7 +240,8 @@ class FrozenKVMTPWorker:
         token, and the target token at the last accepted node is the bonus token (DESIGN §3, "Verify").
         Pure tensor code with no host sync (graph-capturable): slots come from the block table on device.
         ``sampling`` = (temperature [B] fp32, top_k [B] int32, top_p [B] fp32, seeds [B] int64);
-        ``num_steps``: the tree's depth (default: all steps).
+        ``num_steps``: the tree's depth (default: all steps); ``masks`` (structured output, or None): every
+        node's token is sampled inside the grammar after its path, and the returned logits are masked.
         Returns (emitted [B, S+1] tokens padded with -1, accept_len [B], bonus [B], next seed hidden [B, Hb],
         path [B, S+1] (``accept``'s), logits [B, N, V]).
         """
@@ -244,7 +259,11 @@ class FrozenKVMTPWorker:
         s = self.num_steps if num_steps is None else num_steps
         positions = (L.long()[:, None] + tree.depth + 1).flatten()
         per_node = [x.repeat_interleave(N) for x in sampling]
-        target_tokens = sample(logits.view(B * N, -1), *per_node, positions).view(B, N)
+        bitmask = None
+        if masks is not None:
+            bitmask = masks.tree(tree.tokens, tree.parents)
+            logits = mask_logits(logits.view(B * N, -1), bitmask).view(B, N, -1)
+        target_tokens = sample(logits.view(B * N, -1), *per_node, positions, bitmask=bitmask).view(B, N)
         path, acc, bonus = accept(tree, target_tokens, s)
         parallel.agree(path, acc, bonus)  # rank 0's walk (tensor parallelism: DESIGN §4 rule 8)
         if not tree.is_chain:
@@ -254,16 +273,27 @@ class FrozenKVMTPWorker:
         return emitted_tokens(tree, path, acc, bonus), acc, bonus, seed_hidden, path, logits
 
     def draft_verify(
-        self, bonus, hidden, block_table, L, temperature, top_k, top_p, seeds, num_splits=None, num_steps=None
+        self,
+        bonus,
+        hidden,
+        block_table,
+        L,
+        temperature,
+        top_k,
+        top_p,
+        seeds,
+        num_splits=None,
+        num_steps=None,
+        masks=None,
     ):
         """One whole speculative step of ``num_steps`` draft steps (default: all) from draft-input tensors
         (bonus [B], hidden [B, Hb]) and the rows' sampling tensors (``sampler.sampling_tensors``): the
-        ``mtp:{s}`` phase, the same code whether a CUDA graph captures it or it runs eagerly. Returns (tree
-        tokens [B, N], then ``verify``'s outputs)."""
+        ``mtp:{s}`` phase, the same code whether a CUDA graph captures it or it runs eagerly (always eagerly
+        with ``masks``). Returns (tree tokens [B, N], then ``verify``'s outputs)."""
         s = self.num_steps if num_steps is None else num_steps
         sampling = (temperature, top_k, top_p, seeds)
-        tree = self.draft(StepInput([], bonus, hidden), block_table, L, num_splits, s, sampling)
-        return (tree.tokens, *self.verify(tree, block_table, L, sampling, s))
+        tree = self.draft(StepInput([], bonus, hidden), block_table, L, num_splits, s, sampling, masks)
+        return (tree.tokens, *self.verify(tree, block_table, L, sampling, s, masks))
 
     def _trace_step(self, reqs, lens, tree_tokens, result) -> None:
         for r, L, toks, emitted in zip(reqs, lens, tree_tokens, result.tokens):
