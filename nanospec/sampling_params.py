@@ -79,10 +79,7 @@ class SamplingParams:
         if isinstance(self.structured_outputs, dict):
             unknown = set(self.structured_outputs) - set(StructuredOutputsParams.__dataclass_fields__)
             if unknown:
-                raise ValueError(
-                    f"SamplingParams.structured_outputs: unknown field(s) {sorted(unknown)}; allowed: json, "
-                    "json_object, regex, choice, grammar"
-                )
+                raise ValueError(f"SamplingParams.structured_outputs: unknown field(s) {sorted(unknown)}")
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):

@@ -10,9 +10,8 @@ mask, roll back). A bitmask is packed int32, ``ceil(V / 32)`` words per row, bit
 """
 
 import json
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
+from functools import cached_property, lru_cache
 
 import llguidance
 import llguidance.hf
@@ -87,38 +86,31 @@ class StructuredOutputsParams:
 class Grammars:
     """The grammar matchers of one model: llguidance's view of its tokenizer (built on first use), and each
     constraint's compiled matcher, cached by grammar text (agents send the same schema again and again); a
-    request gets a copy. Thread-safe, so a server compiles off the engine thread (``LLM.compile_grammar``).
-
-    ``eos_token_ids``: the tokens that end a request; the grammar allows them only where it is complete.
+    request gets a copy. Safe to call from several threads, so a server compiles off the engine thread
+    (``LLM.compile_grammar``). ``eos_token_ids``: the tokens that end a request; a grammar allows them only
+    where it is complete.
     """
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.eos_token_ids = set(eos_token_ids)
-        self.lock = threading.Lock()
-        self.ll_tokenizer = None
-        self.compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.compiled = lru_cache(GRAMMAR_CACHE_SIZE)(self.compile)
+
+    @cached_property
+    def ll_tokenizer(self) -> llguidance.LLTokenizer:
+        return llguidance.hf.from_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
+
+    def compile(self, grammar: str) -> llguidance.LLMatcher:
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar)
+        if matcher.is_error():
+            raise ValueError(f"SamplingParams.structured_outputs is not valid: {matcher.get_error()}")
+        return matcher
 
     def matcher(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         """A fresh matcher of ``params``' grammar, at the start of the output. ValueError naming the field
         when the grammar does not compile against this tokenizer."""
-        grammar = params.to_grammar()
-        with self.lock:
-            if self.ll_tokenizer is None:
-                eos = sorted(self.eos_token_ids)
-                self.ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, self.vocab_size, eos)
-            compiled = self.compiled.get(grammar)
-        if compiled is None:
-            compiled = llguidance.LLMatcher(self.ll_tokenizer, grammar)
-            if compiled.is_error():
-                raise ValueError(f"SamplingParams.structured_outputs is not valid: {compiled.get_error()}")
-        with self.lock:
-            self.compiled[grammar] = compiled
-            self.compiled.move_to_end(grammar)
-            if len(self.compiled) > GRAMMAR_CACHE_SIZE:
-                self.compiled.popitem(last=False)
-        return compiled.deep_copy()
+        return self.compiled(params.to_grammar()).deep_copy()
 
 
 class StepMasks:

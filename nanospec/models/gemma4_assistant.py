@@ -479,7 +479,7 @@ class Gemma4Assistant(nn.Module):
         else:
             hn, h_next = self.body(tokens, h_prev, positions)
             logits, ids = self._candidates(hn)
-        logits = _masked(logits, bitmask, ids)
+        logits = mask_logits(logits, bitmask, ids)
         if sampling is not None:
             return sample(logits, *sampling, token_positions, ids), h_next
         best = logits.argmax(-1)
@@ -508,26 +508,17 @@ class Gemma4Assistant(nn.Module):
             _bad("propose k", f"must be in [1, {limit}], got {k}")
         if me is None:
             logits, h_next = self(tokens, h_prev, positions)
-            top_lp, top_tok = torch.log_softmax(_masked(logits, bitmask), -1).topk(k, dim=-1)
+            top_lp, top_tok = torch.log_softmax(mask_logits(logits, bitmask), -1).topk(k, dim=-1)
             return top_lp, top_tok, h_next
         hn, h_next = self.body(tokens, h_prev, positions)
         cand, ids = self._candidates(hn)
-        cand = _masked(cand, bitmask, ids)
+        cand = mask_logits(cand, bitmask, ids)
         top, j = cand.topk(k, dim=-1)
         hi = cand.amax(-1, keepdim=True)
         lo = cand.amin(-1, keepdim=True)
         rest = self.vocab_size - cand.shape[-1]  # tokens HF fills with lo - 1
         lse = hi + ((cand - hi).exp().sum(-1, keepdim=True) + rest * (lo - 1.0 - hi).exp()).log()
         return top - lse, ids.gather(1, j), h_next
-
-
-def _masked(logits, bitmask, ids=None):
-    """``logits`` with the tokens ``bitmask`` forbids at -inf (``kernels.sampling.mask_logits``); a row that
-    would keep nothing is left as it is."""
-    if bitmask is None:
-        return logits
-    masked = mask_logits(logits, bitmask, ids)
-    return torch.where(masked.isfinite().any(-1, keepdim=True), masked, logits)
 
 
 def assistant_config_for(

@@ -7,6 +7,7 @@ batch-1 latency, a long prompt stalling decoders, engine options on vs off, spec
     python bench.py --workload sharegpt --batch-1 --compare-spec      # batch 1: spec vs plain, phase costs
     python bench.py --workload shared-prefix --compare enable_prefix_caching
     python bench.py --workload stall --compare overlap_schedule       # decoders' max inter-token gap
+    python bench.py --workload structured --num-seqs 8 --compare-spec # JSON-schema requests, spec on/off
     python bench.py --shape gemma4-e2b --assistant random --batch-1   # Gemma 4 shapes (for a GPU)
     python bench.py --shape gemma4-26b-a4b --num-layers 2 --assistant random --batch-1  # first 2 layers
     python bench.py --shape smollm2-135m --num-seqs 4 --max-input-len 64 --max-output-len 16 --device cpu
@@ -36,7 +37,10 @@ shared-prefix (--prefix-len tokens of one system prompt, this text repeated, in 
 question; for --shape runs random ids in front of the nano-vllm prompts), stall (7 requests of 16 random
 tokens decode --max-output-len tokens; once each has its first token, one --stall-len-token prompt arrives,
 prefilled in --max-num-batched-tokens chunks; prints and reports max_gap_s, the decoders' largest wall time
-between two steps that gave one of them tokens, and the total time).
+between two steps that gave one of them tokens, and the total time), structured (five chat prompts asking
+for JSON, nanospec/assets/structured_prompts.json, each constrained by its JSON schema; reports
+valid_outputs (ended and valid under the schema), forced_tokens and mask_ms_per_step, the host's grammar-mask
+time per step).
 
 --serve starts nanospec-serve with these engine options (--base-url URL uses a running server) and sends the
 workload (default sharegpt) over HTTP with Poisson arrivals: vLLM's serving figures (tools/serve_bench.py).
@@ -55,11 +59,19 @@ import torch
 from .. import LLM, SamplingParams, cpu, loader
 from ..models.shapes import GEMMA4, QWEN3_0_6B, gemma4_configs
 from ..mtp.worker import DEFAULT_ASSISTANT
+from ..structured import StepMasks
 from . import cli
 from .cli import ENGINE, SPEC, add_tensor_parallel_size, number
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
-WORKLOADS = ["nanovllm", "sharegpt", "chat", "shared-prefix", "stall"]  # default nanovllm; over HTTP sharegpt
+WORKLOADS = [
+    "nanovllm",
+    "sharegpt",
+    "chat",
+    "shared-prefix",
+    "stall",
+    "structured",
+]  # default nanovllm; over HTTP sharegpt
 # bench.py's int options >= 1 and their defaults (none: the engine's)
 INT_OPTIONS = """max-model-len=4096 max-num-seqs=256 max-num-batched-tokens=8192 max-input-len=1024
     max-output-len=1024 prefix-len=512 stall-len=2000 num-steps= topk= num-draft-tokens="""
@@ -117,6 +129,14 @@ def workload(args, tokenizer) -> tuple[list[list[int]], list[SamplingParams]]:
     elif args.workload == "chat":
         texts = json.loads((ASSETS / "chat_prompts.json").read_text())[: args.num_seqs]
         prompts, max_tokens = [chat_ids(tokenizer, t) for t in texts], [args.max_output_len] * len(texts)
+    elif args.workload == "structured":  # the 5 tasks in turn, each with its JSON schema
+        tasks = json.loads((ASSETS / "structured_prompts.json").read_text())
+        tasks = [tasks[i % len(tasks)] for i in range(args.num_seqs)]
+        prompts, max_tokens = (
+            [chat_ids(tokenizer, t["prompt"]) for t in tasks],
+            [args.max_output_len] * len(tasks),
+        )
+        schemas = [dict(json=t["schema"]) for t in tasks]
     else:
         prompts, max_tokens = sharegpt_workload(tokenizer, *sizes, args.seed)
     if args.workload == "shared-prefix":
@@ -124,7 +144,30 @@ def workload(args, tokenizer) -> tuple[list[list[int]], list[SamplingParams]]:
         prefix = [rand(0, 10000) for _ in range(args.prefix_len)] if args.shape else text[: args.prefix_len]
         prompts = [prefix + p for p in prompts]
     sp = dict(temperature=args.temperature, ignore_eos=args.ignore_eos)
-    return prompts, [SamplingParams(max_tokens=m, seed=args.seed + i, **sp) for i, m in enumerate(max_tokens)]
+    schemas = schemas if args.workload == "structured" else [None] * len(prompts)
+    return prompts, [
+        SamplingParams(max_tokens=m, seed=args.seed + i, structured_outputs=so, **sp)
+        for i, (m, so) in enumerate(zip(max_tokens, schemas))
+    ]
+
+
+def structured_figures(llm, outputs, params, mask_ms: list, num_steps: int) -> dict:
+    """--workload structured: outputs that end and validate against their schema (``valid_outputs``),
+    tokens the grammar forced (one allowed token at that position), the host's mask time per step."""
+    import jsonschema
+
+    valid = forced = 0
+    for out, sp in zip(outputs, params):
+        matcher = llm.grammars.matcher(sp.structured_outputs)
+        for token in out["token_ids"]:
+            forced += bool(matcher.compute_ff_tokens())
+            matcher.consume_token(token)
+        try:
+            jsonschema.validate(json.loads(out["text"]), sp.structured_outputs.json)
+            valid += out["finish_reason"] == "stop"
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    return dict(valid_outputs=valid, forced_tokens=forced, mask_ms_per_step=sum(mask_ms) / max(num_steps, 1))
 
 
 def acceptance_stats(accept_lengths, num_steps):
@@ -223,6 +266,8 @@ def measure(args, model_dir, assistant, prompts, params, label="", phases=False,
     llm.generate(warm, SamplingParams(**warmup), use_tqdm=False)
     device, cfg, gap = llm.runner.device, llm.config, None
     counts = dict(llm.worker.policy.counts) if llm.worker else {}
+    mask_ms, steps_before, rows = [], llm.num_steps_run, StepMasks.rows
+    timed(StepMasks, "rows", device, mask_ms)  # the host's mask time (structured output)
     sync(device)
     t0 = time.perf_counter()
     if args.workload == "stall":
@@ -233,6 +278,7 @@ def measure(args, model_dir, assistant, prompts, params, label="", phases=False,
         outputs = llm.generate(prompts, params, use_tqdm=False)
     sync(device)
     elapsed, total = time.perf_counter() - t0, sum(len(o["token_ids"]) for o in outputs)
+    StepMasks.rows = rows
     acc = acceptance_stats([o.get("accept_lengths", []) for o in outputs], cfg.num_steps or 0)
     res = dict(device=str(device), dtype=str(cfg.torch_dtype()).replace("torch.", ""), total_tokens=total)
     res.update(time_s=elapsed, throughput_tok_s=total / elapsed, **{k: getattr(cfg, k) for k in SPEC})
@@ -240,6 +286,9 @@ def measure(args, model_dir, assistant, prompts, params, label="", phases=False,
     res.update(mean_accept_length=acc[0], per_position_acceptance=acc[1], num_verify_steps=acc[2])
     res.update(assistant=assistant and args.assistant, eos_token_ids=sorted(llm.eos_token_ids))
     res.update(cached_tokens=sum(o["num_cached_tokens"] for o in outputs))
+    if args.workload == "structured":
+        res.update(structured_figures(llm, outputs, params, mask_ms, llm.num_steps_run - steps_before))
+        print(f"{label}valid {res['valid_outputs']}/{len(outputs)}, forced tokens {res['forced_tokens']}")
     if llm.worker:  # steps that drafted s tokens, per s (0: plain decode steps)
         now = sorted(llm.worker.policy.counts.items())
         res["draft_len_counts"] = {str(s): n - counts.get(s, 0) for s, n in now}
