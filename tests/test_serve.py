@@ -260,7 +260,7 @@ BAD = [  # (body fields, the field the 400 names, a piece of its message)
     (dict(echo="yes"), "echo", "echo must be a bool"),
     (dict(prompt_logprobs=1), "prompt_logprobs", "not supported"),
     (dict(best_of=3), "best_of", "not supported"),
-    (dict(tools=[{"type": "function"}]), "tools", "not supported"),
+    (dict(tools=[{"type": "function"}]), "tools", "tools are served on /v1/chat/completions"),
 ]
 
 

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 from .engine import Engine, Job, Metrics
 from .logprobs import chat_logprobs, completion_logprobs
 from .protocol import MAX_BODY, ApiError, Detokenizer, Parsed, field_of, parse, read_json, tokenize_ids
+from .tools import CallStream
 
 
 def event(data: dict) -> dict:
@@ -42,6 +43,7 @@ class Reply(StreamingResponse):
         self.finals = [None] * len(job.choices)  # each choice's LLM.output_dict once finished
         self.counts = [0] * len(job.choices)  # tokens received per choice
         self.offsets = [0] * len(job.choices)  # streamed completions: text_offset of the next token
+        self.calls = [parsed.tools and CallStream(parsed.tools) for _ in job.choices]  # chat with tool calls
         kind = "chat.completion" if chat else "text_completion"
         kind += ".chunk" if parsed.stream and chat else ""
         self.head = dict(id=f"cmpl-{secrets.token_hex(8)}", object=kind, created=int(time.time()))
@@ -75,7 +77,12 @@ class Reply(StreamingResponse):
         """One choice of the answer or of a chunk: its ``text`` (echo: the caller put the prompt first), the
         logprobs of its tokens ``ids`` (and of the prompt's, echo) when asked."""
         c = {"index": i, "finish_reason": final and final["finish_reason"]}
-        if self.chat and self.parsed.stream:
+        calls = self.calls[i]
+        if calls and self.parsed.stream:
+            c["delta"] = calls.delta(text, final is not None)
+        elif calls:
+            c["message"] = calls.message(text)
+        elif self.chat and self.parsed.stream:
             c["delta"] = {"content": text} if text else {}
         elif self.chat:
             c["message"] = {"role": "assistant", "content": text}
@@ -89,6 +96,8 @@ class Reply(StreamingResponse):
                 logprobs = prompt_logprobs + logprobs
             c["logprobs"] = completion_logprobs(self.tok, ids, logprobs, self.offsets[i])
             self.offsets[i] += sum(map(len, c["logprobs"]["tokens"]))
+        if calls and calls.sent and c["finish_reason"] == "stop":  # the reply ended after its tool calls
+            c["finish_reason"] = "tool_calls"
         if final and "accept_lengths" in final:
             c["accept_lengths"] = final["accept_lengths"]  # nanospec's extension: per verify step
         return c

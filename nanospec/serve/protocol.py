@@ -6,40 +6,19 @@ import json
 from dataclasses import dataclass
 
 from ..sampling_params import SamplingParams
+from .errors import ApiError
+from .tools import ToolCalls, read_tools
 
 MAX_BODY = 1 << 22  # request body bytes
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_LEN = 256  # characters per stop string
 # fields that would change the output and that nanospec does not implement, with the values that mean "off"
 REFUSED = dict.fromkeys(
-    "prompt_logprobs suffix tools functions logit_bias min_tokens "
-    "presence_penalty frequency_penalty min_p use_beam_search response_format bad_words allowed_token_ids "
-    "structured_outputs guided_json guided_regex guided_choice guided_grammar".split(),
-    (None, 0, "", [], {}, {"type": "text"}),
+    "prompt_logprobs suffix functions logit_bias min_tokens presence_penalty frequency_penalty min_p "
+    "use_beam_search bad_words allowed_token_ids".split(),
+    (None, 0, "", [], {}),
 )
 REFUSED["repetition_penalty"] = (None, 1)
-ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    503: "ServiceUnavailable",
-}
-
-
-class ApiError(Exception):
-    """An error for the client: HTTP ``status``, the message, the request field it is about, and any HTTP
-    ``headers`` to send with it (``Retry-After`` on a 503)."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status = status
-        self.param = param
-        self.headers = headers
-
-    def body(self) -> dict:
-        """The OpenAI error schema."""
-        kind = ERROR_TYPES.get(self.status, "APIError")
-        return {"error": dict(message=str(self), type=kind, param=self.param, code=self.status)}
 
 
 @dataclass
@@ -48,7 +27,7 @@ class Parsed:
     ``prompt_index * n + j`` samples with seed + j (as vLLM numbers them). ``logprobs``: top logprobs per
     token (completions' ``logprobs``, chat's ``top_logprobs``), or None; ``echo``: the prompt comes first in
     the text and the logprobs; ``score_only``: ``max_tokens`` 0 with echo (the prompt is scored, nothing is
-    generated)."""
+    generated); ``tools``: how the chat reply holds tool calls, or None (``serve/tools.py``)."""
 
     prompts: list[list[int]]
     params: list[SamplingParams]
@@ -58,6 +37,7 @@ class Parsed:
     logprobs: int | None = None
     echo: bool = False
     score_only: bool = False
+    tools: ToolCalls | None = None
 
 
 def read_json(raw: bytes) -> dict:
@@ -89,18 +69,22 @@ def text_of(content, where: str) -> str:
     return "\n".join(texts)
 
 
-def chat_ids(tok, messages) -> list[int]:
-    """The token ids of ``messages`` through the tokenizer's chat template, with the generation prompt."""
+def chat_ids(tok, messages, tools: list | None = None) -> list[int]:
+    """The token ids of ``messages`` through the tokenizer's chat template, with the generation prompt; the
+    template renders ``tools`` as it wants them (or not at all)."""
     ok = isinstance(messages, list) and messages
     if not (ok and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
         raise ApiError(400, "messages must be a non-empty list of {role: str, content}", "messages")
     if not tok.chat_template:
         raise ApiError(400, "this model has no chat template: use /v1/completions", "messages")
-    conversation = [
-        m | {"content": text_of(m.get("content"), f"messages[{i}]")} for i, m in enumerate(messages)
-    ]
+    conversation = []
+    for i, m in enumerate(messages):
+        calls_only = m.get("content") is None and bool(m.get("tool_calls"))  # an assistant turn of tool calls
+        conversation.append(
+            m | {"content": "" if calls_only else text_of(m.get("content"), f"messages[{i}]")}
+        )
     try:  # the template holds its special tokens: encoded below as LLM.generate encodes a string
-        text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template(conversation, tools=tools, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # the template refuses the conversation (a Jinja error)
         raise ApiError(400, f"messages: the chat template refused them: {e}", "messages") from None
     return tok.encode(text, add_special_tokens=False)
@@ -110,12 +94,13 @@ def is_ids(x) -> bool:
     return isinstance(x, list) and bool(x) and all(type(t) is int for t in x)
 
 
-def prompt_ids(tok, body: dict, chat: bool) -> list[list[int]]:
-    """The request's prompts as token ids: the chat ``messages``, or ``prompt`` as a string, a list of
-    strings, a list of token ids or a list of token-id lists (strings encoded as ``LLM.generate`` does)."""
+def prompt_ids(tok, body: dict, chat: bool, tools: list | None = None) -> list[list[int]]:
+    """The request's prompts as token ids: the chat ``messages`` (with ``tools`` for the template), or
+    ``prompt`` as a string, a list of strings, a list of token ids or a list of token-id lists (strings
+    encoded as ``LLM.generate`` does)."""
     prompt = body.get("prompt")
     if chat:
-        return [chat_ids(tok, body.get("messages"))]
+        return [chat_ids(tok, body.get("messages"), tools)]
     if isinstance(prompt, str) and prompt:
         return [tok.encode(prompt, add_special_tokens=False)]
     if is_ids(prompt):
@@ -152,7 +137,8 @@ def parse(body: dict, chat: bool, tok, model_name: str, max_len: int, max_n: int
     if type(stream) is not bool or not isinstance(opts, dict):
         raise ApiError(400, "stream must be a bool and stream_options an object", "stream")
     logprobs, echo = logprob_options(body, chat)
-    prompts = prompt_ids(tok, body, chat)
+    tools, calls, structured = read_tools(body, chat)
+    prompts = prompt_ids(tok, body, chat, tools)
     if len(prompts) * n > max_choices:  # more than may ever wait: it could never be admitted
         raise ApiError(400, f"{len(prompts)} prompts x n {n} exceed --max-waiting {max_choices}", "prompt")
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
@@ -170,6 +156,7 @@ def parse(body: dict, chat: bool, tok, model_name: str, max_len: int, max_n: int
         cache_salt=get("cache_salt"),
         logprobs=logprobs,
         prompt_logprobs=logprobs if echo else None,
+        structured_outputs=structured,
     )  # OpenAI's defaults; top_k 0 is off
     score_only = echo and get(key) == 0  # legacy OpenAI: score the prompt, generate nothing (one is dropped)
     params = []
@@ -192,7 +179,7 @@ def parse(body: dict, chat: bool, tok, model_name: str, max_len: int, max_n: int
             raise ApiError(400, str(e), field) from None
     include_usage = opts.get("include_usage") is True
     usage_opts = (include_usage, opts.get("continuous_usage_stats") is True)
-    return Parsed(prompts, params, stream, *usage_opts, logprobs, echo, score_only)
+    return Parsed(prompts, params, stream, *usage_opts, logprobs, echo, score_only, calls)
 
 
 def logprob_options(body: dict, chat: bool) -> tuple:
@@ -216,7 +203,7 @@ def tokenize_ids(tok, body: dict) -> list[int]:
     """vLLM's /tokenize: ``messages`` (as /v1/chat/completions encodes them) or ``prompt`` (a string, with
     ``add_special_tokens`` default false: as /v1/completions encodes it, so ``count`` is prompt_tokens)."""
     if "messages" in body:
-        return chat_ids(tok, body["messages"])
+        return chat_ids(tok, body["messages"], body.get("tools") or None)
     special = body.get("add_special_tokens", False)
     if not isinstance(body.get("prompt"), str) or type(special) is not bool:
         raise ApiError(400, "give prompt (a string; add_special_tokens a bool) or messages", "prompt")

@@ -1,0 +1,253 @@
+"""Structured output and tool calls in the OpenAI shapes, mapped as vLLM's server maps them (docs/serving.md,
+"Structured output and tool calls").
+
+The request side: ``response_format``, vLLM's ``structured_outputs`` (and its older ``guided_*`` fields)
+and ``tools`` with ``tool_choice`` and ``parallel_tool_calls`` become at most one ``StructuredOutputsParams``,
+checked before any work (a 400 naming the field). The answer side: ``ToolCalls.split`` reads a reply's tool
+calls from its whole text so far, never from one delta, and ``CallStream`` sends what changed: streamed
+fragments and the whole answer come from the same parse."""
+
+import json
+import re
+import secrets
+
+from ..sampling_params import SamplingParams
+from .errors import ApiError
+
+GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+OPEN = "<tool_call>"  # Hermes-style tags (SmolLM2, Qwen3): <tool_call>{"name", "arguments"}</tool_call>
+CLOSE = "</tool_call>"
+# an item of tool_choice "required"'s array, up to its parameters (compact JSON, keys in schema order)
+ITEM = re.compile(r'\{"name":"((?:[^"\\]|\\.)*)","parameters":')
+FORMATS = (
+    "{type: 'text'}, {type: 'json_object'} or {type: 'json_schema', json_schema: {name, schema, strict}}"
+)
+
+
+def compiled(where: str, constraint: dict):
+    """The ``StructuredOutputsParams`` of ``constraint`` (compiled by the engine's own check); its ValueError
+    or TypeError is a 400 whose message and ``param`` name the request field ``where``."""
+    try:
+        return SamplingParams(structured_outputs=constraint).structured_outputs
+    except (ValueError, TypeError) as e:
+        message = re.sub(r"^SamplingParams\.structured_outputs[.\w]*", where, str(e))
+        raise ApiError(400, message, where) from None
+
+
+def tool_schemas(tools) -> dict:
+    """{function name: its parameters schema} of a request's ``tools``; a 400 naming the first malformed
+    one (not a function, no name, a name given twice, parameters that are not an object schema)."""
+    if not isinstance(tools, list):
+        raise ApiError(
+            400, "tools must be a list of {type: 'function', function: {name, parameters}}", "tools"
+        )
+    schemas = {}
+    for k, tool in enumerate(tools):
+        where = f"tools[{k}].function"
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if tool.get("type") != "function" or not isinstance(function, dict):
+            raise ApiError(
+                400, f"tools[{k}] must be {{type: 'function', function: {{name, parameters}}}}", where
+            )
+        name = function.get("name")
+        if not isinstance(name, str) or not name or name in schemas:
+            raise ApiError(
+                400, f"{where}.name must be a non-empty string of its own, got {name!r}", where + ".name"
+            )
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+            message = f"{where}.parameters must be a JSON schema of type object, got {parameters!r:.80}"
+            raise ApiError(400, message, where + ".parameters")
+        compiled(where + ".parameters", {"json": parameters})
+        schemas[name] = parameters
+    return schemas
+
+
+def calls_schema(schemas: dict, parallel: bool) -> dict:
+    """vLLM's schema for ``tool_choice`` "required": an array of at least one call (one at most without
+    ``parallel_tool_calls``), each ``{"name": one of the tools, "parameters": that tool's schema}``."""
+    items = []
+    for name, schema in schemas.items():
+        properties = {"name": {"type": "string", "enum": [name]}, "parameters": schema}
+        items.append(dict(type="object", properties=properties, required=["name", "parameters"]))
+        items[-1]["additionalProperties"] = False  # nothing after the parameters: the item ends there
+    array = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    return array if parallel else array | {"maxItems": 1}
+
+
+def format_constraint(fmt) -> dict:
+    """{request field: constraint} of a ``response_format`` (empty for text); a 400 for another shape."""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    spec = fmt.get("json_schema") if kind == "json_schema" else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"response_format": {"json_object": True}}
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise ApiError(400, f"response_format must be {FORMATS}, got {fmt!r:.80}", "response_format")
+    return {"response_format.json_schema.schema": {"json": spec["schema"]}}
+
+
+def read_tools(body: dict, chat: bool) -> tuple:
+    """(the tools for the chat template or None, the ``ToolCalls`` that reads the reply or None, the request's
+    one ``StructuredOutputsParams`` or None). ``tool_choice``: "none" (tools only rendered), "auto" (the
+    default with tools: rendered, calls parsed from the text), "required" or a named function (the output
+    constrained to calls, as vLLM maps them). A 400 naming the field for any malformed one, for a
+    ``tool_choice`` naming no given function, and for two constraints at once."""
+    tools = body.get("tools") or None
+    if tools is not None and not chat:
+        raise ApiError(400, "tools are served on /v1/chat/completions", "tools")
+    schemas = {} if tools is None else tool_schemas(tools)
+    choice = body.get("tool_choice") or ("auto" if schemas else "none")
+    parallel = body.get("parallel_tool_calls")
+    parallel = True if parallel is None else parallel
+    if type(parallel) is not bool:
+        raise ApiError(400, f"parallel_tool_calls must be a bool, got {parallel!r}", "parallel_tool_calls")
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(name, str)
+    named = named and name in schemas
+    known = named or choice in ("none", "auto") or (choice == "required" and schemas)
+    if not known:
+        named_shape = "{type: 'function', function: {name: one of tools}}"
+        message = f"tool_choice must be 'none', 'auto', 'required' (with tools) or {named_shape}"
+        raise ApiError(400, f"{message}, got {choice!r:.80}", "tool_choice")
+    sources = {} if body.get("response_format") is None else format_constraint(body["response_format"])
+    if body.get("structured_outputs") is not None:
+        sources["structured_outputs"] = body["structured_outputs"]
+    sources |= {key: {field: body[key]} for key, field in GUIDED.items() if body.get(key) is not None}
+    if named:
+        sources["tool_choice"] = {"json": schemas[name]}
+    if choice == "required":
+        sources["tool_choice"] = {"json": calls_schema(schemas, parallel)}
+    if len(sources) > 1:
+        raise ApiError(400, f"one constraint per request, got {list(sources)}", list(sources)[1])
+    structured = None
+    for where, constraint in sources.items():
+        structured = compiled(where, constraint)
+    mode = "named" if named else {"auto": "auto", "required": "required"}.get(choice)
+    calls = ToolCalls(mode, name, parallel) if schemas and mode else None
+    return tools, calls, structured
+
+
+class ToolCalls:
+    """How a chat reply's text holds its tool calls. ``mode`` "named": the text is the arguments of the
+    function ``name``; "required": a JSON array of ``{"name", "parameters"}`` (``calls_schema``, emitted as
+    compact JSON); "auto": Hermes-style ``<tool_call>{"name", "arguments"}</tool_call>`` tags anywhere in free
+    text (the rest is content). ``parallel`` False keeps only the first call of "auto"."""
+
+    def __init__(self, mode: str, name: str | None, parallel: bool):
+        self.mode = mode
+        self.name = name
+        self.parallel = parallel
+
+    def split(self, text: str, final: bool) -> tuple[str, list[tuple[str, str]]]:
+        """(content, [(function name, arguments as JSON text)]) of the reply's ``text`` so far. Before the end
+        (``final`` False) only what more text cannot change: the content and each call's arguments only grow,
+        so a stream sends their differences."""
+        if self.mode == "named":
+            return "", [(self.name, text)]
+        if self.mode == "required":
+            return "", array_calls(text)
+        content, calls = hermes_calls(text, final)
+        return content, calls if self.parallel else calls[:1]
+
+
+def array_calls(text: str) -> list[tuple[str, str]]:
+    """The calls of a "required" reply so far: an item's name once its "parameters" key has arrived, and the
+    raw text of its parameters (a prefix of it while they arrive)."""
+    spans = []  # [start, end or None] of each item of the array
+    depth = 0
+    quoted = False
+    escaped = False
+    for i, ch in enumerate(text):
+        if quoted:
+            quoted = escaped or ch != '"'
+            escaped = not escaped and ch == "\\"
+        elif ch == '"':
+            quoted = True
+        elif ch in "[{":
+            depth += 1
+            if depth == 2:
+                spans.append([i, None])
+        elif ch in "]}":
+            depth -= 1
+            if depth == 1:
+                spans[-1][1] = i
+    calls = []
+    for start, end in spans:
+        head = ITEM.match(text, start)
+        if head:
+            calls.append((json.loads(f'"{head[1]}"'), text[head.end() : end]))
+    return calls
+
+
+def hermes_calls(text: str, final: bool) -> tuple[str, list[tuple[str, str]]]:
+    """Content and calls of an "auto" reply: each closed ``<tool_call>`` tag whose JSON has a string "name"
+    is a call (its "arguments" as JSON text); any other tag stays content. Before the end, the content
+    stops at an open tag or at what may begin one."""
+    content = ""
+    calls = []
+    pos = 0
+    while (start := text.find(OPEN, pos)) >= 0 and (end := text.find(CLOSE, start)) >= 0:
+        try:
+            call = json.loads(text[start + len(OPEN) : end])
+        except (ValueError, RecursionError):
+            call = None
+        if isinstance(call, dict) and isinstance(call.get("name"), str):
+            arguments = call.get("arguments", call.get("parameters", {}))
+            calls.append((call["name"], json.dumps(arguments, ensure_ascii=False)))
+            content += text[pos:start]
+        else:
+            content += text[pos : end + len(CLOSE)]
+        pos = end + len(CLOSE)
+    rest = text[pos:]
+    if not final:
+        rest = rest[: rest.find(OPEN)] if OPEN in rest else rest
+        held = [k for k in range(1, len(OPEN)) if rest.endswith(OPEN[:k])]
+        rest = rest[: len(rest) - max(held, default=0)]
+    return content + rest, calls
+
+
+class CallStream:
+    """One choice's reply as tool calls, read from its text as it grows: ``delta`` returns the chat delta
+    since the last call (``content``, and ``tool_calls`` fragments: a call's first carries its index, id,
+    type and name with the arguments so far, later ones more of the arguments), ``message`` the whole
+    answer's message."""
+
+    def __init__(self, calls: ToolCalls):
+        self.calls = calls
+        self.text = ""
+        self.content = 0  # content characters sent
+        self.sent = []  # arguments characters sent, per call
+
+    def delta(self, new_text: str, final: bool) -> dict:
+        self.text += new_text
+        content, calls = self.calls.split(self.text, final)
+        delta = {"content": content[self.content :]} if len(content) > self.content else {}
+        self.content = len(content)
+        fragments = []
+        for k, (name, arguments) in enumerate(calls):
+            if k == len(self.sent):
+                function = {"name": name, "arguments": arguments}
+                fragments.append(
+                    dict(index=k, id=f"call_{secrets.token_hex(12)}", type="function", function=function)
+                )
+                self.sent.append(len(arguments))
+            elif len(arguments) > self.sent[k]:
+                fragments.append({"index": k, "function": {"arguments": arguments[self.sent[k] :]}})
+                self.sent[k] = len(arguments)
+        return delta | ({"tool_calls": fragments} if fragments else {})
+
+    def message(self, text: str) -> dict:
+        """The non-streamed message of the whole ``text``: content null when there are only tool calls."""
+        delta = self.delta(text, True)
+        content = delta.get("content", "")
+        calls = [{k: v for k, v in f.items() if k != "index"} for f in delta.get("tool_calls", [])]
+        message = {"role": "assistant", "content": None if calls and not content.strip() else content}
+        return message | ({"tool_calls": calls} if calls else {})
