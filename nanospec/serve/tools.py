@@ -146,45 +146,53 @@ class ToolCalls:
         self.name = name
         self.parallel = parallel
 
-    def split(self, text: str, final: bool) -> tuple[str, list[tuple[str, str]]]:
-        """(content, [(function name, arguments as JSON text)]) of the reply's ``text`` so far. Before the end
-        (``final`` False) only what more text cannot change: the content and each call's arguments only grow,
-        so a stream sends their differences."""
+    def split(self, text: str, final: bool, items: "ArrayItems") -> tuple[str, list[tuple[str, str]]]:
+        """(content, [(function name, arguments as JSON text)]) of the reply's ``text`` so far (``items``: its
+        array scan, "required"). Before the end (``final`` False) only what more text cannot change: the
+        content and each call's arguments only grow, so a stream sends their differences."""
         if self.mode == "named":
             return "", [(self.name, text)]
         if self.mode == "required":
-            return "", array_calls(text)
+            return "", items.calls(text)
         content, calls = hermes_calls(text, final)
         return content, calls if self.parallel else calls[:1]
 
 
-def array_calls(text: str) -> list[tuple[str, str]]:
-    """The calls of a "required" reply so far: an item's name once its "parameters" key has arrived, and the
-    raw text of its parameters (a prefix of it while they arrive)."""
-    spans = []  # [start, end or None] of each item of the array
-    depth = 0
-    quoted = False
-    escaped = False
-    for i, ch in enumerate(text):
-        if quoted:
-            quoted = escaped or ch != '"'
-            escaped = not escaped and ch == "\\"
-        elif ch == '"':
-            quoted = True
-        elif ch in "[{":
-            depth += 1
-            if depth == 2:
-                spans.append([i, None])
-        elif ch in "]}":
-            depth -= 1
-            if depth == 1:
-                spans[-1][1] = i
-    calls = []
-    for start, end in spans:
-        head = ITEM.match(text, start)
-        if head:
-            calls.append((json.loads(f'"{head[1]}"'), text[head.end() : end]))
-    return calls
+class ArrayItems:
+    """The items of a "required" reply's JSON array, scanned as the text grows (each character once)."""
+
+    def __init__(self):
+        self.scanned = 0
+        self.depth = 0
+        self.quoted = False
+        self.escaped = False
+        self.spans = []  # [start, end or None] of each item
+
+    def calls(self, text: str) -> list[tuple[str, str]]:
+        """Each item's name once its "parameters" key has arrived, and the raw text of its parameters (a
+        prefix of it while they arrive)."""
+        for i in range(self.scanned, len(text)):
+            ch = text[i]
+            if self.quoted:
+                self.quoted = self.escaped or ch != '"'
+                self.escaped = not self.escaped and ch == "\\"
+            elif ch == '"':
+                self.quoted = True
+            elif ch in "[{":
+                self.depth += 1
+                if self.depth == 2:
+                    self.spans.append([i, None])
+            elif ch in "]}":
+                self.depth -= 1
+                if self.depth == 1:
+                    self.spans[-1][1] = i
+        self.scanned = len(text)
+        calls = []
+        for start, end in self.spans:
+            head = ITEM.match(text, start)
+            if head:
+                calls.append((json.loads(f'"{head[1]}"'), text[head.end() : end]))
+        return calls
 
 
 def hermes_calls(text: str, final: bool) -> tuple[str, list[tuple[str, str]]]:
@@ -225,10 +233,11 @@ class CallStream:
         self.text = ""
         self.content = 0  # content characters sent
         self.sent = []  # arguments characters sent, per call
+        self.items = ArrayItems()
 
     def delta(self, new_text: str, final: bool) -> dict:
         self.text += new_text
-        content, calls = self.calls.split(self.text, final)
+        content, calls = self.calls.split(self.text, final, self.items)
         delta = {"content": content[self.content :]} if len(content) > self.content else {}
         self.content = len(content)
         fragments = []
