@@ -138,7 +138,8 @@ class Reply(StreamingResponse):
                     text = self.tok.decode(self.job.choices[i].prompt_ids) + text
                 if text or final or logprobs:
                     c = self.choice(i, text, final, new, logprobs, prompt_logprobs)
-                    await send(self.chunk([c]))
+                    if c.get("delta") != {} or final or logprobs:  # (tool-call text may be held back)
+                        await send(self.chunk([c]))
             if self.parsed.include_usage:
                 await send(event(self.head | {"choices": [], "usage": self.usage()}))
         except ApiError as e:
@@ -196,6 +197,8 @@ class Handlers:
         body = await self.read(request)
         args = (body, chat, self.tok, self.model_name, self.max_len, self.max_n, self.engine.max_waiting)
         parsed = await asyncio.to_thread(parse, *args)
+        if parsed.params[0].structured_outputs is not None:  # every choice shares it
+            await asyncio.to_thread(self.compile_grammar, parsed.params[0])
         job = Job(parsed.prompts, parsed.params, asyncio.get_running_loop(), asyncio.Queue())
         self.engine.put("add", job)
         kind, *message = await job.messages.get()
@@ -204,6 +207,14 @@ class Handlers:
         if kind != "ok":
             raise ApiError(400 if kind == "bad" else 500, message[0], field_of(message[0], "max_tokens"))
         return Reply(self.engine, job, parsed, chat, self.model_name)
+
+    def compile_grammar(self, params) -> None:
+        """Build the constraint's matcher for the model's tokenizer on a worker thread, before the request is
+        queued: a slow compile never holds up the engine thread or the event loop. A 400 if it fails."""
+        try:
+            self.engine.llm.compile_grammar(params)
+        except ValueError as e:
+            raise ApiError(400, str(e), "structured_outputs") from None
 
     async def completions(self, request: Request):
         return await self.complete(request, chat=False)
