@@ -162,3 +162,24 @@ def test_bad_input_is_a_400_and_others_run(server, body, param):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == (param or "response_format.json_schema.schema")
     assert chat(server, max_tokens=2).status_code == 200
+
+
+def test_completions_constraints_and_length(server):
+    """vLLM's structured_outputs on /v1/completions (a choice, a regex) and its guided_* names; a constraint
+    cut by max_tokens ends with "length" and the partial text, a named call with partial arguments."""
+    url, model = server
+    body = dict(model=model, prompt="Is Paris in France? Answer:", max_tokens=8, temperature=0)
+    for constraint, allowed in (
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, lambda t: t in ("yes", "no")),
+        ({"structured_outputs": {"regex": "[0-9]{2}-[a-z]{3}"}}, lambda t: len(t) == 6 and t[2] == "-"),
+        ({"guided_choice": ["maybe"]}, lambda t: t == "maybe"),
+    ):
+        got = httpx.post(url + "/v1/completions", json=body | constraint, timeout=120).json()["choices"][0]
+        assert allowed(got["text"]) and got["finish_reason"] == "stop", got
+    person = {"type": "json_schema", "json_schema": {"name": "P", "schema": Person.model_json_schema()}}
+    cut = chat(server, max_tokens=3, response_format=person).json()["choices"][0]
+    assert cut["finish_reason"] == "length" and cut["message"]["content"].startswith("{")
+    named = {"type": "function", "function": {"name": "get_time"}}
+    cut = chat(server, max_tokens=3, tools=TOOLS, tool_choice=named).json()["choices"][0]
+    assert cut["finish_reason"] == "length" and cut["message"]["content"] is None
+    assert cut["message"]["tool_calls"][0]["function"]["arguments"].startswith('{"')
