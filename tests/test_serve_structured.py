@@ -221,6 +221,10 @@ def test_required_calls_stream_whole_in_any_split(size):
     assert streamed == {"content": "", "calls": want} and calls_of(whole) == want
     assert whole["content"] is None
     assert [json.loads(c["arguments"]) for c in want] == [{"city": 'Pa"ris}'}, {"days": 3}]
+    spaced = '[ {"name": "weather", "parameters": {"city": "Oslo"} } ]'  # json.dumps' separators read too
+    pieces = [spaced[k : k + size] for k in range(0, len(spaced), size)]
+    streamed, whole = stream(ToolCalls("required", None, True), pieces)
+    assert streamed["calls"] == calls_of(whole) == [dict(name="weather", arguments='{"city": "Oslo"}')]
 
 
 def test_named_and_auto_calls():

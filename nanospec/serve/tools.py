@@ -22,8 +22,8 @@ GUIDED = {
 }
 OPEN = "<tool_call>"  # Hermes-style tags (SmolLM2, Qwen3): <tool_call>{"name", "arguments"}</tool_call>
 CLOSE = "</tool_call>"
-# an item of tool_choice "required"'s array, up to its parameters (compact JSON, keys in schema order)
-ITEM = re.compile(r'\{"name":"((?:[^"\\]|\\.)*)","parameters":')
+# an item of tool_choice "required"'s array, up to its parameters (keys in schema order)
+ITEM = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:\s*')
 FORMATS = (
     "{type: 'text'}, {type: 'json_object'} or {type: 'json_schema', json_schema: {name, schema, strict}}"
 )
@@ -137,9 +137,9 @@ def read_tools(body: dict, chat: bool) -> tuple:
 
 class ToolCalls:
     """How a chat reply's text holds its tool calls. ``mode`` "named": the text is the arguments of the
-    function ``name``; "required": a JSON array of ``{"name", "parameters"}`` (``calls_schema``, emitted as
-    compact JSON); "auto": Hermes-style ``<tool_call>{"name", "arguments"}</tool_call>`` tags anywhere in free
-    text (the rest is content). ``parallel`` False keeps only the first call of "auto"."""
+    function ``name``; "required": a JSON array of ``{"name", "parameters"}`` (``calls_schema``; whitespace
+    between tokens is read too); "auto": Hermes-style ``<tool_call>{"name", "arguments"}</tool_call>`` tags
+    anywhere in free text (the rest is content). ``parallel`` False keeps only the first call of "auto"."""
 
     def __init__(self, mode: str, name: str | None, parallel: bool):
         self.mode = mode
@@ -191,7 +191,7 @@ class ArrayItems:
         for start, end in self.spans:
             head = ITEM.match(text, start)
             if head:
-                calls.append((json.loads(f'"{head[1]}"'), text[head.end() : end]))
+                calls.append((json.loads(f'"{head[1]}"'), text[head.end() : end].rstrip()))
         return calls
 
 
