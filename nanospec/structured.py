@@ -20,8 +20,7 @@ from llguidance.torch import fill_next_token_bitmask
 
 from .transfer import to_device
 
-# JSON is emitted with json.dumps' separators and no other whitespace: a model cannot loop on whitespace,
-# and the text reads as Python and JavaScript write JSON
+# JSON is emitted without whitespace between its tokens: a model cannot loop on whitespace
 JSON_OPTIONS = {"whitespace_flexible": False}
 GRAMMAR_CACHE_SIZE = 64  # compiled grammars kept per model
 
