@@ -21,31 +21,28 @@ def load_weights(
     ``packed_modules_mapping`` (shard i goes to its offset in the ``parallel.Linear``'s ``shard_sizes``); a
     tensor-parallel layer takes this rank's piece (``parallel.shard_of``).
 
-    A model's ``strip_prefix`` (e.g. "model.", or a tuple tried in order) is removed from checkpoint names.
-    Names in ``skip`` (substrings) and rotary caches are ignored; so are names matching the model's
-    ``unused_weights`` (substrings, e.g. a multimodal checkpoint's vision tower), counted in one info line.
+    The first of a model's ``strip_prefix`` (a tuple tried in order, e.g. ("model.",)) that a checkpoint name
+    starts with is removed from it. Names in ``skip`` (substrings) and rotary caches are ignored; so are names
+    matching the model's ``unused_weights`` (a tuple of substrings, e.g. a multimodal checkpoint's vision
+    tower), counted in one info line.
     Raises ValueError naming the tensor when a checkpoint tensor has no parameter (or no shard) or the wrong
     shape, or when a parameter (or one shard of a packed one) gets no tensor; given every checkpoint name in
     ``names`` (``loader.safetensors_names``), the last two are checked before any tensor is read.
     """
     params = dict(model.named_parameters())
-    packed = getattr(model, "packed_modules_mapping", {})
     modules = dict(model.named_modules())
-    prefixes = getattr(model, "strip_prefix", "")
-    prefixes = (prefixes,) if isinstance(prefixes, str) else prefixes
-    unused = tuple(getattr(model, "unused_weights", ()))
 
     def num_parts(param):  # the packed parts of the linear holding ``param``; 1 for any other module
         module = modules[param.rsplit(".", 1)[0]]
         return len(module.shard_sizes) if isinstance(module, parallel.Linear) else 1
 
     def place(name):  # (name without prefix, parameter, packed shard or None), or None: not loaded
-        if "rotary_emb" in name or any(s in name for s in skip + unused):
+        if "rotary_emb" in name or any(s in name for s in skip + model.unused_weights):
             return None
-        name = next((name.removeprefix(p) for p in prefixes if name.startswith(p)), name)
+        name = next((name.removeprefix(p) for p in model.strip_prefix if name.startswith(p)), name)
         target = name
         shard = None
-        for src, (dst, idx) in packed.items():
+        for src, (dst, idx) in model.packed_modules_mapping.items():
             if f".{src}." in name:
                 target = name.replace(f".{src}.", f".{dst}.")
                 shard = idx
@@ -71,7 +68,7 @@ def load_weights(
     for name, t in tensors:
         where = place(name)
         if where is None:
-            if any(s in name for s in unused):
+            if any(s in name for s in model.unused_weights):
                 skipped.append(name)
             continue
         name, target, shard = where

@@ -125,7 +125,8 @@ class LlamaForCausalLM(nn.Module):
     (num_kv_heads, head_dim); ``kv_owner`` is the identity), and the embedding is unscaled (``embed_scale``
     1)."""
 
-    strip_prefix = "model."  # HF nests everything but lm_head under "model."
+    strip_prefix = ("model.",)  # HF nests everything but lm_head under "model."
+    unused_weights = ()
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", 0),
         "k_proj": ("qkv_proj", 1),
