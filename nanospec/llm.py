@@ -60,17 +60,17 @@ class LLM:
             assistant = resolve_assistant(c.assistant, loader.is_default_target(hf_config, self.tokenizer))
             check_assistant_config(assistant_config := read_config(assistant), hf_config)
         parallel.check_sizes(c, hf_config, assistant_config)
-        rank = parallel.start(c, LLM, str(model_dir), kwargs)
+        tp = parallel.start(c, LLM, str(model_dir), kwargs)
         try:  # a failure from here on closes the ranks already started
-            self._build(c, hf_config, model_dir, assistant)
+            self._build(c, hf_config, model_dir, assistant, tp)
         except BaseException:
             self.close()
             raise
-        if rank > 0:  # a rank of a tensor-parallel engine: rank 0's calls, then exit
+        if tp.rank > 0:  # a rank of a tensor-parallel engine: rank 0's calls, then exit
             self._serve()
 
-    def _build(self, c, hf_config, model_dir, assistant) -> None:
-        self.runner = runner = ModelRunner(c, hf_config, model_dir)
+    def _build(self, c, hf_config, model_dir, assistant, tp) -> None:
+        self.runner = runner = ModelRunner(c, hf_config, model_dir, tp)
         self.grammars = Grammars(self.tokenizer, runner.vocab_size, self.eos_token_ids)
         self.worker = None
         self.num_steps_run = 0

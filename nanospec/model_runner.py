@@ -4,7 +4,7 @@ into tensors and runs prefill / decode forwards (eagerly or through CUDA graphs,
 
 import torch
 
-from . import loader, parallel
+from . import loader
 from .config import EngineConfig
 from .context import AttnMetadata, attn_metadata
 from .cuda_graph import GraphRunner, graph_batch_sizes
@@ -15,19 +15,21 @@ from .kv_cache import DUMMY_BLOCK, BlockAllocator, block_table_tensor, cdiv, slo
 from .models import init_random_weights, load_weights, target_class
 from .next_inputs import NextInputs, StepInput
 from .outputs import PrefillOutput, StepOutput, TokenLogprobs, emitted_logprobs
+from .parallel import SINGLE, TensorParallel, linear
 from .request import Request
 from .sampler import sample_tokens
 from .scheduler import Batch
 from .transfer import to_device
 
 
-def build_target(cfg, device, dtype, max_position: int, model_dir=None, seed: int = 0):
+def build_target(cfg, device, dtype, max_position: int, model_dir=None, seed=0, tp=SINGLE, gemm=linear):
     """Construct the target (``models.target_class``: Llama/Qwen3 or Gemma 4, config checked first) on the
-    meta device, materialise it on ``device`` in ``dtype``, then load the checkpoint in ``model_dir`` (or
-    random weights when None)."""
+    meta device as rank ``tp.rank`` of ``tp.size``, its GEMMs through ``gemm``; materialise it on ``device``
+    in ``dtype``, then load the checkpoint in ``model_dir`` (or random weights when None)."""
     cls, text_config = target_class(cfg)
     with torch.device("meta"):
-        model = cls(text_config, max_position).to(dtype)  # materialised in dtype: no fp32 copy of the weights
+        # materialised in dtype: no fp32 copy of the weights
+        model = cls(text_config, max_position, tp, gemm).to(dtype)
     model.to_empty(device=device)
     if model_dir is None:
         init_random_weights(model, seed)
@@ -47,20 +49,20 @@ class ModelRunner:
     layers; ``capture_graphs()`` captures decode once everything is bound (the MTP worker captures its own).
     """
 
-    def __init__(self, config: EngineConfig, hf_config, model_dir=None):
+    def __init__(self, config: EngineConfig, hf_config, model_dir=None, tp: TensorParallel = SINGLE):
         self.config = config
+        self.tp = tp
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
         if config.deterministic and getattr(hf_config.get_text_config(), "enable_moe_block", False):
             raise ValueError("deterministic=True does not cover MoE targets (enable_moe_block): use False")
         max_pos = config.max_model_len + (config.num_draft_tokens or 1)  # verify rows sit past the last token
         weights = None if config.load_format == "dummy" else model_dir
-        self.model = build_target(hf_config, self.device, self.dtype, max_pos, weights, config.seed)
         # deterministic mode is read here only (DESIGN §4 rule 9): batch-invariant GEMMs, and one KV split
         # size for every attention row, which the runner and the worker put in each forward's metadata
+        gemm = linear_invariant if config.deterministic else linear
+        self.model = build_target(hf_config, self.device, self.dtype, max_pos, weights, config.seed, tp, gemm)
         self.split_size = KV_SPLIT_SIZE if config.deterministic else None
-        if config.deterministic:
-            parallel.use_gemm(self.model, linear_invariant)
         self.vocab_size = self.model.config.vocab_size
         self.lookahead = config.num_draft_tokens if config.speculative else 1
         self.kv_pools: list[torch.Tensor] = []
@@ -91,7 +93,7 @@ class ModelRunner:
         else:
             n = min(int(c.cpu_kv_cache_gb * 2**30 // per_block), c.max_num_seqs * per_req + 1)
         # every rank's pool has as many blocks (they share the block tables): the smallest any rank offers
-        n = int(parallel.all_reduce(torch.tensor([n], device=self.device), parallel.dist.ReduceOp.MIN))
+        n = int(self.tp.all_reduce(torch.tensor([n], device=self.device), torch.distributed.ReduceOp.MIN))
         if n - 1 < per_req:
             raise ValueError(
                 f"the KV budget holds {max(n - 1, 0)} blocks of {c.page_size} tokens, but one "
@@ -239,7 +241,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[self._tensor([last[i] for i in new])])
             bitmask = None if masks is None else masks.root(new)
             sampled = sample_tokens(reqs, logits, self._tensor([r.num_tokens for r in reqs]), bitmask)
-            parallel.agree(sampled)  # rank 0's tokens (DESIGN §4 rule 8)
+            self.tp.agree(sampled)  # rank 0's tokens (DESIGN §4 rule 8)
             bonus[self._tensor([done.index(i) for i in new])] = sampled
             logprobs = emitted_logprobs(reqs, mask_logits(logits, bitmask)[:, None], sampled[:, None])
         done_reqs = [batch.reqs[i] for i in done]
@@ -294,7 +296,7 @@ class ModelRunner:
         logits = self.graphs.run("decode", inputs, num_kv_splits(bound))
         bitmask = None if masks is None else masks.root(range(len(reqs)))
         toks = sample_tokens(reqs, logits, pos + 1, bitmask)  # the produced token sits at position L + 1
-        parallel.agree(toks)
+        self.tp.agree(toks)
         next_inputs.advance(StepInput(inp.req_ids, toks, inp.hidden, inp.num_computed_tokens + 1))
         rows = torch.stack([torch.ones_like(toks), toks], 1)
         logprobs = emitted_logprobs(reqs, mask_logits(logits, bitmask)[:, None], toks[:, None])

@@ -6,7 +6,7 @@ Layers: ``ColumnLinear`` keeps this rank's output rows of each packed part (q | 
 column-parallel LM head this rank's vocabulary rows (``gather`` joins the logits where sampling happens).
 Heads are split evenly; KV heads fewer than the ranks are replicated (``span``: max(1, H / N) per rank, as
 vLLM and SGLang). ``Linear`` is the replicated layer; every GEMM of the engine goes through ``linear``.
-Models build these from ``rank`` / ``size`` and never branch on the rank themselves.
+Models build these from the ``TensorParallel`` (rank, size) they are given and never branch on the rank.
 
 Process model: rank 0 is the caller's process and owns the scheduler; it sends each step (and each release
 of a request's inputs) to the other ranks over a CPU (gloo) group, and every rank runs the same calls in the
@@ -23,6 +23,7 @@ import os
 import sys
 import tempfile
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -32,9 +33,7 @@ from torch import nn
 from .kernels import matmul
 from .loader import layer_geometry
 
-# this process's rank and the group size; read when a model is built
-rank = 0
-size = 1
+size = 1  # the size of the group this process joined (start, close); models get a TensorParallel instead
 _cpu = None  # the gloo group of the step messages
 _procs: list = []  # ranks 1..N-1 when this engine started them
 _rdzv = None  # the rendezvous file when this engine started its ranks
@@ -46,114 +45,115 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return matmul.linear(x, weight, bias)
 
 
-def span(n: int, unit: int = 1) -> tuple[int, int]:
-    """(first row, rows) of this rank's share of ``n`` heads (or rows) of ``unit`` rows each: n / size of
-    them, or one shared with the neighbouring ranks when size > n (replication)."""
-    return rank * n // size * unit, max(1, n // size) * unit
+class TensorParallel(NamedTuple):
+    """This process's ``rank`` in a group of ``size`` ranks (``SINGLE``: rank 0 of 1). ``start`` returns it;
+    the models and their sharded layers get it as an argument when built and keep it: the shares they hold
+    (``span``) and the collectives they run."""
 
+    rank: int = 0
+    size: int = 1
 
-def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """Reduce ``x`` over the ranks in place (``op``: a ``dist.ReduceOp``, SUM by default)."""
-    if size > 1:
-        dist.all_reduce(x, op)
-    return x
+    def span(self, n: int, unit: int = 1) -> tuple[int, int]:
+        """(first row, rows) of this rank's share of ``n`` heads (or rows) of ``unit`` rows each: n / size of
+        them, or one shared with the neighbouring ranks when size > n (replication)."""
+        return self.rank * n // self.size * unit, max(1, n // self.size) * unit
 
-
-def gather(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    """Every rank's ``x`` concatenated along ``dim`` in rank order (``x`` itself at size 1)."""
-    if size == 1:
+    def all_reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """Reduce ``x`` over the ranks in place (``op``: a ``dist.ReduceOp``, SUM by default)."""
+        if self.size > 1:
+            dist.all_reduce(x, op)
         return x
-    parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim)
+
+    def gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along ``dim`` in rank order (``x`` itself at size 1)."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim)
+
+    def agree(self, *tensors: torch.Tensor) -> None:
+        """Overwrite each (contiguous) tensor with rank 0's values: what rank 0 decided (sampled tokens, the
+        draft tree, the accepted path) is what every rank uses (DESIGN §4 rule 8)."""
+        for t in tensors if self.size > 1 else ():
+            dist.broadcast(t, 0)
 
 
-def agree(*tensors: torch.Tensor) -> None:
-    """Overwrite each (contiguous) tensor with rank 0's values: what rank 0 decided (sampled tokens, the
-    draft tree, the accepted path) is what every rank uses (DESIGN §4 rule 8)."""
-    for t in tensors if size > 1 else ():
-        dist.broadcast(t, 0)
+SINGLE = TensorParallel()  # no tensor parallelism
 
 
 class Linear(nn.Linear):
     """A replicated linear layer: every rank holds the whole weight (``tp_spans`` None). ``shard_sizes``: the
-    output sizes of its packed parts in order (gate | up), one part unless given. ``gemm`` is ``linear``
-    unless ``use_gemm`` gives the layer another (deterministic mode: the batch-invariant one)."""
+    output sizes of its packed parts in order (gate | up), one part unless given. ``gemm``: the function it
+    multiplies through, of ``linear``'s signature (deterministic mode: ``matmul.linear_invariant``)."""
 
-    gemm = staticmethod(linear)
     tp_spans: list[tuple[int, int, int]] | None = None  # sharded kinds: (dim, first, rows) of each part
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, shard_sizes=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, shard_sizes=None, gemm=linear):
         super().__init__(in_features, out_features, bias)
         self.shard_sizes: list[int] = shard_sizes or [out_features]
+        self.gemm = gemm
 
     def forward(self, x):
         return self.gemm(x, self.weight, self.bias)
 
 
-def use_gemm(model: nn.Module, gemm) -> None:
-    """Every linear layer of ``model`` (``Linear`` and its sharded kinds) and its LM head (the model's
-    ``lm_head_matmul``) multiply through ``gemm``, a function of ``linear``'s signature; weights untouched.
-    ``ModelRunner`` gives a deterministic target ``kernels.matmul.linear_invariant`` (DESIGN §4 rule 9)."""
-    for m in model.modules():
-        if isinstance(m, Linear):
-            m.gemm = gemm
-    model.lm_head_matmul = gemm
-
-
 class ColumnLinear(Linear):
     """Column-parallel linear over packed parts ``[(n, unit), ...]`` (n heads of ``unit`` rows, or n rows of
-    1): this rank's ``span`` of each part, concatenated; ``shard_sizes`` are the local part sizes."""
+    1): this rank's ``tp.span`` of each part, concatenated; ``shard_sizes`` are the local part sizes."""
 
-    def __init__(self, in_features: int, parts: list[tuple[int, int]], bias: bool = False):
-        spans = [span(n, unit) for n, unit in parts]
-        super().__init__(in_features, sum(s for _, s in spans), bias, [s for _, s in spans])
+    def __init__(self, tp: TensorParallel, in_features: int, parts: list, bias=False, gemm=linear):
+        spans = [tp.span(n, unit) for n, unit in parts]
+        super().__init__(in_features, sum(s for _, s in spans), bias, [s for _, s in spans], gemm)
+        self.tp = tp
         self.tp_spans = [(0, *s) for s in spans]
 
 
 class RowLinear(Linear):
-    """Row-parallel linear: this rank's ``span(n, unit)`` of the input features; one all-reduce sums the
+    """Row-parallel linear: this rank's ``tp.span(n, unit)`` of the input features; one all-reduce sums the
     partial products (rank 0 adds the bias, once)."""
 
-    def __init__(self, n: int, unit: int, out_features: int, bias: bool = False):
-        super().__init__(span(n, unit)[1], out_features, bias)
-        self.tp_spans = [(1, *span(n, unit))]
+    def __init__(self, tp: TensorParallel, n: int, unit: int, out_features: int, bias=False, gemm=linear):
+        super().__init__(tp.span(n, unit)[1], out_features, bias, gemm=gemm)
+        self.tp = tp
+        self.tp_spans = [(1, *tp.span(n, unit))]
 
     def forward(self, x):
-        return all_reduce(self.gemm(x, self.weight, self.bias if rank == 0 else None))
+        return self.tp.all_reduce(self.gemm(x, self.weight, self.bias if self.tp.rank == 0 else None))
 
 
 class VocabEmbedding(nn.Embedding):
-    """Vocabulary-parallel embedding: this rank's ``span(num_embeddings)`` rows; tokens outside them embed as
-    zeros and one all-reduce sums the ranks' rows."""
+    """Vocabulary-parallel embedding: this rank's ``tp.span(num_embeddings)`` rows; tokens outside them embed
+    as zeros and one all-reduce sums the ranks' rows."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int):
-        super().__init__(span(num_embeddings)[1], embedding_dim)
-        self.tp_spans = [(0, *span(num_embeddings))]
+    def __init__(self, tp: TensorParallel, num_embeddings: int, embedding_dim: int):
+        super().__init__(tp.span(num_embeddings)[1], embedding_dim)
+        self.tp = tp
+        self.tp_spans = [(0, *tp.span(num_embeddings))]
 
     def forward(self, ids):
         local = ids - self.tp_spans[0][1]
         ok = (local >= 0) & (local < self.num_embeddings)
-        return all_reduce(F.embedding(local * ok, self.weight) * ok[..., None])
+        return self.tp.all_reduce(F.embedding(local * ok, self.weight) * ok[..., None])
 
 
 class Experts(nn.Module):
     """Routed experts' weights in HF ``Gemma4TextExperts``' layout, ``gate_up_proj`` [E, 2I, H] (gate rows,
     then up rows) and ``down_proj`` [E, H, I], split along I like the dense MLP: this rank keeps its
-    ``span(I)`` of the gate rows, of the up rows and of the down columns, so its output
+    ``tp.span(I)`` of the gate rows, of the up rows and of the down columns, so its output
     (``kernels.moe.fused_moe``) is a partial sum for the caller's all-reduce."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+    def __init__(self, tp: TensorParallel, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
+        self.tp = tp
         self.intermediate = intermediate
-        self.tp_span = span(intermediate)
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.tp_span[1], hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, self.tp_span[1]))
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * tp.span(intermediate)[1], hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, tp.span(intermediate)[1]))
 
     def shard(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This rank's piece of the checkpoint tensor of parameter ``name`` (``t`` itself when its I is not
         the config's: the caller's shape check names it)."""
-        first, rows = self.tp_span
+        first, rows = self.tp.span(self.intermediate)
         if name.endswith("down_proj") and t.shape[-1] == self.intermediate:
             return t.narrow(2, first, rows)
         if name.endswith("gate_up_proj") and t.dim() == 3 and t.shape[1] == 2 * self.intermediate:
@@ -163,11 +163,12 @@ class Experts(nn.Module):
 
 def shard_of(module, name: str, t: torch.Tensor, part: int = 0) -> torch.Tensor:
     """This rank's piece of checkpoint tensor ``t`` for parameter ``name`` of ``module`` (packed part
-    ``part``): ``t`` itself at size 1, for unsharded modules, row-parallel biases and tensors too small (the
-    caller's shape check then names them)."""
-    if isinstance(module, Experts) and size > 1:
+    ``part``): ``t`` itself at size 1 (the layer's ``tp``), for unsharded modules, row-parallel biases and
+    tensors too small (the caller's shape check then names them)."""
+    sharded = isinstance(module, (ColumnLinear, RowLinear, VocabEmbedding, Experts)) and module.tp.size > 1
+    if sharded and isinstance(module, Experts):
         return module.shard(name, t)
-    spans = module.tp_spans if isinstance(module, (Linear, VocabEmbedding)) and size > 1 else None
+    spans = module.tp_spans if sharded else None
     whole = spans is None or (spans[0][0] == 1 and name.endswith("bias"))
     return t if whole or t.shape[spans[part][0]] < sum(spans[part][1:]) else t.narrow(*spans[part])
 
@@ -197,20 +198,21 @@ def check_sizes(config, target, assistant=None) -> None:
         raise ValueError(f"tensor_parallel_size={n} does not split {bad(n)[0]} (allowed: {ok})")
 
 
-def start(config, engine: type, model_dir: str, kwargs: dict) -> int:
+def start(config, engine: type, model_dir: str, kwargs: dict) -> TensorParallel:
     """Before a model is built, join the group of n = ``config.tensor_parallel_size`` ranks: torchrun's
     (``env://``), the one this rank was started into, or as rank 0 start ranks 1..n-1 (torch.multiprocessing
     spawn, each building ``engine(model_dir, **kwargs)``, the ``LLM`` class, without a trace; rendezvous
-    through a temporary file, the ranks' sockets on loopback). Returns this process's rank (0 when n is 1).
+    through a temporary file, the ranks' sockets on loopback). Returns this process's ``TensorParallel``
+    (``SINGLE`` when n is 1).
     ValueError while another tensor-parallel LLM is open in this process, or when ``n`` is not the
     launcher's WORLD_SIZE."""
-    global rank, size, _cpu, _rdzv
+    global size, _cpu, _rdzv
     n = config.tensor_parallel_size
     device_type = config.torch_device().type
     if size > 1:
         raise ValueError("a tensor-parallel LLM is open in this process: close() it before building another")
     if n == 1:
-        return 0
+        return SINGLE
     if "RANK" not in os.environ:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo" if sys.platform == "linux" else "lo0")
         fd, _rdzv = tempfile.mkstemp(prefix="nanospec-tp-")
@@ -229,9 +231,8 @@ def start(config, engine: type, model_dir: str, kwargs: dict) -> int:
     # a collective whose peer died fails within 5 minutes at the latest; ranks > 0 wait 30 days for a call
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", method, timedelta(minutes=5), n, r)
     _cpu = dist.new_group(backend="gloo", timeout=timedelta(days=30))
-    rank = r
     size = n
-    return r
+    return TensorParallel(r, n)
 
 
 def _rank_main(r: int, n: int, rdzv: str, engine: type, model_dir: str, kwargs: dict) -> None:
@@ -267,7 +268,7 @@ def broadcast(msg=None):
 
 def gather_objects(obj) -> list | None:
     """Every rank's ``obj`` in rank order, on rank 0 (None elsewhere)."""
-    out = [obj] * size if rank == 0 else None
+    out = [obj] * size if size == 1 or dist.get_rank() == 0 else None
     if size > 1:
         dist.gather_object(obj, out, group=_cpu)
     return out
@@ -289,10 +290,10 @@ def raise_if_dead() -> None:
 def close() -> None:
     """Stop the other ranks (rank 0), wait for them (10 s each, then kill), leave the group, remove the
     rendezvous file. Idempotent; runs at interpreter exit too."""
-    global rank, size, _cpu, _rdzv
+    global size, _cpu, _rdzv
     if size == 1:
         return
-    if rank == 0 and all(p.is_alive() for p in _procs):
+    if dist.get_rank() == 0 and all(p.is_alive() for p in _procs):
         with contextlib.suppress(RuntimeError):  # a rank is gone: the rest are killed below
             broadcast(None)
     for p in _procs:
@@ -302,7 +303,6 @@ def close() -> None:
     dist.destroy_process_group()
     with contextlib.suppress(OSError, TypeError):
         os.remove(_rdzv)
-    rank = 0
     size = 1
     _cpu = None
     _rdzv = None

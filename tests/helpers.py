@@ -59,11 +59,10 @@ def next_inputs(llm):
 
 
 def rank_min(llm):
-    """``LLM.collective_rpc`` probe: ``parallel.all_reduce`` MIN (the KV pool's block count agreement) of a
-    value that differs per rank."""
-    from nanospec import parallel
-
-    return int(parallel.all_reduce(torch.tensor([100 - parallel.rank]), parallel.dist.ReduceOp.MIN))
+    """``LLM.collective_rpc`` probe: the rank's ``TensorParallel.all_reduce`` MIN (the KV pool's block count
+    agreement) of a value that differs per rank."""
+    tp = llm.runner.tp
+    return int(tp.all_reduce(torch.tensor([100 - tp.rank]), torch.distributed.ReduceOp.MIN))
 
 
 def prepare_decode(runner, reqs):

@@ -119,15 +119,16 @@ def read_config(path):
     return AutoConfig.from_pretrained(str(d))
 
 
-def load_assistant(cls, path, device="cpu", dtype=torch.float32):
-    """``cls.from_pretrained``: ``read_config``, construct ``cls(config)`` on the meta device, materialise on
-    ``device``, load the dir's tensors, cast floating tensors to ``dtype``. Raises ValueError naming the
-    problem (those of ``read_config``, unsupported config, missing / mis-shaped / unexpected tensor)."""
+def load_assistant(cls, path, device="cpu", dtype=torch.float32, tp=parallel.SINGLE):
+    """``cls.from_pretrained``: ``read_config``, construct ``cls(config, tp)`` (``tp``: this rank's
+    ``parallel.TensorParallel``) on the meta device, materialise on ``device``, load the dir's tensors, cast
+    floating tensors to ``dtype``. Raises ValueError naming the problem (those of ``read_config``,
+    unsupported config, missing / mis-shaped / unexpected tensor)."""
     from ..loader import iter_safetensors
 
     config = read_config(path)
     with torch.device("meta"):
-        model = cls(config)
+        model = cls(config, tp)
     model.to_empty(device=device)
     load_checkpoint(model, iter_safetensors(pathlib.Path(path).expanduser()))
     return model.to(dtype).eval()

@@ -26,17 +26,7 @@ from ..kernels.attention import decode_attention, extend_attention
 from ..kernels.moe import fused_moe, moe_route
 from ..kernels.norm import rms_norm
 from ..kernels.rope import apply_rope, rope_cos_sin, rope_store_kv
-from ..parallel import (
-    ColumnLinear,
-    Experts,
-    Linear,
-    RowLinear,
-    VocabEmbedding,
-    all_reduce,
-    gather,
-    linear,
-    span,
-)
+from ..parallel import SINGLE, ColumnLinear, Experts, Linear, RowLinear, VocabEmbedding, linear
 from .llama import RMSNorm
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -124,7 +114,7 @@ class Gemma4Attention(nn.Module):
     ``attention_k_eq_v``), q_norm / k_norm / weightless v_norm per head, RoPE fused with the KV store (owning
     layers only), then extend or decode attention, scale 1.0, ``sliding_window`` (None on full layers)."""
 
-    def __init__(self, tc, layer_idx: int, owner: int):
+    def __init__(self, tc, layer_idx: int, owner: int, tp, gemm):
         super().__init__()
         lc = tc.per_layer_config[layer_idx]
         self.layer_type = tc.layer_types[layer_idx]
@@ -136,13 +126,13 @@ class Gemma4Attention(nn.Module):
         kv = (lc.num_key_value_heads, d)
         k_eq_v = tc.attention_k_eq_v and self.layer_type == "full_attention"
         parts = [q] if self.is_kv_shared else [q, kv] if k_eq_v else [q, kv, kv]
-        self.qkv_proj = ColumnLinear(tc.hidden_size, parts, tc.attention_bias)
-        self.num_heads = span(tc.num_attention_heads)[1]
-        self.num_kv_heads = span(lc.num_key_value_heads)[1]
+        self.qkv_proj = ColumnLinear(tp, tc.hidden_size, parts, tc.attention_bias, gemm)
+        self.num_heads = tp.span(tc.num_attention_heads)[1]
+        self.num_kv_heads = tp.span(lc.num_key_value_heads)[1]
         self.q_norm = _norm(self.head_dim, self.eps)
         if not self.is_kv_shared:
             self.k_norm = _norm(self.head_dim, self.eps)
-        self.o_proj = RowLinear(*q, tc.hidden_size, tc.attention_bias)
+        self.o_proj = RowLinear(tp, *q, tc.hidden_size, tc.attention_bias, gemm)
         self.k_cache = self.v_cache = None  # pool views (the owner's on KV-shared layers): bind_kv_cache
 
     def forward(self, positions, x, cos_sin):
@@ -190,10 +180,10 @@ class Gemma4Attention(nn.Module):
 class Gemma4MLP(nn.Module):
     """HF ``Gemma4TextMLP``: ``down(gelu_tanh(gate(x)) * up(x))`` with gate|up packed."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, tp, gemm):
         super().__init__()
-        self.gate_up_proj = ColumnLinear(hidden, [(intermediate, 1), (intermediate, 1)])
-        self.down_proj = RowLinear(intermediate, 1, hidden)
+        self.gate_up_proj = ColumnLinear(tp, hidden, [(intermediate, 1), (intermediate, 1)], gemm=gemm)
+        self.down_proj = RowLinear(tp, intermediate, 1, hidden, gemm=gemm)
 
     def forward(self, x):
         return self.down_proj(gelu_and_mul(self.gate_up_proj(x)))
@@ -204,11 +194,11 @@ class Gemma4Router(nn.Module):
     weight, ``* scale * hidden**-0.5``, projected to E expert scores, then ``moe_route`` (fp32 softmax, top-k,
     renormalised, ``* per_expert_scale``). Returns (weights [T, k] fp32, expert ids [T, k] int32)."""
 
-    def __init__(self, tc):
+    def __init__(self, tc, gemm):
         super().__init__()
         self.eps = tc.rms_norm_eps
         self.top_k = tc.top_k_experts
-        self.proj = Linear(tc.hidden_size, tc.num_experts, bias=False)
+        self.proj = Linear(tc.hidden_size, tc.num_experts, False, gemm=gemm)
         self.scale = nn.Parameter(torch.ones(tc.hidden_size))
         self.per_expert_scale = nn.Parameter(torch.ones(tc.num_experts))
 
@@ -222,13 +212,13 @@ class Gemma4DecoderLayer(nn.Module):
     routed experts beside the MLP: :meth:`moe`), the PLE residual, then the whole stream times
     ``layer_scalar``."""
 
-    def __init__(self, tc, layer_idx: int, owner: int):
+    def __init__(self, tc, layer_idx: int, owner: int, tp, gemm):
         super().__init__()
         H = tc.hidden_size
         eps = tc.rms_norm_eps
-        self.self_attn = Gemma4Attention(tc, layer_idx, owner)
+        self.self_attn = Gemma4Attention(tc, layer_idx, owner, tp, gemm)
         wide = tc.use_double_wide_mlp and owner != layer_idx
-        self.mlp = Gemma4MLP(H, tc.intermediate_size * (2 if wide else 1))
+        self.mlp = Gemma4MLP(H, tc.intermediate_size * (2 if wide else 1), tp, gemm)
         self.input_layernorm = _norm(H, eps)
         self.post_attention_layernorm = _norm(H, eps)
         self.pre_feedforward_layernorm = _norm(H, eps)
@@ -237,13 +227,13 @@ class Gemma4DecoderLayer(nn.Module):
         self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
         self.ple_dim = tc.hidden_size_per_layer_input
         if self.ple_dim:
-            self.per_layer_input_gate = Linear(H, self.ple_dim, bias=False)
-            self.per_layer_projection = Linear(self.ple_dim, H, bias=False)
+            self.per_layer_input_gate = Linear(H, self.ple_dim, False, gemm=gemm)
+            self.per_layer_projection = Linear(self.ple_dim, H, False, gemm=gemm)
             self.post_per_layer_input_norm = _norm(H, eps)
         self.enable_moe = tc.enable_moe_block
         if self.enable_moe:
-            self.router = Gemma4Router(tc)
-            self.experts = Experts(tc.num_experts, H, tc.moe_intermediate_size)
+            self.router = Gemma4Router(tc, gemm)
+            self.experts = Experts(tp, tc.num_experts, H, tc.moe_intermediate_size)
             self.pre_feedforward_layernorm_2 = _norm(H, eps)
             self.post_feedforward_layernorm_1 = _norm(H, eps)
             self.post_feedforward_layernorm_2 = _norm(H, eps)
@@ -257,7 +247,7 @@ class Gemma4DecoderLayer(nn.Module):
         weights, ids = self.router(residual)
         x2 = self.pre_feedforward_layernorm_2(residual)
         routed = fused_moe(x2, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
-        both = all_reduce(torch.stack([dense, routed]))
+        both = self.experts.tp.all_reduce(torch.stack([dense, routed]))
         return self.post_feedforward_layernorm_1(both[0]) + self.post_feedforward_layernorm_2(both[1])
 
     def forward(self, positions, x, cos_sin, per_layer_input=None):
@@ -278,8 +268,9 @@ class Gemma4ForCausalLM(nn.Module):
     KV interface for the engine: ``kv_layer_types`` (type per layer), ``kv_geometry`` ((num_kv_heads,
     head_dim) per layer, None for KV-shared layers), ``kv_owner`` (the layer whose KV each layer reads) and
     ``bind_kv_cache``. ``embed`` returns the scaled input embedding (``embed_scale`` = sqrt(hidden));
-    ``rope_for(type)`` the cos/sin table of a layer type. Raises ValueError (:func:`check_config`) for
-    unsupported configs.
+    ``rope_for(type)`` the cos/sin table of a layer type. Built as rank ``tp.rank`` of ``tp.size``
+    (``parallel.TensorParallel``; ``SINGLE``: unsplit), every GEMM through ``gemm``. Raises ValueError
+    (:func:`check_config`) for unsupported configs.
     """
 
     strip_prefix = ("model.language_model.", "model.")  # Gemma4ForConditionalGeneration, Gemma4ForCausalLM
@@ -290,29 +281,31 @@ class Gemma4ForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
-    lm_head_matmul = staticmethod(linear)  # deterministic mode: parallel.use_gemm
 
-    def __init__(self, cfg, max_position: int):
+    def __init__(self, cfg, max_position: int, tp=SINGLE, gemm=linear):
         super().__init__()
         check_config(cfg)
         self.config = cfg
+        self.tp = tp
+        self.gemm = gemm  # every GEMM's, the LM head's too (deterministic mode: the batch-invariant one)
         self.max_position = max_position
         L = cfg.num_hidden_layers
         H = cfg.hidden_size
         V = cfg.vocab_size
         self.kv_owner = kv_owners(cfg)
-        self.embed_tokens = VocabEmbedding(V, H)
+        self.embed_tokens = VocabEmbedding(tp, V, H)
         self.embed_scale = H**0.5
         self.ple_dim = cfg.hidden_size_per_layer_input
         if self.ple_dim:
-            self.embed_tokens_per_layer = VocabEmbedding(cfg.vocab_size_per_layer_input, L * self.ple_dim)
-            self.per_layer_model_projection = Linear(H, L * self.ple_dim, bias=False)
+            self.embed_tokens_per_layer = VocabEmbedding(tp, cfg.vocab_size_per_layer_input, L * self.ple_dim)
+            self.per_layer_model_projection = Linear(H, L * self.ple_dim, False, gemm=gemm)
             self.per_layer_projection_norm = _norm(self.ple_dim, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(Gemma4DecoderLayer(cfg, i, o) for i, o in enumerate(self.kv_owner))
+        layers = [Gemma4DecoderLayer(cfg, i, o, tp, gemm) for i, o in enumerate(self.kv_owner)]
+        self.layers = nn.ModuleList(layers)
         self.norm = _norm(H, cfg.rms_norm_eps)
         self.tied = bool(cfg.tie_word_embeddings)
         if not self.tied:
-            self.lm_head = ColumnLinear(H, [(V, 1)])
+            self.lm_head = ColumnLinear(tp, H, [(V, 1)], gemm=gemm)
         self.kv_layer_types = list(cfg.layer_types)
         self.kv_geometry = [
             None if layer.self_attn.is_kv_shared else (layer.self_attn.num_kv_heads, layer.self_attn.head_dim)
@@ -392,6 +385,6 @@ class Gemma4ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[T, V]``; ``tanh(z / c) * c`` with c = ``final_logit_softcapping`` when set (HF
         ``Gemma4ForCausalLM.forward``)."""
-        logits = gather(self.lm_head_matmul(hidden, self.lm_head_weight), -1).float()
+        logits = self.tp.gather(self.gemm(hidden, self.lm_head_weight), -1).float()
         c = self.config.final_logit_softcapping
         return logits if c is None else torch.tanh(logits / c) * c

@@ -38,7 +38,7 @@ from ..kernels.centroid import centroid_logits
 from ..kernels.rope import apply_rope, rope_cos_sin
 from ..kernels.sampling import mask_logits, sample
 from ..loader import layer_geometry
-from ..parallel import ColumnLinear, Linear, RowLinear, gather, linear, span
+from ..parallel import SINGLE, ColumnLinear, Linear, RowLinear, linear
 from . import assistant_io
 from .llama import RMSNorm
 
@@ -56,18 +56,18 @@ class Gemma4RMSNorm(RMSNorm):
 class QOnlyAttention(nn.Module):
     """q_proj -> per-head q_norm -> RoPE on q -> attention over the target's K/V (via ``attn``) -> o_proj."""
 
-    def __init__(self, tc, layer_idx: int):
+    def __init__(self, tc, layer_idx: int, tp):
         super().__init__()
         H = tc.num_attention_heads
         d = tc.per_layer_config[layer_idx].head_dim
         # this rank's span of the heads: the query heads of the KV heads it holds of the target layer read
-        self.num_heads = span(H)[1]
+        self.num_heads = tp.span(H)[1]
         self.head_dim = d
         self.layer_type = tc.layer_types[layer_idx]
         bias = bool(getattr(tc, "attention_bias", False))
-        self.q_proj = ColumnLinear(tc.hidden_size, [(H, d)], bias)
+        self.q_proj = ColumnLinear(tp, tc.hidden_size, [(H, d)], bias)
         self.q_norm = Gemma4RMSNorm(self.head_dim, tc.rms_norm_eps)
-        self.o_proj = RowLinear(H, d, tc.hidden_size, bias)
+        self.o_proj = RowLinear(tp, H, d, tc.hidden_size, bias)
 
     def forward(self, x, positions, cos_sin, attn):
         R = x.shape[0]
@@ -89,11 +89,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, tc, layer_idx: int):
+    def __init__(self, tc, layer_idx: int, tp):
         super().__init__()
         H = tc.hidden_size
         eps = tc.rms_norm_eps
-        self.self_attn = QOnlyAttention(tc, layer_idx)
+        self.self_attn = QOnlyAttention(tc, layer_idx, tp)
         self.mlp = MLP(tc)
         self.input_layernorm = Gemma4RMSNorm(H, eps)
         self.post_attention_layernorm = Gemma4RMSNorm(H, eps)
@@ -125,9 +125,9 @@ class MaskedEmbedding(nn.Module):
 class Gemma4Model(nn.Module):
     """Holds ``layers`` and ``norm`` under the HF prefix ``model.`` (no embedding: the target's is used)."""
 
-    def __init__(self, tc):
+    def __init__(self, tc, tp):
         super().__init__()
-        self.layers = nn.ModuleList(DecoderLayer(tc, i) for i in range(tc.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(tc, i, tp) for i in range(tc.num_hidden_layers))
         self.norm = Gemma4RMSNorm(tc.hidden_size, tc.rms_norm_eps)
 
 
@@ -260,15 +260,17 @@ def check_assistant_config(assistant_config, target_text_config) -> list[int]:
 class Gemma4Assistant(nn.Module):
     """The drafter. Lifecycle (DESIGN §4 rule 2): construct (``from_pretrained``) -> ``check_target`` (no pool
     needed) -> the engine allocates the target pool -> ``bind_target`` -> ``propose`` (or ``forward``) per
-    draft step."""
+    draft step. Built with ``tp`` (a ``parallel.TensorParallel``: the target's), whose span of the query heads
+    its attention layers keep."""
 
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, config):
+    def __init__(self, config, tp=SINGLE):
         super().__init__()
         _check_own(config)
         tc = config.get_text_config()
         self.config = config
+        self.tp = tp
         self.text_config = tc
         self.vocab_size = tc.vocab_size
         self.hidden_size = tc.hidden_size
@@ -276,7 +278,7 @@ class Gemma4Assistant(nn.Module):
         self.use_target_lm_head = bool(getattr(config, "use_target_lm_head", False))
         self.pre_projection = Linear(2 * self.backbone_hidden_size, self.hidden_size, bias=False)
         self.post_projection = Linear(self.hidden_size, self.backbone_hidden_size, bias=False)
-        self.model = Gemma4Model(tc)
+        self.model = Gemma4Model(tc, tp)
         own_head = not self.use_target_lm_head
         self.lm_head = Linear(self.hidden_size, self.vocab_size, bias=False) if own_head else None
         ordered = getattr(config, "use_ordered_embeddings", False)
@@ -288,10 +290,10 @@ class Gemma4Assistant(nn.Module):
 
     # ---- checkpoints (nanospec.models.assistant_io) --------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path, device="cpu", dtype=torch.float32) -> "Gemma4Assistant":
+    def from_pretrained(cls, path, device="cpu", dtype=torch.float32, tp=SINGLE) -> "Gemma4Assistant":
         """Load an HF ``gemma4_assistant`` dir (``assistant_io.load_assistant``; ValueError naming the
         problem)."""
-        return assistant_io.load_assistant(cls, path, device, dtype)
+        return assistant_io.load_assistant(cls, path, device, dtype, tp)
 
     def hf_tensors(self) -> dict[str, torch.Tensor]:
         """Every checkpoint tensor under HF names (``assistant_io.hf_tensors``)."""
@@ -359,7 +361,8 @@ class Gemma4Assistant(nn.Module):
         self._rope = ropes
         # detached: a Parameter assigned here would register as the assistant's own (trained, saved) weight;
         # a vocabulary-parallel target head is gathered whole once (the drafter's head is replicated)
-        self._target_lm_head = None if self.lm_head is not None else gather(target.lm_head_weight.detach())
+        head = None if self.lm_head is not None else self.tp.gather(target.lm_head_weight.detach())
+        self._target_lm_head = head
         self._gather_target_rows()
         if not kv:
             return

@@ -13,7 +13,7 @@ from ..kernels.activation import silu_and_mul
 from ..kernels.attention import decode_attention, extend_attention
 from ..kernels.norm import rms_norm
 from ..kernels.rope import rope_cos_sin, rope_store_kv
-from ..parallel import ColumnLinear, RowLinear, VocabEmbedding, gather, linear
+from ..parallel import SINGLE, ColumnLinear, RowLinear, VocabEmbedding, linear
 
 
 class RMSNorm(nn.Module):
@@ -34,14 +34,14 @@ class Attention(nn.Module):
     """GQA self-attention: fused qkv GEMM, optional q/k norm, RoPE fused with the paged KV store, then
     prefill/verify (extend) or decode attention from the current ``AttnMetadata``."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, tp, gemm):
         super().__init__()
         Hq = cfg.num_attention_heads
         Hkv = cfg.num_key_value_heads
         self.head_dim = d = getattr(cfg, "head_dim", None) or cfg.hidden_size // Hq
         bias = getattr(cfg, "attention_bias", False)
-        self.qkv_proj = ColumnLinear(cfg.hidden_size, [(Hq, d), (Hkv, d), (Hkv, d)], bias)
-        self.o_proj = RowLinear(Hq, d, cfg.hidden_size, bias)
+        self.qkv_proj = ColumnLinear(tp, cfg.hidden_size, [(Hq, d), (Hkv, d), (Hkv, d)], bias, gemm)
+        self.o_proj = RowLinear(tp, Hq, d, cfg.hidden_size, bias, gemm)
         self.num_heads, self.num_kv_heads = (s // d for s in self.qkv_proj.shard_sizes[:2])  # this rank's
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
@@ -90,22 +90,22 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, tp, gemm):
         super().__init__()
         i = cfg.intermediate_size
         bias = getattr(cfg, "mlp_bias", False)
-        self.gate_up_proj = ColumnLinear(cfg.hidden_size, [(i, 1), (i, 1)], bias)
-        self.down_proj = RowLinear(i, 1, cfg.hidden_size, bias)
+        self.gate_up_proj = ColumnLinear(tp, cfg.hidden_size, [(i, 1), (i, 1)], bias, gemm)
+        self.down_proj = RowLinear(tp, i, 1, cfg.hidden_size, bias, gemm)
 
     def forward(self, x):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, tp, gemm):
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, tp, gemm)
+        self.mlp = MLP(cfg, tp, gemm)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -123,7 +123,8 @@ class LlamaForCausalLM(nn.Module):
     Frozen-KV MTP seed hidden); ``compute_logits(hidden) -> [T, V]`` fp32. Every layer owns its KV
     (``kv_layer_types`` lists each layer's attention type for the drafter's layer map; ``kv_geometry`` its
     (num_kv_heads, head_dim); ``kv_owner`` is the identity), and the embedding is unscaled (``embed_scale``
-    1)."""
+    1). Built as rank ``tp.rank`` of ``tp.size`` (``parallel.TensorParallel``; ``SINGLE``: unsplit), every
+    GEMM through ``gemm``."""
 
     strip_prefix = ("model.",)  # HF nests everything but lm_head under "model."
     unused_weights = ()
@@ -134,17 +135,18 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
-    lm_head_matmul = staticmethod(linear)  # deterministic mode: parallel.use_gemm
 
-    def __init__(self, cfg, max_position: int):
+    def __init__(self, cfg, max_position: int, tp=SINGLE, gemm=linear):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.tp = tp
+        self.gemm = gemm  # every GEMM's, the LM head's too (deterministic mode: the batch-invariant one)
+        self.embed_tokens = VocabEmbedding(tp, cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, gemm) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tied:
-            self.lm_head = ColumnLinear(cfg.hidden_size, [(cfg.vocab_size, 1)])
+            self.lm_head = ColumnLinear(tp, cfg.hidden_size, [(cfg.vocab_size, 1)], gemm=gemm)
         attn = self.layers[0].self_attn
         self.num_kv_heads = attn.num_kv_heads
         self.head_dim = attn.head_dim
@@ -188,4 +190,4 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return gather(self.lm_head_matmul(hidden, self.lm_head_weight), -1).float()
+        return self.tp.gather(self.gemm(hidden, self.lm_head_weight), -1).float()

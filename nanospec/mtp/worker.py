@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-from .. import parallel
 from ..context import AttnMetadata, attn_metadata
 from ..cuda_graph import GraphRunner
 from ..kernels.attention import num_kv_splits
@@ -82,6 +81,7 @@ class FrozenKVMTPWorker:
         trace=None,
     ):
         self.target = target
+        self.tp = target.tp  # the assistant is split over the target's ranks
         self.next_inputs = next_inputs
         self.trace = trace
         self.num_steps = config.num_steps
@@ -92,7 +92,7 @@ class FrozenKVMTPWorker:
         self.split_size = split_size  # deterministic mode's KV split size (the model runner's), or None
         self.device = device = config.torch_device()
         dtype = next(target.parameters()).dtype
-        self.assistant = Gemma4Assistant.from_pretrained(assistant_path, device, dtype)
+        self.assistant = Gemma4Assistant.from_pretrained(assistant_path, device, dtype, self.tp)
         self.kv_pools = None
         self.graphs = None
         # chains can stop after any step; a tree of N nodes needs all its steps
@@ -247,7 +247,7 @@ class FrozenKVMTPWorker:
         """
         B, N = tree.tokens.shape
         dev = tree.tokens.device
-        parallel.agree(tree.tokens, *(() if tree.is_chain else (tree.parents, tree.depth, tree.tree_mask)))
+        self.tp.agree(tree.tokens, *(() if tree.is_chain else (tree.parents, tree.depth, tree.tree_mask)))
         rows = torch.arange(B, device=dev)[:, None]
         slots = slot_mapping(
             block_table, rows, L.long()[:, None] + torch.arange(N, device=dev), self.page_size
@@ -265,7 +265,7 @@ class FrozenKVMTPWorker:
             logits = mask_logits(logits.view(B * N, -1), bitmask).view(B, N, -1)
         target_tokens = sample(logits.view(B * N, -1), *per_node, positions, bitmask=bitmask).view(B, N)
         path, acc, bonus = accept(tree, target_tokens, s)
-        parallel.agree(path, acc, bonus)  # rank 0's walk (tensor parallelism: DESIGN §4 rule 8)
+        self.tp.agree(path, acc, bonus)  # rank 0's walk (tensor parallelism: DESIGN §4 rule 8)
         if not tree.is_chain:
             compact_accepted_kv(self.kv_pools, block_table, L, path, acc, self.page_size)
         last = path.gather(1, (acc - 1)[:, None]).squeeze(1)
