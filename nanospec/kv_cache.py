@@ -1,4 +1,4 @@
-"""Paged KV pool: block allocator, per-request block tables and the slot mapping."""
+"""Paged KV pool: block allocator, per-request block tables (and their device rows) and the slot mapping."""
 
 import hashlib
 from array import array
@@ -26,11 +26,51 @@ def slot_mapping(block_table: torch.Tensor, rows: torch.Tensor, token_idx: torch
     return block_table.long()[rows, token_idx // page_size] * page_size + token_idx % page_size
 
 
-def block_table_tensor(reqs: list[Request], device) -> torch.Tensor:
-    """[B, W] int32 block tables, padded with the dummy block (W >= 1)."""
-    width = max((len(r.block_table) for r in reqs), default=1) or 1
-    rows = [r.block_table + [DUMMY_BLOCK] * (width - len(r.block_table)) for r in reqs]
-    return to_device(rows, torch.int32, device).reshape(len(reqs), width)
+class BlockTables:
+    """Every launched request's block table on the device, in persistent rows (DESIGN §4): ``capacity`` rows
+    (``max_num_seqs``: the running requests and the prompts whose prefill has begun never outnumber it, since
+    a prompt is admitted only beside fewer running ones, §4 rule 10) of ``width`` blocks (the graphs' width,
+    ``cdiv(max_model_len + lookahead, page_size)``: every table fits), allocated once.
+
+    ``take(reqs)`` gives a request a free row at its first step (reset to the dummy block), writes into each
+    row the blocks its table gained since its last step (a request's table only grows while it holds a row:
+    the allocator empties it only when the scheduler releases the request) and gathers the rows in batch
+    order; the scatter and the gather use indices that ``transfer.to_device`` sends. ``on_release(reqs)``
+    frees the rows (finished, aborted, preempted) with no device work.
+    """
+
+    def __init__(self, capacity: int, width: int, device):
+        self.table = torch.full((capacity, width), DUMMY_BLOCK, dtype=torch.int32, device=device)
+        self.rows: dict[int, list[int]] = {}  # request id -> [row, blocks of its table written there]
+        self.free = list(range(capacity))
+
+    def take(self, reqs: list[Request]) -> torch.Tensor:
+        """[B, W] int32 block tables of ``reqs`` in batch order, padded with the dummy block; W is the longest
+        table (at least 1)."""
+        order = []
+        writes = []  # (row, column, block) of every block the device does not hold yet
+        for r in reqs:
+            if r.request_id not in self.rows:
+                assert self.free, "more requests hold block tables than rows (max_num_seqs)"
+                row = self.free.pop()
+                self.table[row] = DUMMY_BLOCK  # none of the blocks of the row's last owner
+                self.rows[r.request_id] = [row, 0]
+            row, known = self.rows[r.request_id]
+            writes += [(row, j, block) for j, block in enumerate(r.block_table[known:], known)]
+            self.rows[r.request_id][1] = len(r.block_table)
+            order.append(row)
+        if writes:
+            row, column, block = to_device(writes, torch.long, self.table.device).T
+            self.table[row, column] = block.int()
+        width = max((len(r.block_table) for r in reqs), default=1) or 1
+        return self.table[to_device(order, torch.long, self.table.device), :width]
+
+    def on_release(self, reqs: list[Request]) -> None:
+        """Free the rows of ``reqs``; unknown ids are skipped."""
+        for r in reqs:
+            entry = self.rows.pop(r.request_id, None)
+            if entry is not None:
+                self.free.append(entry[0])
 
 
 class BlockAllocator:

@@ -82,7 +82,7 @@ class LLM:
         hidden_size = runner.model.config.hidden_size if assistant is not None else 0
         self.next_inputs = NextInputs(hidden_size, runner.device, runner.dtype, c.max_num_seqs, emit)
         if assistant is not None:
-            args = (runner.model, assistant, self.next_inputs, runner.split_size, emit)
+            args = (runner.model, assistant, self.next_inputs, runner.block_tables, runner.split_size, emit)
             self.worker = FrozenKVMTPWorker(c, *args)
         if runner.device.type == "cpu":
             cpu.default_cpu_threads()
@@ -216,6 +216,7 @@ class LLM:
     def _release(self, released: list) -> None:
         for req, reason in released:
             self.next_inputs.on_release([req], reason)
+            self.runner.block_tables.on_release([req])
 
     # ---- tensor parallelism (nanospec/parallel.py): rank 0 sends each call, every rank runs it ------------
     def _call(self, name: str, *args):

@@ -11,7 +11,7 @@ from .cuda_graph import GraphRunner, graph_batch_sizes
 from .kernels.attention import KV_SPLIT_SIZE, num_kv_splits
 from .kernels.matmul import linear_invariant
 from .kernels.sampling import mask_logits
-from .kv_cache import DUMMY_BLOCK, BlockAllocator, block_table_tensor, cdiv, slot_mapping
+from .kv_cache import DUMMY_BLOCK, BlockAllocator, BlockTables, cdiv, slot_mapping
 from .models import init_random_weights, load_weights, target_class
 from .next_inputs import NextInputs, StepInput
 from .outputs import PrefillOutput, StepOutput, TokenLogprobs, emitted_logprobs
@@ -42,7 +42,8 @@ def build_target(cfg, device, dtype, max_position: int, model_dir=None, seed=0, 
 
 
 class ModelRunner:
-    """Owns the target model, its KV pools and the graph runner.
+    """Owns the target model, its KV pools, the device rows of the block tables (``block_tables``, shared with
+    the MTP worker; ``LLM`` releases a request's row with its next input) and the graph runner.
 
     ``LLM`` drives the order (DESIGN §4 rule 2): ``ModelRunner(...)`` builds the target;
     ``allocate_kv_cache()`` sizes the pools from the memory budget, allocates them and binds the target's
@@ -65,6 +66,7 @@ class ModelRunner:
         self.split_size = KV_SPLIT_SIZE if config.deterministic else None
         self.vocab_size = self.model.config.vocab_size
         self.lookahead = config.num_draft_tokens if config.speculative else 1
+        self.block_tables = BlockTables(config.max_num_seqs, self.graph_shape()[2], self.device)
         self.kv_pools: list[torch.Tensor] = []
         self.allocator: BlockAllocator | None = None
         self.graphs: GraphRunner | None = None
@@ -207,7 +209,7 @@ class ModelRunner:
             rows += [i] * n
             cu.append(cu[-1] + n)
             lens.append(s + n)
-        bt = block_table_tensor(batch.reqs, self.device)
+        bt = self.block_tables.take(batch.reqs)
         positions = self._tensor(pos)
         slots = slot_mapping(bt, self._tensor(rows), positions, self.config.page_size)
         md = AttnMetadata.prefill(
@@ -282,7 +284,7 @@ class ModelRunner:
         if not reqs:  # DESIGN §4 rule 4
             return StepOutput(torch.zeros(0, 2, dtype=torch.long))
         inp = next_inputs.take(reqs)
-        bt = block_table_tensor(reqs, self.device)
+        bt = self.block_tables.take(reqs)
         pos = inp.num_computed_tokens.long()
         slots = slot_mapping(bt, torch.arange(len(reqs), device=self.device), pos, self.config.page_size)
         bound = max(r.num_computed_tokens + r.num_inflight for r in reqs) + 1

@@ -5,7 +5,7 @@ import torch
 from nanospec import LLM, SamplingParams
 from nanospec.context import AttnMetadata
 from nanospec.kernels.attention import num_kv_splits
-from nanospec.kv_cache import block_table_tensor, slot_mapping
+from nanospec.kv_cache import slot_mapping
 from nanospec.loader import load_config
 from nanospec.model_runner import build_target
 from nanospec.mtp.worker import FrozenKVMTPWorker
@@ -68,7 +68,7 @@ def rank_min(llm):
 def prepare_decode(runner, reqs):
     """Decode inputs built on the host from the requests (the engine keeps them on the device): each one's
     last token at position ``num_computed_tokens``; returns (ids, positions, AttnMetadata)."""
-    bt = block_table_tensor(reqs, runner.device)
+    bt = runner.block_tables.take(reqs)
     pos = torch.tensor([r.num_computed_tokens for r in reqs], device=runner.device)
     slots = slot_mapping(bt, torch.arange(len(reqs), device=runner.device), pos, runner.config.page_size)
     md = AttnMetadata.decode(

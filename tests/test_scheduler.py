@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nanospec import LLM, SamplingParams
-from nanospec.kv_cache import DUMMY_BLOCK, BlockAllocator, block_table_tensor, slot_mapping
+from nanospec.kv_cache import DUMMY_BLOCK, BlockAllocator, BlockTables, slot_mapping
 from nanospec.request import Request, Status
 
 PAGE = 4
@@ -207,7 +207,8 @@ def _req(n=3, **kw):
 
 
 def _slots(reqs, i, start, end, page_size=4):
-    bt = block_table_tensor(reqs, "cpu")
+    width = max(len(r.block_table) for r in reqs)
+    bt = torch.tensor([r.block_table + [DUMMY_BLOCK] * (width - len(r.block_table)) for r in reqs])
     return slot_mapping(bt, torch.tensor(i), torch.arange(start, end), page_size).tolist()
 
 
@@ -262,12 +263,32 @@ def test_allocator_growth_and_failure():
         BlockAllocator(1, 4)
 
 
-def test_block_table_tensor_pads_with_dummy():
-    r1, r2 = _req(), _req()
+def test_block_tables_pad_with_dummy():
+    r1, r2 = Request(1, [0], SamplingParams(), set()), Request(2, [0], SamplingParams(), set())
     r1.block_table, r2.block_table = [3, 1, 2], [5]
-    t = block_table_tensor([r1, r2], "cpu")
+    tables = BlockTables(2, 4, "cpu")
+    t = tables.take([r1, r2])
     assert t.dtype == torch.int32 and t.tolist() == [[3, 1, 2], [5, DUMMY_BLOCK, DUMMY_BLOCK]]
-    assert block_table_tensor([], "cpu").shape == (0, 1)
+    assert tables.take([]).shape == (0, 1)
+
+
+def test_block_tables_grow_in_place_and_rows_are_reused_clean():
+    """A row gains only the blocks its table gained; a released row serves the next request with none of its
+    last owner's blocks; a request takes its row in any batch order."""
+    r1, r2, r3 = (Request(i, [0], SamplingParams(), set()) for i in (1, 2, 3))
+    r1.block_table, r2.block_table = [3, 1, 2, 7], [5]
+    tables = BlockTables(2, 4, "cpu")
+    tables.take([r1, r2])
+    r2.block_table += [6, 4]
+    assert tables.take([r2, r1]).tolist() == [[5, 6, 4, DUMMY_BLOCK], [3, 1, 2, 7]]
+    tables.on_release([r1])
+    r3.block_table = [8]
+    assert tables.take([r3]).tolist() == [[8]]
+    assert tables.table[tables.rows[3][0]].tolist() == [8, DUMMY_BLOCK, DUMMY_BLOCK, DUMMY_BLOCK]
+    with pytest.raises(AssertionError, match="max_num_seqs"):
+        tables.take([Request(4, [0], SamplingParams(), set())])
+    tables.on_release([r2, r3, r1])  # an unknown id is skipped
+    assert sorted(tables.free) == [0, 1] and not tables.rows
 
 
 # ------------------------------------------------------------------------------------------ finish rules

@@ -16,7 +16,7 @@ import random
 import torch
 
 from nanospec.config import EngineConfig
-from nanospec.kv_cache import BlockAllocator, cdiv
+from nanospec.kv_cache import DUMMY_BLOCK, BlockAllocator, BlockTables, cdiv
 from nanospec.llm import LLM
 from nanospec.next_inputs import NextInputs, StepInput
 from nanospec.outputs import PrefillOutput, StepOutput
@@ -35,11 +35,22 @@ def token_at(request_id: int, position: int) -> int:
     return (request_id * 31 + position * 7) % VOCAB
 
 
+def take_block_tables(block_tables: BlockTables, reqs) -> None:
+    """Take the block-table rows as ``ModelRunner`` and the worker do; they hold each request's table."""
+    width = max((len(r.block_table) for r in reqs), default=1) or 1
+    want = [r.block_table + [DUMMY_BLOCK] * (width - len(r.block_table)) for r in reqs]
+    assert block_tables.take(reqs).tolist() == want
+
+
 class FakeRunner:
     """Prefill: a new request's first token; a resumed one's next input from its newest token. Plain decode:
     one token from the device-side committed length, as ``ModelRunner.decode``."""
 
+    def __init__(self, block_tables: BlockTables):
+        self.block_tables = block_tables
+
     def prefill(self, batch) -> PrefillOutput:
+        take_block_tables(self.block_tables, batch.reqs)
         done = [i for i in range(len(batch.reqs)) if batch.completes(i)]
         new = [i for i in done if not batch.reqs[i].output_token_ids]
         bonus = [batch.reqs[i].last_token for i in done]
@@ -54,6 +65,7 @@ class FakeRunner:
         )
 
     def decode(self, reqs, next_inputs: NextInputs) -> StepOutput:
+        take_block_tables(self.block_tables, reqs)
         inp = next_inputs.take(reqs)
         ids = torch.tensor(inp.req_ids)
         toks = (ids * 31 + (inp.num_computed_tokens.long() + 1) * 7) % VOCAB
@@ -65,8 +77,9 @@ class FakeWorker:
     """A speculative step that accepts a random 1..max_accept tokens per row (drafts + the bonus token) and
     leaves each row's next input from the device-side committed length, as ``FrozenKVMTPWorker.step``."""
 
-    def __init__(self, next_inputs: NextInputs, lookahead: int, max_accept: int, rng: random.Random):
+    def __init__(self, next_inputs, block_tables, lookahead: int, max_accept: int, rng: random.Random):
         self.next_inputs = next_inputs
+        self.block_tables = block_tables
         self.lookahead = lookahead
         self.max_accept = max_accept
         self.rng = rng
@@ -78,6 +91,7 @@ class FakeWorker:
         pass
 
     def step(self, reqs, plan=None) -> StepOutput:
+        take_block_tables(self.block_tables, reqs)
         inp = self.next_inputs.take(reqs)
         acc = torch.tensor([self.rng.randint(1, self.max_accept) for _ in reqs])
         ids = torch.tensor(inp.req_ids)[:, None]
@@ -101,11 +115,12 @@ def fake_engine(cfg: dict, rng: random.Random) -> LLM:
     )
     llm = LLM.__new__(LLM)
     llm.config = config
-    llm.runner = FakeRunner()
+    width = cdiv(cfg["max_model_len"] + lookahead, cfg["page_size"])  # the graphs' width, as ModelRunner
+    llm.runner = FakeRunner(BlockTables(cfg["max_num_seqs"], width, torch.device("cpu")))
     llm.next_inputs = NextInputs(0, torch.device("cpu"), torch.float32, cfg["max_num_seqs"])
     llm.worker = None
     if lookahead > 1:
-        llm.worker = FakeWorker(llm.next_inputs, lookahead, cfg["max_accept"], rng)
+        llm.worker = FakeWorker(llm.next_inputs, llm.runner.block_tables, lookahead, cfg["max_accept"], rng)
     allocator = BlockAllocator(cfg["num_blocks"], cfg["page_size"], cfg["prefix_caching"])
     llm.scheduler = Scheduler(config, allocator, lookahead)
     llm.overlap = cfg["overlap"]
@@ -204,6 +219,7 @@ def run_config(cfg: dict, seed: int) -> dict:
     assert allocator.num_free == allocator.num_usable
     assert all(c == 0 for c in allocator.ref_count)
     assert len(llm.next_inputs) == 0 and not sched.running and not sched.waiting
+    assert not llm.runner.block_tables.rows  # every block-table row is free again
     return dict(steps=llm.num_steps_run, preemptions=sched.num_preemptions)
 
 

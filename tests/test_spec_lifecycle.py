@@ -25,7 +25,7 @@ import nanospec.mtp.draft as draft_mod
 from nanospec.config import EngineConfig
 from nanospec.context import AttnMetadata, attn_metadata
 from nanospec.kernels.attention import decode_attention, draft_attention
-from nanospec.kv_cache import block_table_tensor
+from nanospec.kv_cache import BlockTables
 from nanospec.model_runner import ModelRunner, build_target
 from nanospec.mtp.draft import DraftTree, chain_tree, run_draft
 from nanospec.mtp.verify import accept, compact_accepted_kv, emitted_tokens
@@ -193,7 +193,7 @@ def test_rule2_construct_then_allocate_then_bind(tiny_llama_dir, asst_dir, targe
     target = build_target(target_cfg, cpu, f32, 128, tiny_llama_dir)
     assert all(layer.self_attn.k_cache is None for layer in target.layers)  # no pool anywhere
     next_inputs = NextInputs(HB, cpu, f32, 4)
-    worker = FrozenKVMTPWorker(cfg, target, asst_dir, next_inputs)  # construction needs no pool
+    worker = FrozenKVMTPWorker(cfg, target, asst_dir, next_inputs, BlockTables(4, 8, cpu))  # no pool needed
     assert worker.assistant._kv is None and len(next_inputs) == 0
     md = AttnMetadata.draft(torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
     with attn_metadata(md), pytest.raises(RuntimeError):  # forward before bind
@@ -309,7 +309,7 @@ def test_rule3_draft_writes_no_kv(tiny_llama_dir, asst_dir, record_draft_metadat
         v.clear()
     before = _pool_digest(kv)
     L = torch.tensor([r.num_computed_tokens for r in reqs], dtype=torch.int32)
-    tree = worker.draft(llm.next_inputs.take(reqs), block_table_tensor(reqs, "cpu"), L)
+    tree = worker.draft(llm.next_inputs.take(reqs), llm.runner.block_tables.take(reqs), L)
     assert _pool_digest(kv) == before
     assert tree.tokens.shape == (len(reqs), llm.config.num_draft_tokens)
     mds = record_draft_metadata["assistant"]
@@ -324,7 +324,7 @@ def test_rule3_write_slots_make_the_assistant_raise(tiny_llama_dir, asst_dir):
     llm.add_request(PROMPTS[1], greedy(4))
     llm.step()
     a, (r,) = llm.worker.assistant, llm.scheduler.running
-    bt, L = block_table_tensor([r], "cpu"), torch.tensor([r.num_computed_tokens], dtype=torch.int32)
+    bt, L = llm.runner.block_tables.take([r]), torch.tensor([r.num_computed_tokens], dtype=torch.int32)
     args = (torch.tensor([r.all_token_ids[-1]]), torch.zeros(1, HB), L.long() - 1)
     kv = llm.runner.kv_pools[0]
     before = _pool_digest(kv)
@@ -401,7 +401,7 @@ def test_rule4_zero_row_draft_and_accept(tiny_llama_dir, asst_dir, topk, n_draft
     assert tree.is_chain == (topk == 1)
     if topk > 1:
         assert tree.tree_mask.shape == (0, n_draft, n_draft)
-    assert worker.draft(idle, block_table_tensor([], "cpu"), L0).tokens.shape == (0, n_draft)
+    assert worker.draft(idle, llm.runner.block_tables.take([]), L0).tokens.shape == (0, n_draft)
     path, acc, bonus = accept(tree, torch.zeros(0, n_draft, dtype=torch.long), 3)
     assert path.shape[0] == 0 and acc.shape == (0,) and bonus.shape == (0,)
     assert emitted_tokens(tree, path, acc, bonus).shape[0] == 0

@@ -2,11 +2,12 @@
 but the one host copy a step is committed from (DESIGN §5, "Overlap scheduling").
 
 On a CPU a blocking copy cannot be seen, so the CPU test watches the calls instead: during steady-state steps
-(every request decoding; plain, chain and tree; overlap on) no engine module outside ``transfer.py`` creates a
-tensor from host data (``torch.tensor`` / ``torch.as_tensor``), moves one to a device (``Tensor.to(device)``)
-or indexes with a Python list (an implicit host-to-device copy), and none outside ``outputs.py`` (the step's
-``HostCopy``) reads device values (``tolist`` / ``item``). On CUDA the same steps run under
-``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronizing call, except the commit's read.
+(every request decoding, its block table growing; plain, chain and tree; overlap on) no engine module outside
+``transfer.py`` creates a tensor from host data (``torch.tensor`` / ``torch.as_tensor``), moves one to a
+device (``Tensor.to(device)``) or indexes with a Python list (an implicit host-to-device copy), and none
+outside ``outputs.py`` (the step's ``HostCopy``) reads device values (``tolist`` / ``item``). On CUDA the same
+steps run under ``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronizing call, except
+the commit's read.
 """
 
 import pathlib
@@ -82,6 +83,7 @@ def _steady_engine(tiny_llama_dir, asst_dir, mode, device="cpu"):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_steady_steps_send_through_the_transfer_owner_only(tiny_llama_dir, asst_dir, mode, monkeypatch):
     llm = _steady_engine(tiny_llama_dir, asst_dir, mode)
+    blocks = sum(len(r.block_table) for r in llm.scheduler.running)
     watch = Watch(monkeypatch)
     watch.active = True
     for _ in range(8):
@@ -89,6 +91,8 @@ def test_steady_steps_send_through_the_transfer_owner_only(tiny_llama_dir, asst_
     watch.active = False
     assert all(len(r.output_token_ids) < 40 for r in llm.scheduler.running)  # all 8 steps were decode steps
     assert watch.calls == []
+    # the steps wrote the blocks they added into the device rows of the block tables (BlockTables.take)
+    assert sum(len(r.block_table) for r in llm.scheduler.running) > blocks
 
 
 def test_the_watch_sees_a_blocking_copy(tiny_llama_dir, monkeypatch):

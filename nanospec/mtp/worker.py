@@ -2,10 +2,11 @@
 
 The lifecycle, hook by hook, in the order ``LLM`` calls them (DESIGN §4 rule in brackets). Each request's
 draft input (bonus token, committed length, seed hidden) lives in ``NextInputs``, which it is born into at the
-end of the request's prefill and dropped from at its release; a step reads and replaces it there.
+end of the request's prefill and dropped from at its release; a step reads and replaces it there. Its block
+table is a row of the model runner's ``BlockTables``, shared with the worker.
 
-1. ``FrozenKVMTPWorker(config, target, assistant_dir, next_inputs, split_size)``: load the assistant
-   (``LLM`` checked its config against the target's first); no KV pool exists yet.              [rule 2]
+1. ``FrozenKVMTPWorker(config, target, assistant_dir, next_inputs, block_tables, split_size)``: load the
+   assistant (``LLM`` checked its config against the target's first); no KV pool exists yet.    [rule 2]
 2. ``bind(kv_pools)``: after the target's pool is allocated and bound, attach the assistant's layers to the
    target layers they read.                                                                       [rule 2]
 3. ``capture_graphs(sizes, num_splits, width)``: the ``mtp:{s}`` phases (``draft_verify``: tensors in,
@@ -32,7 +33,7 @@ from ..context import AttnMetadata, attn_metadata
 from ..cuda_graph import GraphRunner
 from ..kernels.attention import num_kv_splits
 from ..kernels.sampling import mask_logits, sample
-from ..kv_cache import DUMMY_BLOCK, block_table_tensor, slot_mapping
+from ..kv_cache import DUMMY_BLOCK, BlockTables, slot_mapping
 from ..models.gemma4_assistant import Gemma4Assistant
 from ..next_inputs import NextInputs, StepInput
 from ..outputs import StepOutput, emitted_logprobs
@@ -77,12 +78,14 @@ class FrozenKVMTPWorker:
         target,
         assistant_path: Path,
         next_inputs: NextInputs,
+        block_tables: BlockTables,
         split_size: int | None = None,
         trace=None,
     ):
         self.target = target
         self.tp = target.tp  # the assistant is split over the target's ranks
         self.next_inputs = next_inputs
+        self.block_tables = block_tables
         self.trace = trace
         self.num_steps = config.num_steps
         self.topk = config.topk
@@ -148,7 +151,7 @@ class FrozenKVMTPWorker:
         timer = StepTimer(self.device)
         inp = self.next_inputs.take(reqs)
         L = inp.num_computed_tokens
-        bt = block_table_tensor(reqs, self.device)
+        bt = self.block_tables.take(reqs)
         bound = max(r.num_computed_tokens + r.num_inflight * self.num_draft_tokens for r in reqs)
         temperature, top_k, top_p, seeds = sampling_tensors(reqs, self.device)
         inputs = {
