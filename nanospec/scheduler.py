@@ -149,7 +149,7 @@ class Scheduler:
         scheduled = []
         new_blocks = []
         for req in sorted(self.running, key=lambda r: r.request_id):
-            if req not in self.running:
+            if req.status is Status.WAITING:
                 continue  # preempted for an older request in this loop
             if req.num_inflight and len(req.output_token_ids) + self.lookahead >= req.params.max_tokens:
                 continue  # its step in flight may end it: no step past max_model_len (nor its RoPE table)
@@ -173,7 +173,7 @@ class Scheduler:
         req.num_inflight = req.num_computed_tokens = 0
         if req.prompt_logprobs is not None and not req.output_token_ids:
             req.prompt_logprobs = [None]  # its prompt is scored again from the start
-        if req in self.running:
+        if req.status is Status.RUNNING:
             self.running.remove(req)
             req.status = Status.WAITING
             older = sum(r.request_id < req.request_id for r in self.waiting)
