@@ -289,13 +289,15 @@ class LLM:
     def stats(self) -> dict:
         """The engine's load now: ``num_running`` and ``num_waiting`` (requests), ``kv_cache_usage`` (the
         fraction of usable KV blocks held by requests, in [0, 1]; prefix-cached blocks nobody holds count as
-        free, so it is 0 when idle) and ``num_draft_inputs`` (requests holding a draft input; 0 when idle)."""
+        free, so it is 0 when idle), ``num_draft_inputs`` (requests holding a draft input; 0 when idle) and
+        ``num_preemptions`` (preemptions by recompute since the engine started)."""
         allocator = self.scheduler.allocator
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "kv_cache_usage": 1 - allocator.num_free / allocator.num_usable,
             "num_draft_inputs": len(self.next_inputs) if self.worker is not None else 0,
+            "num_preemptions": self.scheduler.num_preemptions,
         }
 
     def has_unfinished(self) -> bool:

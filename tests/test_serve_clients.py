@@ -293,7 +293,7 @@ class FakeLLM:
             raise self.fail_add
         rid = self.next_id
         self.next_id += 1
-        self.waiting[rid] = SimpleNamespace(request_id=rid, output_token_ids=[], is_finished=False, epoch=0)
+        self.waiting[rid] = SimpleNamespace(request_id=rid, output_token_ids=[], is_finished=False)
         return rid
 
     def get_request(self, rid):
@@ -311,7 +311,8 @@ class FakeLLM:
         return []
 
     def stats(self):
-        return dict(num_running=0, num_waiting=len(self.waiting), kv_cache_usage=0.0, num_draft_inputs=0)
+        counts = dict(num_running=0, num_waiting=len(self.waiting), num_draft_inputs=0, num_preemptions=0)
+        return dict(counts, kv_cache_usage=0.0)
 
 
 BODY = dict(prompt=[1, 2], max_tokens=4)

@@ -23,9 +23,8 @@ class Metrics:
     vllm/v1/spec_decode/metrics.py), labelled ``model_name`` and ``engine``; the spec-decode counters exist
     only with an assistant (``num_positions`` = num_steps). The time-per-output-token histogram is
     ``inter_token_latency_seconds``, vLLM's name for it since 0.11 (one observation per engine step that
-    delivers tokens). ``num_preemptions``: preemptions by recompute (the steps of each live request's
-    ``epoch``, read after every step). Plus ``nanospec:num_draft_inputs`` (requests holding a draft input: 0
-    when idle)."""
+    delivers tokens). ``num_preemptions``: preemptions by recompute (``LLM.stats()``'s count, read after every
+    step). Plus ``nanospec:num_draft_inputs`` (requests holding a draft input: 0 when idle)."""
 
     def __init__(self, model_name: str, num_positions: int):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -73,7 +72,6 @@ class Choice:
         self.req = None  # the engine's Request (LLM.get_request) while it runs
         self.sent = 0
         self.num_accept = 0
-        self.epoch = 0  # the request's preemptions counted so far
         self.t_last = time.perf_counter()
 
 
@@ -112,6 +110,7 @@ class Engine:
         self.inbox = queue.SimpleQueue()
         self.outbox = {}  # event loop -> [(queue, message)] of this turn
         self.adding = None  # the Job being added
+        self.num_preemptions = 0  # the engine's preemptions counted in the metric so far
         self.dead = None
 
     def start(self) -> "Engine":
@@ -184,8 +183,6 @@ class Engine:
         now = time.perf_counter()
         for rid, c in list(self.live.items()):
             r = c.req
-            m.preemptions.inc(r.epoch - c.epoch)
-            c.epoch = r.epoch
             new = r.output_token_ids[c.sent :]  # its undelivered tokens
             if not new and not r.is_finished:
                 continue
@@ -214,6 +211,8 @@ class Engine:
             prompt_logprobs = r.prompt_logprobs if c.sent == len(new) else None  # with the first tokens
             self._post(c.job, "tokens", c.index, new, logprobs, prompt_logprobs, final)
         stats = llm.stats()
+        m.preemptions.inc(stats["num_preemptions"] - self.num_preemptions)
+        self.num_preemptions = stats["num_preemptions"]
         m.waiting.set(stats["num_waiting"])
         m.kv_usage.set(stats["kv_cache_usage"])
         m.draft_inputs.set(stats["num_draft_inputs"])
