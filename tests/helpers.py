@@ -1,5 +1,8 @@
 """Plain helpers shared by the speculative-engine tests (their fixtures live in conftest.py)."""
 
+import contextlib
+import os
+
 import torch
 
 from nanospec import LLM, SamplingParams
@@ -9,6 +12,7 @@ from nanospec.kv_cache import slot_mapping
 from nanospec.loader import load_config
 from nanospec.model_runner import build_target
 from nanospec.mtp.worker import FrozenKVMTPWorker
+from nanospec.tools import serve_bench
 
 HB = 64  # hidden size of conftest's tiny Llama target
 REF_LEN = 48
@@ -104,3 +108,15 @@ def install_drafter(monkeypatch, fn):
 
     monkeypatch.setattr(FrozenKVMTPWorker, "step", recording_step)
     monkeypatch.setattr(FrozenKVMTPWorker, "draft", draft)
+
+
+@contextlib.contextmanager
+def running_server(argv: list[str], timeout: float = 240):
+    """``nanospec-serve *argv`` in a subprocess on a free loopback port (``serve_bench.launch``: 127.0.0.1,
+    ``--port 0``), one thread per process; yields its URL. A start that takes over ``timeout`` s is killed;
+    the server is stopped (killed if need be) when the block ends, also when a test fails."""
+    proc, url = serve_bench.launch(argv, timeout, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    try:
+        yield url
+    finally:
+        serve_bench.stop(proc)

@@ -11,7 +11,6 @@ a death mid-add or mid-step, one wake-up per step."""
 import asyncio
 import contextlib
 import json
-import os
 import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,14 +22,13 @@ import openai
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from helpers import make_llm
+from helpers import make_llm, running_server
 
 from nanospec import SamplingParams
 from nanospec.serve.app import build_app
 from nanospec.serve.engine import Engine, Job, Metrics
 from nanospec.serve.protocol import MAX_BODY
 from nanospec.serve.server import parse_args
-from nanospec.tools import serve_bench
 
 MAX_WAITING = 64
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
@@ -42,11 +40,8 @@ def server(tiny_llama_dir, asst_dir):
     argv = [str(tiny_llama_dir), "--device", "cpu", "--dtype", "float32", "--max-model-len", "256"]
     argv += ["--num-kv-blocks", "600", "--assistant", str(asst_dir), "--num-steps", "2"]
     argv += ["--no-adaptive-speculation", "--max-num-seqs", "16", "--max-waiting", str(MAX_WAITING)]
-    proc, url = serve_bench.launch(argv, 240, env=os.environ | {"OMP_NUM_THREADS": "1"})
-    try:
+    with running_server(argv) as url:
         yield SimpleNamespace(url=url, model=str(tiny_llama_dir))
-    finally:
-        serve_bench.stop(proc)
 
 
 def post(server, path: str, body: dict, status: int = 200) -> dict:

@@ -3,16 +3,14 @@ default model with its shipped assistant (drafts really accepted) on a loopback 
 transformers' log-softmax of the same tokens; generated-token logprobs equal the in-process engine's without
 speculation, up to the last token before max_model_len; streamed chunks carry the same logprobs."""
 
-import os
-
 import httpx
 import openai
 import pytest
 import torch
+from helpers import running_server
 from transformers import AutoModelForCausalLM
 
 from nanospec import LLM, SamplingParams
-from nanospec.tools import serve_bench
 
 MAX_LEN = 160
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--max-model-len", str(MAX_LEN), "--num-kv-blocks", "200"]
@@ -20,12 +18,8 @@ ENGINE = ["--device", "cpu", "--dtype", "float32", "--max-model-len", str(MAX_LE
 
 @pytest.fixture(scope="module")
 def server(smollm2_dir):
-    argv = [str(smollm2_dir), *ENGINE, "--assistant", "default", "--num-steps", "3"]
-    proc, url = serve_bench.launch(argv, 240, env=os.environ | {"OMP_NUM_THREADS": "1"})
-    try:
+    with running_server([str(smollm2_dir), *ENGINE, "--assistant", "default", "--num-steps", "3"]) as url:
         yield url
-    finally:
-        serve_bench.stop(proc)
 
 
 @pytest.fixture(scope="module")

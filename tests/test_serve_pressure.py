@@ -12,14 +12,11 @@ once the last answer is in, nothing runs or waits and every KV block and draft i
 """
 
 import asyncio
-import contextlib
 import json
-import os
 
 import httpx
 import pytest
-
-from nanospec.tools import serve_bench
+from helpers import running_server
 
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--num-steps", "3", "--page-size", "4"]
 MAX_TOKENS = 8
@@ -42,27 +39,17 @@ GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cac
 GAUGES += ("nanospec:num_draft_inputs", "vllm:num_preemptions_total")
 
 
-@contextlib.contextmanager
-def running_server(argv: list[str]):
-    """The server on a free loopback port (the default model, its assistant auto-selected): its URL; always
-    stopped."""
-    proc, url = serve_bench.launch([*ENGINE, *argv], 240, env=os.environ | {"OMP_NUM_THREADS": "1"})
-    try:
-        yield url
-    finally:
-        serve_bench.stop(proc)
-
-
 @pytest.fixture(scope="module")
 def server(smollm2_dir):
-    """12 usable blocks (block 0 is the engine's dummy block)."""
-    with running_server(["--max-model-len", "40", "--num-kv-blocks", "13"]) as url:
+    """The default model, its assistant auto-selected; 12 usable blocks (block 0 is the engine's dummy
+    block)."""
+    with running_server([*ENGINE, "--max-model-len", "40", "--num-kv-blocks", "13"]) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def livelock_server(smollm2_dir):
-    with running_server(LIVELOCK_ENGINE) as url:
+    with running_server([*ENGINE, *LIVELOCK_ENGINE]) as url:
         yield url
 
 
