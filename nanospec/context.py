@@ -5,22 +5,27 @@ constructors and makes it current with ``with attn_metadata(md):`` around the fo
 it with ``get_attn_metadata()``. As in nano-vllm, this keeps every model's ``forward(ids, positions)``
 HF-shaped, and a CUDA graph captures the same static tensors the eager path reads. The constructors are the
 only place a mode's fields are chosen: ``draft`` takes no write slots at all, so the drafter cannot write KV
-by construction (DESIGN §4 rule 3).
+by construction (DESIGN §4 rule 3). ``paged_attention`` is the one place a target layer's attention kernel is
+chosen from the metadata.
 """
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from .kernels.attention import decode_attention, extend_attention
 
 
 @dataclass(frozen=True)
 class AttnMetadata:
     """What attention layers need for one forward.
 
-    mode: "prefill" (causal extend over a paged prefix), "decode" (one query per request), "verify" (tree
-    tokens over the paged prefix + tree mask) or "draft" (frozen-KV queries; nothing is written).
-    block_table [B, W] int32; seq_lens [B] int32: KV length per request including the new tokens;
+    mode: what the forward is: "prefill" (causal extend over a paged prefix), "decode" (one query per
+    request), "verify" (tree tokens over the paged prefix + tree mask) or "draft" (frozen-KV queries; nothing
+    is written). Which attention kernel a target layer runs is ``paged_attention``'s choice, not the mode.
+    block_table [B, W] int32; seq_lens [B] int32: KV length per request including the new tokens (per query
+    row, [T, W] and [T], when ``split_size`` is set outside decode);
     slot_mapping [T] int64: pool slot each new token's K/V goes to; None for "draft";
     cu_seqlens_q [B+1] int32 and max_seqlen_q (host int) for prefill/verify; tree_mask [B, N, N] bool for a
     tree verify (None: causal chain); row_to_req [R] int32 maps draft query rows to requests (None: row b is
@@ -61,7 +66,7 @@ class AttnMetadata:
         n = cu_seqlens_q.diff()
         req = torch.repeat_interleave(torch.arange(n.numel(), device=n.device), n, output_size=T)
         pos = torch.arange(T, device=n.device) - cu_seqlens_q[req] + (seq_lens - n)[req]
-        return cls("decode", block_table[req], (pos + 1).int(), slot_mapping, split_size=split_size)
+        return cls("prefill", block_table[req], (pos + 1).int(), slot_mapping, split_size=split_size)
 
     @classmethod
     def decode(
@@ -83,15 +88,16 @@ class AttnMetadata:
         split_size: int | None = None,
     ) -> "AttnMetadata":
         """``num_tokens`` tree tokens per request after ``num_computed_tokens`` [B] int32 cached rows; the
-        tree mask (None for a chain) says which tree tokens each one sees. A chain with ``split_size`` is
-        built as a prefill (deterministic mode: token j of request b is the decode row of L_b + j + 1
+        tree mask (None for a chain) says which tree tokens each one sees. A chain with ``split_size`` has
+        ``prefill``'s rows (deterministic mode: token j of request b is the decode row of L_b + j + 1
         keys)."""
         B = num_computed_tokens.shape[0]
         dev = num_computed_tokens.device
         cu = torch.arange(0, (B + 1) * num_tokens, num_tokens, dtype=torch.int32, device=dev)
         seq_lens = num_computed_tokens + num_tokens
         if split_size and tree_mask is None:
-            return cls.prefill(block_table, seq_lens, slot_mapping, cu, num_tokens, split_size)
+            rows = cls.prefill(block_table, seq_lens, slot_mapping, cu, num_tokens, split_size)
+            return replace(rows, mode="verify")
         return cls("verify", block_table, seq_lens, slot_mapping, cu, num_tokens, tree_mask)
 
     @classmethod
@@ -110,6 +116,20 @@ def get_attn_metadata() -> AttnMetadata:
     if _current is None:
         raise RuntimeError("no attention metadata set: run the model through the model runner")
     return _current
+
+
+def paged_attention(q, k_cache, v_cache, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """A target layer's attention in the forward in progress: q [T, Hq, D] over the layer's paged K/V
+    (``k_cache`` / ``v_cache``, its pool views) -> [T, Hq, D]. The decode kernel in decode, and for every
+    row of every mode in deterministic mode (``split_size``: DESIGN §4 rule 9); else the extend kernel
+    (prefill and verify: causal over the paged prefix, or the tree mask)."""
+    md = get_attn_metadata()
+    window = dict(sliding_window=sliding_window)
+    if md.mode == "decode" or md.split_size is not None:
+        splits = dict(num_splits=md.num_splits, split_size=md.split_size)
+        return decode_attention(q, k_cache, v_cache, md.block_table, md.seq_lens, scale, **window, **splits)
+    rows = (md.cu_seqlens_q, md.seq_lens, scale, md.max_seqlen_q, md.tree_mask)
+    return extend_attention(q, k_cache, v_cache, md.block_table, *rows, **window)
 
 
 @contextmanager

@@ -20,9 +20,8 @@ What differs from llama.py, each as HF ``modeling_gemma4.py`` computes it:
 import torch
 from torch import nn
 
-from ..context import get_attn_metadata
+from ..context import get_attn_metadata, paged_attention
 from ..kernels.activation import gelu_and_mul
-from ..kernels.attention import decode_attention, extend_attention
 from ..kernels.moe import fused_moe, moe_route
 from ..kernels.norm import rms_norm
 from ..kernels.rope import apply_rope, rope_cos_sin, rope_store_kv
@@ -149,31 +148,7 @@ class Gemma4Attention(nn.Module):
             q = rope_store_kv(
                 q, self.k_norm(k), v, positions, cos_sin, self.k_cache, self.v_cache, md.slot_mapping
             )
-        if md.mode == "decode":
-            o = decode_attention(
-                q,
-                self.k_cache,
-                self.v_cache,
-                md.block_table,
-                md.seq_lens,
-                1.0,
-                num_splits=md.num_splits,
-                sliding_window=self.sliding_window,
-                split_size=md.split_size,
-            )
-        else:
-            o = extend_attention(
-                q,
-                self.k_cache,
-                self.v_cache,
-                md.block_table,
-                md.cu_seqlens_q,
-                md.seq_lens,
-                1.0,
-                md.max_seqlen_q,
-                md.tree_mask,
-                sliding_window=self.sliding_window,
-            )
+        o = paged_attention(q, self.k_cache, self.v_cache, 1.0, self.sliding_window)
         return self.o_proj(o.reshape(T, -1))
 
 

@@ -8,9 +8,8 @@ Parameter names follow HF except the packed ``qkv_proj`` and ``gate_up_proj`` (s
 import torch
 from torch import nn
 
-from ..context import get_attn_metadata
+from ..context import get_attn_metadata, paged_attention
 from ..kernels.activation import silu_and_mul
-from ..kernels.attention import decode_attention, extend_attention
 from ..kernels.norm import rms_norm
 from ..kernels.rope import rope_cos_sin, rope_store_kv
 from ..parallel import SINGLE, ColumnLinear, RowLinear, VocabEmbedding, linear
@@ -63,29 +62,7 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, d)).view(T, -1, d)
         md = get_attn_metadata()
         q = rope_store_kv(q, k, v, positions, cos_sin, self.k_cache, self.v_cache, md.slot_mapping)
-        if md.mode == "decode":
-            o = decode_attention(
-                q,
-                self.k_cache,
-                self.v_cache,
-                md.block_table,
-                md.seq_lens,
-                self.scale,
-                num_splits=md.num_splits,
-                split_size=md.split_size,
-            )
-        else:
-            o = extend_attention(
-                q,
-                self.k_cache,
-                self.v_cache,
-                md.block_table,
-                md.cu_seqlens_q,
-                md.seq_lens,
-                self.scale,
-                md.max_seqlen_q,
-                md.tree_mask,
-            )
+        o = paged_attention(q, self.k_cache, self.v_cache, self.scale)
         return self.o_proj(o.reshape(T, -1))
 
 
