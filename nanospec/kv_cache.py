@@ -28,9 +28,10 @@ def slot_mapping(block_table: torch.Tensor, rows: torch.Tensor, token_idx: torch
 
 class BlockTables:
     """Every launched request's block table on the device, in persistent rows (DESIGN §4): ``capacity`` rows
-    (``max_num_seqs``: the running requests and the prompts whose prefill has begun never outnumber it, since
-    a prompt is admitted only beside fewer running ones, §4 rule 10) of ``width`` blocks (the graphs' width,
-    ``cdiv(max_model_len + lookahead, page_size)``: every table fits), allocated once.
+    (``max_num_seqs``: the running requests and the prompts whose prefill has begun never outnumber it, as the
+    scheduler admits a prompt only while fewer run or are in its batch, and a begun prompt joins the batch
+    before anything queued behind it) of ``width`` blocks (the graphs' width, ``cdiv(max_model_len +
+    lookahead, page_size)``: every table fits), allocated once.
 
     ``take(reqs)`` gives a request a free row at its first step (reset to the dummy block), writes into each
     row the blocks its table gained since its last step (a request's table only grows while it holds a row:
@@ -68,9 +69,8 @@ class BlockTables:
     def on_release(self, reqs: list[Request]) -> None:
         """Free the rows of ``reqs``; unknown ids are skipped."""
         for r in reqs:
-            entry = self.rows.pop(r.request_id, None)
-            if entry is not None:
-                self.free.append(entry[0])
+            if r.request_id in self.rows:
+                self.free.append(self.rows.pop(r.request_id)[0])
 
 
 class BlockAllocator:
