@@ -49,7 +49,7 @@ class FakeRunner:
     def __init__(self, block_tables: BlockTables):
         self.block_tables = block_tables
 
-    def prefill(self, batch) -> PrefillOutput:
+    def prefill(self, batch, masks=None) -> PrefillOutput:
         take_block_tables(self.block_tables, batch.reqs)
         done = [i for i in range(len(batch.reqs)) if batch.completes(i)]
         new = [i for i in done if not batch.reqs[i].output_token_ids]
@@ -64,7 +64,7 @@ class FakeRunner:
             len(batch.reqs), done, new, done_reqs, torch.tensor(bonus, dtype=torch.long), hidden
         )
 
-    def decode(self, reqs, next_inputs: NextInputs) -> StepOutput:
+    def decode(self, reqs, next_inputs: NextInputs, masks=None) -> StepOutput:
         take_block_tables(self.block_tables, reqs)
         inp = next_inputs.take(reqs)
         ids = torch.tensor(inp.req_ids)
@@ -90,7 +90,7 @@ class FakeWorker:
     def observe(self, out) -> None:
         pass
 
-    def step(self, reqs, plan=None) -> StepOutput:
+    def step(self, reqs, plan=None, masks=None) -> StepOutput:
         take_block_tables(self.block_tables, reqs)
         inp = self.next_inputs.take(reqs)
         acc = torch.tensor([self.rng.randint(1, self.max_accept) for _ in reqs])
