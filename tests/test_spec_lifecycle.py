@@ -351,9 +351,9 @@ def test_rule3_long_prompt_num_steps_1(tiny_llama_dir, asst_dir, record_draft_me
     llm = make_llm(tiny_llama_dir, asst_dir, num_steps=1, **kw)
     digests, orig = [], FrozenKVMTPWorker.draft
 
-    def checked(self, inp, bt, L, num_splits=None, num_steps=None, sampling=None):
+    def checked(self, inp, bt, L, num_splits=None, num_steps=None, sampling=None, masks=None):
         before = _pool_digest(llm.runner.kv_pools[0])  # pool checksum around every draft
-        out = orig(self, inp, bt, L, num_splits, num_steps, sampling)
+        out = orig(self, inp, bt, L, num_splits, num_steps, sampling, masks)
         digests.append(before == _pool_digest(llm.runner.kv_pools[0]))
         return out
 
