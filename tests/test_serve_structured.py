@@ -107,6 +107,7 @@ def test_tools_reach_the_chat_template(smollm2_tokenizer):
 
 
 BAD = [
+    (dict(tools=["get_weather"]), "tools[0].function"),
     (dict(response_format={"type": "yaml"}), "response_format"),
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format"),
     (dict(response_format="json"), "response_format"),

@@ -50,7 +50,7 @@ def tool_schemas(tools) -> dict:
     for k, tool in enumerate(tools):
         where = f"tools[{k}].function"
         function = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type") != "function" or not isinstance(function, dict):
+        if not isinstance(function, dict) or tool.get("type") != "function":
             raise ApiError(
                 400, f"tools[{k}] must be {{type: 'function', function: {{name, parameters}}}}", where
             )
