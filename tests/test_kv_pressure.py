@@ -37,15 +37,23 @@ def _prompts() -> list[list[int]]:
 PROMPTS = _prompts()
 
 
+class Alone(dict):
+    """Prompt index -> that prompt alone with a roomy pool, to its longest length: the greedy reference (run
+    on first use, so only the prompts some pool picks are run)."""
+
+    def __init__(self):
+        super().__init__()
+        self.llm = LLM(max_model_len=MAX_MODEL_LEN)
+
+    def __missing__(self, i):
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_MODEL_LEN - len(PROMPTS[i]), ignore_eos=True)
+        self[i] = self.llm.generate([PROMPTS[i]], params, use_tqdm=False)[0]["token_ids"]
+        return self[i]
+
+
 @pytest.fixture(scope="module")
 def alone():
-    """Each prompt alone with a roomy pool, to its longest length: the greedy reference."""
-    llm = LLM(max_model_len=MAX_MODEL_LEN)
-    out = []
-    for p in PROMPTS:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_MODEL_LEN - len(p), ignore_eos=True)
-        out.append(llm.generate([p], params, use_tqdm=False)[0]["token_ids"])
-    return out
+    return Alone()
 
 
 def _smallest_pool(options: dict) -> int:
@@ -55,7 +63,7 @@ def _smallest_pool(options: dict) -> int:
     return cdiv(config.max_model_len + lookahead, config.page_size) + 1
 
 
-def _run(options: dict, picks: list[tuple[int, int]], alone: list[list[int]]) -> tuple[LLM, list[dict]]:
+def _run(options: dict, picks: list[tuple[int, int]], alone: Alone) -> tuple[LLM, list[dict]]:
     llm = LLM(**options)
     prompts = [PROMPTS[i] for i, _ in picks]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in picks]
@@ -71,16 +79,19 @@ def _run(options: dict, picks: list[tuple[int, int]], alone: list[list[int]]) ->
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_tiny_pools_finish_with_the_outputs_of_a_roomy_pool(alone, mode, overlap):
-    """6 random tiny pools per mode and overlap setting (36 in all): page sizes 1-16, 1-4 running requests,
-    prefill budgets of 1-8 tokens (chunked prompts), prefix caching on and off."""
+    """3 random tiny pools per mode and overlap setting (18 in all): page sizes 1-16, 1-4 running requests,
+    prefill budgets of 1-8 tokens (chunked prompts), prefix caching on and off; the last one 4 requests on the
+    smallest pool. The scheduler alone on thousands of random pools: tests/test_scheduler_progress.py."""
     rng = random.Random(f"{mode}-{overlap}")
     preemptions = 0
     accepted = 0
-    for _ in range(6):
+    for k in range(3):
         options = dict(MODES[mode], overlap_schedule=overlap, max_model_len=MAX_MODEL_LEN)
         options |= dict(page_size=rng.choice([1, 2, 4, 8, 16]), max_num_seqs=rng.randint(1, 4))
         options |= dict(max_num_batched_tokens=rng.randint(1, 8), enable_prefix_caching=rng.random() < 0.5)
         options["num_kv_blocks"] = _smallest_pool(options) + rng.choice([0, 0, 1, 2])
+        if k == 2:  # the last pool the tightest: 4 running requests on the smallest pool
+            options |= dict(max_num_seqs=4, num_kv_blocks=_smallest_pool(options))
         picks = []
         for i in rng.sample(range(len(PROMPTS)), rng.randint(3, 5)):
             picks.append((i, rng.randint(1, MAX_MODEL_LEN - len(PROMPTS[i]))))
