@@ -78,7 +78,7 @@ def engine(smollm2_dir, assistant=None, **kw):
     return LLM(str(smollm2_dir), **{**base, **kw})
 
 
-def constrained(i, max_tokens=24, **kw):
+def constrained(i, max_tokens=16, **kw):
     """Request i's params: the constraints in turn, and every fifth request unconstrained."""
     so = None if i % 6 == 5 else StructuredOutputsParams(**CONSTRAINTS[i % len(CONSTRAINTS)])
     return SamplingParams(max_tokens=max_tokens, structured_outputs=so, **kw)
@@ -144,15 +144,15 @@ def test_constrained_greedy_is_plain_decoding_under_a_reference_mask(smollm2_dir
 
 @pytest.mark.parametrize("kind", ["chain", "tree"])
 def test_speculation_changes_no_token(smollm2_dir, plain, chain, kind):
-    """Greedy and seeded sampling, a batch of 8 mixing every constraint kind and an unconstrained request:
+    """Greedy and seeded sampling, a batch of 6 mixing every constraint kind and an unconstrained request:
     the assistant (drafts masked, every verify node masked) == no assistant, token for token; and drafts
     were accepted."""
     spec = (
         chain if kind == "chain" else engine(smollm2_dir, "default", num_steps=3, topk=2, num_draft_tokens=6)
     )
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(6)]
     for kw in (dict(), dict(temperature=0.8, top_p=0.95, seed=7)):
-        params = [constrained(i, **kw) for i in range(8)]
+        params = [constrained(i, **kw) for i in range(6)]
         want = run(plain, prompts, params)
         outs = spec.generate(prompts, params, use_tqdm=False)
         assert [(o["token_ids"], o["finish_reason"]) for o in outs] == want
@@ -161,10 +161,11 @@ def test_speculation_changes_no_token(smollm2_dir, plain, chain, kind):
 
 
 def test_alone_batched_overlap_and_preemption_agree(smollm2_dir, chain):
-    """Seeded sampling with the assistant: each request alone == the 8 batched == batched with overlap
-    scheduling on a pool so small that requests are preempted and recomputed."""
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
-    params = [constrained(i, temperature=1.0, seed=100 + i) for i in range(8)]
+    """Seeded sampling with the assistant: each request alone == the 6 batched (every constraint kind and an
+    unconstrained one) == batched with overlap scheduling on a pool so small that requests are preempted and
+    recomputed."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(6)]
+    params = [constrained(i, temperature=1.0, seed=100 + i) for i in range(6)]
     batched = run(chain, prompts, params)
     assert [run(chain, [p], [q])[0] for p, q in zip(prompts[:3], params[:3])] == batched[:3]
     tight = engine(
@@ -176,22 +177,26 @@ def test_alone_batched_overlap_and_preemption_agree(smollm2_dir, chain):
 
 def test_outputs_parse_and_validate_at_temperature_one(plain):
     """T = 1.0: 5 schemas (nested objects, arrays, enums, bounded numbers, required fields), 8 samples each,
-    every output parses and validates; regex and choice likewise. Plain decoding: speculation gives the
-    same tokens (above). The 200-sample run with the assistant: ``bench.py --structured``."""
+    every output parses and validates; regex and choice likewise; all in one batch. Plain decoding:
+    speculation gives the same tokens (above). The 200-sample run with the assistant: ``bench.py
+    --structured``."""
     n = 8
     checks = [(StructuredOutputsParams(json=schema), schema) for schema in SCHEMAS]
     checks += [(StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2,4}"), r"[0-9]{3}-[a-z]{2,4}")]
     checks += [(StructuredOutputsParams(choice=["yes", "no", "maybe"]), "yes|no|maybe")]
-    for so, check in checks:
-        params = [
-            SamplingParams(temperature=1.0, seed=s, max_tokens=96, structured_outputs=so) for s in range(n)
-        ]
-        for out in plain.generate(["Answer:"] * n, params, use_tqdm=False):
-            assert out["finish_reason"] == "stop", out["text"]
-            if isinstance(check, dict):
-                jsonschema.validate(json.loads(out["text"]), check)
-            else:
-                assert re.fullmatch(check, out["text"]), out["text"]
+    params = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=96, structured_outputs=so)
+        for so, _ in checks
+        for s in range(n)
+    ]
+    outs = plain.generate(["Answer:"] * len(params), params, use_tqdm=False)
+    for k, out in enumerate(outs):
+        check = checks[k // n][1]
+        assert out["finish_reason"] == "stop", out["text"]
+        if isinstance(check, dict):
+            jsonschema.validate(json.loads(out["text"]), check)
+        else:
+            assert re.fullmatch(check, out["text"]), out["text"]
 
 
 def test_length_logprobs_and_ignore_eos(plain):
