@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -69,10 +70,9 @@ def test_ci_runs_readme_quick_start_first_command_verbatim():
 
 
 def test_transformers_model_code_imports_next_to_nanospec():
-    """``python -c "import transformers.activations, nanospec"``: transformers' model code imports PyPI's
-    ``kernels``, which must be the installed distribution, not the repo's folder."""
-    r = run_from_root(sys.executable, "-c", "import transformers.activations, nanospec", timeout=300)
-    assert r.returncode == 0, r.stderr
+    """``python -c "import transformers.activations, nanospec"`` (and ``kernels`` after them, one process):
+    transformers' model code imports PyPI's ``kernels``, which must be the installed distribution, not the
+    repo's folder."""
     code = "import transformers.activations, nanospec, kernels; print(kernels.__file__)"
     r = run_from_root(sys.executable, "-c", code, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -226,12 +226,24 @@ HELP = {
 }
 
 
+@pytest.fixture(scope="module")
+def help_runs():
+    """command -> its finished process; the commands run side by side, one per core (each is an import-bound
+    process of its own, started from the repo root as the tests below say)."""
+
+    def start(command):
+        program, *args = command.split()
+        program = sys.executable if program == "python" else str(BIN / program)
+        return run_from_root(program, *args, timeout=300)
+
+    with ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
+        return dict(zip(HELP, pool.map(start, HELP)))
+
+
 @pytest.mark.parametrize("command", HELP)
-def test_command_starts_from_the_repo_root(command):
+def test_command_starts_from_the_repo_root(command, help_runs):
     """The command starts from the repo root: its imports (nanospec, transformers, ray) load and its options
     parse. ``python`` is this venv's, a console script this venv's."""
-    program, *args = command.split()
-    program = sys.executable if program == "python" else str(BIN / program)
-    r = run_from_root(program, *args, timeout=300)
+    r = help_runs[command]
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.startswith(HELP[command]), r.stdout[:300]
