@@ -27,7 +27,7 @@ PARAMS = [
         temperature=(0.8, 1.0, 0.6, 1.3)[i % 4],
         top_p=(1.0, 0.9, 0.95, 1.0)[i % 4],
         top_k=(-1, -1, 50, 20)[i % 4],
-        max_tokens=16 + i,
+        max_tokens=10 + i,
         ignore_eos=True,
         seed=100 + i,
     )
