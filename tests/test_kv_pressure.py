@@ -43,7 +43,7 @@ class Alone(dict):
 
     def __init__(self):
         super().__init__()
-        self.llm = LLM(max_model_len=MAX_MODEL_LEN)
+        self.llm = LLM(max_model_len=19)  # test_issue_configuration_finishes' longest request too
 
     def __missing__(self, i):
         params = SamplingParams(temperature=0.0, max_tokens=MAX_MODEL_LEN - len(PROMPTS[i]), ignore_eos=True)
@@ -113,9 +113,8 @@ def test_issue_configuration_finishes(alone):
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.scheduler.num_preemptions > 0
-    roomy = LLM(max_model_len=19)
     for p, m, out in zip(prompts, max_tokens, outs):
-        ref = roomy.generate(
+        ref = alone.llm.generate(
             [p], SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True), use_tqdm=False
         )
         assert out["token_ids"] == ref[0]["token_ids"]
