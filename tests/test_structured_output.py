@@ -161,11 +161,11 @@ def test_speculation_changes_no_token(smollm2_dir, plain, chain, kind):
 
 
 def test_alone_batched_overlap_and_preemption_agree(smollm2_dir, chain):
-    """Seeded sampling with the assistant: each request alone == the 6 batched (every constraint kind and an
+    """Seeded sampling with the assistant: a request alone == in the 8 batched (every constraint kind and an
     unconstrained one) == batched with overlap scheduling on a pool so small that requests are preempted and
     recomputed."""
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(6)]
-    params = [constrained(i, temperature=1.0, seed=100 + i) for i in range(6)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    params = [constrained(i, temperature=1.0, seed=100 + i) for i in range(8)]
     batched = run(chain, prompts, params)
     assert [run(chain, [p], [q])[0] for p, q in zip(prompts[:3], params[:3])] == batched[:3]
     tight = engine(
