@@ -20,7 +20,8 @@ class Request:
     ``seed`` keys the sampling noise of every token the request produces (``kernels.sampling``): its
     ``SamplingParams.seed``, or one the engine drew for it. ``matcher`` (structured output): the llguidance
     matcher of ``SamplingParams.structured_outputs``, advanced by every committed output token; the request
-    then ends at an end token even with ``ignore_eos`` (the grammar allows one only where it is complete).
+    then ends at an end token even with ``ignore_eos`` (the grammar allows one only where it is complete),
+    or with finish_reason "abort" where its grammar goes past one of llguidance's limits.
     """
 
     def __init__(
@@ -90,8 +91,10 @@ class Request:
         p = self.params
         for i, tok in enumerate(tokens):
             if self.matcher is not None and not self.matcher.consume_token(tok):
-                # every sampled token was masked by this matcher's state: a mismatch is an engine bug
-                raise RuntimeError(f"request {self.request_id}: token {tok} left its grammar")
+                # its grammar went past one of llguidance's limits (the matcher stopped): end this request
+                self.finish_reason = "abort"
+                self.status = Status.FINISHED
+                return i
             self.output_token_ids.append(tok)
             if self.logprobs is not None:
                 self.logprobs.append(logprobs[i])

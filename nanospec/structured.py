@@ -61,7 +61,7 @@ class StructuredOutputsParams:
             raise ValueError(f"{where}.choice must be non-empty strings, got {value!r}")
         try:
             grammar = self.to_grammar()
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise ValueError(f"{where}.{name} is not valid: {e}") from None
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
         if failed:

@@ -56,6 +56,9 @@ SCHEMAS = [
         "additionalProperties": False,
     },
 ]
+DEEP = {"type": "integer"}
+for _ in range(2000):  # nested deeper than Python's recursion limit
+    DEEP = {"type": "array", "items": DEEP}
 PROMPTS = [
     "Describe a person as JSON:",
     "Write a JSON object about a city.",
@@ -244,6 +247,19 @@ def test_masks_of_paths_that_leave_the_grammar_or_end(plain):
     assert not req.matcher.is_error() and req.matcher.try_consume_tokens(yes) == len(yes)
 
 
+def test_a_grammar_past_the_library_limits_ends_its_request_only(plain):
+    """A choice of 2,000 strings passes every check, but its parser row outgrows llguidance's limit of 2,000
+    items after the shared prefix: that request ends with "abort" (nothing outside its grammar is emitted),
+    the one beside it in the batch finishes as alone, and the engine goes on."""
+    huge = SamplingParams(max_tokens=16, structured_outputs=dict(choice=[f"option {i}" for i in range(2000)]))
+    small = SamplingParams(max_tokens=8, structured_outputs=dict(choice=["yes", "no"]))
+    alone = plain.generate([PROMPTS[3]], small, use_tqdm=False)[0]["token_ids"]
+    outs = plain.generate([PROMPTS[0], PROMPTS[3]], [huge, small], use_tqdm=False)
+    assert outs[0]["finish_reason"] == "abort" and outs[1]["token_ids"] == alone
+    assert plain.stats()["num_running"] == 0
+    assert plain.generate([PROMPTS[3]], small, use_tqdm=False)[0]["token_ids"] == alone
+
+
 @pytest.mark.parametrize(
     "so, field",
     [
@@ -257,6 +273,7 @@ def test_masks_of_paths_that_leave_the_grammar_or_end(plain):
         (dict(json_object=True, regex="a"), "exactly one"),
         (dict(), "exactly one"),
         (dict(pattern="a"), "unknown field"),
+        (dict(json=DEEP), "json"),
     ],
 )
 def test_bad_constraints_are_refused_naming_the_field(so, field):
