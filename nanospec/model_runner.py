@@ -10,7 +10,6 @@ from .context import AttnMetadata, attn_metadata
 from .cuda_graph import GraphRunner, graph_batch_sizes
 from .kernels.attention import KV_SPLIT_SIZE, num_kv_splits
 from .kernels.matmul import linear_invariant
-from .kernels.sampling import mask_logits
 from .kv_cache import DUMMY_BLOCK, BlockAllocator, BlockTables, cdiv, slot_mapping
 from .models import init_random_weights, load_weights, target_class
 from .next_inputs import NextInputs, StepInput
@@ -245,7 +244,8 @@ class ModelRunner:
             sampled = sample_tokens(reqs, logits, self._tensor([r.num_tokens for r in reqs]), bitmask)
             self.tp.agree(sampled)  # rank 0's tokens (DESIGN §4 rule 8)
             bonus[self._tensor([done.index(i) for i in new])] = sampled
-            logprobs = emitted_logprobs(reqs, mask_logits(logits, bitmask)[:, None], sampled[:, None])
+            rows_bitmask = None if bitmask is None else bitmask[:, None]
+            logprobs = emitted_logprobs(reqs, logits[:, None], sampled[:, None], rows_bitmask)
         done_reqs = [batch.reqs[i] for i in done]
         done_hidden = hidden[self._tensor([last[i] for i in done])]
         scores = self._score_prompts(batch, hidden, last)  # (prompt_logprobs, prompt_logprob_rows)
@@ -301,5 +301,6 @@ class ModelRunner:
         self.tp.agree(toks)
         next_inputs.advance(StepInput(inp.req_ids, toks, inp.hidden, inp.num_computed_tokens + 1))
         rows = torch.stack([torch.ones_like(toks), toks], 1)
-        logprobs = emitted_logprobs(reqs, mask_logits(logits, bitmask)[:, None], toks[:, None])
+        rows_bitmask = None if bitmask is None else bitmask[:, None]
+        logprobs = emitted_logprobs(reqs, logits[:, None], toks[:, None], rows_bitmask)
         return StepOutput(rows, logprobs=logprobs)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels.sampling import mask_logits
 from .request import Request
 from .transfer import to_device
 
@@ -57,16 +58,20 @@ class TokenLogprobs:
         return out
 
 
-def emitted_logprobs(reqs: list[Request], logits: torch.Tensor, tokens: torch.Tensor):
+def emitted_logprobs(reqs: list[Request], logits: torch.Tensor, tokens: torch.Tensor, bitmask=None):
     """``TokenLogprobs`` of the tokens a step may emit for the requests that asked
     (``SamplingParams.logprobs``), or None when none did (nothing computed). logits [B, K, V] decided tokens
-    [B, K] (-1: not emitted)."""
+    [B, K] (-1: not emitted); ``bitmask`` [B, K, W] int32 (structured output, or None): the logprobs are
+    those of the masked logits."""
     wanted = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
     if not wanted:
         return None
     idx = to_device(wanted, torch.long, logits.device)
     k = max(reqs[i].params.logprobs for i in wanted)
-    return TokenLogprobs(logits[idx].flatten(0, 1), tokens[idx].clamp(min=0).flatten(), k)
+    rows = logits[idx].flatten(0, 1)
+    if bitmask is not None:
+        rows = mask_logits(rows, bitmask[idx].flatten(0, 1))
+    return TokenLogprobs(rows, tokens[idx].clamp(min=0).flatten(), k)
 
 
 def logprobs_per_request(logprobs, reqs, tokens: list[list[int]], width: int) -> list:

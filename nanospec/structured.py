@@ -126,6 +126,9 @@ class StepMasks:
 
     def __init__(self, reqs, vocab_size: int, eos_token_ids, device):
         self.matchers = [r.matcher for r in reqs]
+        self.logprobs = any(
+            r.params.logprobs is not None for r in reqs
+        )  # a row's logprobs read masked logits
         self.words = -(-vocab_size // 32)
         self.eos_token_ids = set(eos_token_ids)
         self.device = device

@@ -244,7 +244,8 @@ class FrozenKVMTPWorker:
         Pure tensor code with no host sync (graph-capturable): slots come from the block table on device.
         ``sampling`` = (temperature [B] fp32, top_k [B] int32, top_p [B] fp32, seeds [B] int64);
         ``num_steps``: the tree's depth (default: all steps); ``masks`` (structured output, or None): every
-        node's token is sampled inside the grammar after its path, and the returned logits are masked.
+        node's token is sampled inside the grammar after its path (and the returned logits are masked when a
+        request asked for logprobs).
         Returns (emitted [B, S+1] tokens padded with -1, accept_len [B], bonus [B], next seed hidden [B, Hb],
         path [B, S+1] (``accept``'s), logits [B, N, V]).
         """
@@ -265,7 +266,9 @@ class FrozenKVMTPWorker:
         bitmask = None
         if masks is not None:
             bitmask = masks.tree(tree.tokens, tree.parents)
-            logits = mask_logits(logits.view(B * N, -1), bitmask).view(B, N, -1)
+            if masks.logprobs:  # logprobs read the masked logits: mask them once, here
+                logits = mask_logits(logits.view(B * N, -1), bitmask).view(B, N, -1)
+                bitmask = None
         target_tokens = sample(logits.view(B * N, -1), *per_node, positions, bitmask=bitmask).view(B, N)
         path, acc, bonus = accept(tree, target_tokens, s)
         self.tp.agree(path, acc, bonus)  # rank 0's walk (tensor parallelism: DESIGN §4 rule 8)
