@@ -44,12 +44,10 @@ _UNIFORM_SCALE = 4.6566127342e-10
 
 # ------------------------------------------------------------------------------------------- torch reference
 def _mul_hi_lo(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(high, low) 32-bit words of ``a * b`` for uint32 values held in int64 (16-bit halves: no overflow)."""
-    p_low = (a & 0xFFFF) * b
-    p_high = (a >> 16) * b
-    high = (p_high + (p_low >> 16)) >> 16
-    low = (((p_high & 0xFFFF) << 16) + p_low) & _MASK32
-    return high, low
+    """(high, low) 32-bit words of ``a * b`` for uint32 values held in int64: int64 products wrap modulo
+    2**64, so their 64 bits are exactly the unsigned product's."""
+    product = a * b
+    return (product >> 32) & _MASK32, product & _MASK32
 
 
 def philox_uniform(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -95,12 +93,11 @@ def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor | None, token_ids=No
     (None: column v is token v)."""
     if bitmask is None:
         return logits
-    ids = (
-        torch.arange(logits.shape[1], device=logits.device).expand_as(logits)
-        if token_ids is None
-        else token_ids
-    )
-    allowed = (bitmask.gather(1, ids >> 5) >> (ids & 31)) & 1
+    if token_ids is None:  # column v is token v: unpack the words' bits in order
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, : logits.shape[1]]
+    else:
+        allowed = (bitmask.gather(1, token_ids >> 5) >> (token_ids & 31)) & 1
     return logits.masked_fill(allowed == 0, float("-inf"))
 
 
@@ -111,7 +108,8 @@ def sample_ref(logits, temperature, top_k, top_p, seeds, positions, token_ids=No
     for every token, so a token whose scaled logit z falls more than G below the score z + g of the row's
     most likely token is out of the race. Those tokens lead the descending order of z, so the top-k /
     top-p filter (a prefix of that order too) is computed on that prefix alone, its mass normalised by the
-    whole vocabulary's (or the top-k's) sum, exactly as a full sort would.
+    whole vocabulary's (or the top-k's) sum, exactly as a full sort would. Each row then draws noise for
+    its own kept tokens in its race only (a row the grammar forces draws one).
     """
     R, V = _check(logits, temperature, top_k, top_p, seeds, positions, token_ids, bitmask)
     logits = mask_logits(logits, bitmask, token_ids)
@@ -146,9 +144,12 @@ def _sample_rows(logits, temperature, top_k, top_p, seeds, positions, token_ids)
     probs = (zs - top).exp() / mass
     p = top_p.float()[:, None]
     drop = (rank >= torch.where(k_on, k, V)[:, None]) | (((probs.cumsum(-1) - probs) >= p) & (p < 1))
-    n = int((~drop).sum(-1).max())  # the kept tokens are a prefix too: noise for those only
-    g = gumbel_noise(seeds[:, None], positions[:, None], ids.gather(1, order[:, :n]))
-    score = torch.where(drop[:, :n], float("-inf"), zs[:, :n] + g)
+    # noise for the kept tokens still in the race only (each row's own prefix): a token out of the race
+    # scores below the row's most likely token, which is always kept
+    draw = ~drop & (zs + _GUMBEL_MAX >= top + g_best)
+    row, col = draw.nonzero(as_tuple=True)
+    g = gumbel_noise(seeds[row], positions[row], ids.gather(1, order)[row, col])
+    score = torch.full_like(zs, float("-inf")).index_put_((row, col), zs[row, col] + g)
     return order.gather(1, score.argmax(-1, keepdim=True)).squeeze(1)
 
 

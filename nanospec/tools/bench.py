@@ -40,7 +40,9 @@ prefilled in --max-num-batched-tokens chunks; prints and reports max_gap_s, the 
 between two steps that gave one of them tokens, and the total time), structured (five chat prompts asking
 for JSON, nanospec/assets/structured_prompts.json, each constrained by its JSON schema; reports
 valid_outputs (ended and valid under the schema), forced_tokens and mask_ms_per_step, the host's grammar-mask
-time per step).
+time per step). Every engine is warmed up on one short request; for chat and structured it then runs the
+workload once at other seeds, so the draft-length policy has measured the batch sizes the timed run meets, as
+in a running server (the prompts are then prefix-cached on both sides of a comparison).
 
 --serve starts nanospec-serve with these engine options (--base-url URL uses a running server) and sends the
 workload (default sharegpt) over HTTP with Poisson arrivals: vLLM's serving figures (tools/serve_bench.py).
@@ -52,6 +54,7 @@ import json
 import random
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -264,6 +267,8 @@ def measure(args, model_dir, assistant, prompts, params, label="", phases=False,
     # shared-prefix: warm up on its first request, so the system prompt is cached as in a running server
     warm = prompts[:1] if args.workload == "shared-prefix" else ["Benchmark: "]
     llm.generate(warm, SamplingParams(**warmup), use_tqdm=False)
+    if args.workload in ("chat", "structured"):  # a pass at other seeds: the batch sizes it will meet
+        llm.generate(prompts, [replace(sp, seed=sp.seed + 10**6) for sp in params], use_tqdm=False)
     device, cfg, gap = llm.runner.device, llm.config, None
     counts = dict(llm.worker.policy.counts) if llm.worker else {}
     mask_ms, steps_before, rows = [], llm.num_steps_run, StepMasks.rows
