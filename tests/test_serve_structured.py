@@ -7,7 +7,7 @@ import json
 import pytest
 
 from nanospec.serve.protocol import ApiError, parse
-from nanospec.serve.tools import CallStream, ToolCalls, calls_schema
+from nanospec.serve.tools import CallStream, ToolCalls, calls_schema, gemma4_call
 
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -250,3 +250,78 @@ def test_named_and_auto_calls():
     assert partial.delta("Hi <tool_", False) == {"content": "Hi "}
     assert partial.delta('call>{"name"', False) == {}
     assert partial.delta("", True) == {"content": '<tool_call>{"name"'}
+
+
+GEMMA4_TAGS = ["<|tool_call>", "<tool_call|>", '<|"|>']
+
+
+@pytest.fixture(scope="module")
+def gemma4_tokenizer(smollm2_dir):
+    """The SmolLM2 tokenizer with Gemma 4's tool-call tags added as special tokens (ids 49152-49154), as
+    Gemma 4's tokenizer holds them: a text decoded without special tokens drops them."""
+    from nanospec.loader import load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    tok.add_special_tokens({"additional_special_tokens": GEMMA4_TAGS})
+    return tok
+
+
+def test_gemma4_arguments_become_json():
+    """Gemma 4's argument syntax: bare keys, <|"|>-quoted unescaped strings (quotes, commas, braces and
+    colons inside), bare numbers and literals, nested objects and arrays; a bare word is a string."""
+    q = '<|"|>'
+    body = f'call:get_weather{{city:{q}Paris, "FR": {{x}}{q},days:3,ratio:-1.5e2,metric:true,'
+    body += f"unit:celsius,tags:[{q}a{q},null,[]],extra:{{k:false,empty:{q}{q}}}}}"
+    name, arguments = gemma4_call(body)
+    assert name == "get_weather"
+    assert arguments == {
+        "city": 'Paris, "FR": {x}',
+        "days": 3,
+        "ratio": -150.0,
+        "metric": True,
+        "unit": "celsius",
+        "tags": ["a", None, []],
+        "extra": {"k": False, "empty": ""},
+    }
+    assert gemma4_call("call:f{}") == ("f", {})
+    assert gemma4_call("get_weather{}") is None
+    with pytest.raises(ValueError):
+        gemma4_call("call:f{city:")
+
+
+@pytest.mark.parametrize("size", [1, 3, 100])
+def test_gemma4_auto_calls_from_token_ids(gemma4_tokenizer, size):
+    """ "auto" with a tokenizer that has Gemma 4's tags reads its calls from the token ids (the tags are
+    special tokens the text drops), in any split: content around them, two calls, the end token not shown,
+    a malformed call kept as content; without the tags the Hermes reader is used."""
+    tok = gemma4_tokenizer
+    q = '<|"|>'
+    text = f"Sure. <|tool_call>call:get_weather{{city:{q}Paris{q}}}<tool_call|>"
+    text += (
+        f"<|tool_call>call:get_time{{city:{q}Rome{q},utc:true}}<tool_call|><|tool_call>oops<tool_call|> ok"
+    )
+    ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+    stream = CallStream(ToolCalls("auto", None, True), tok)
+    content = ""
+    joined = {}
+    for k in range(0, len(ids), size):
+        piece = ids[k : k + size]
+        delta = stream.delta(tok.decode(piece, skip_special_tokens=True), k + size >= len(ids), piece)
+        content += delta.get("content", "")
+        for f in delta.get("tool_calls", []):
+            joined.setdefault(f["index"], dict(name=f["function"].get("name"), arguments=""))
+            joined[f["index"]]["arguments"] += f["function"]["arguments"]
+    want = [
+        dict(name="get_weather", arguments='{"city": "Paris"}'),
+        dict(name="get_time", arguments='{"city": "Rome", "utc": true}'),
+    ]
+    whole = CallStream(ToolCalls("auto", None, True), tok).message(
+        tok.decode(ids, skip_special_tokens=True), ids
+    )
+    assert list(joined.values()) == calls_of(whole) == want
+    assert content == whole["content"] == "Sure. <|tool_call>oops<tool_call|> ok"
+    hermes = '<tool_call>{"name": "a"}</tool_call>'
+    message = CallStream(ToolCalls("auto", None, True), tok).message(hermes, tok.encode(hermes))
+    assert message == {"role": "assistant", "content": hermes}  # Gemma 4's reader: Hermes tags are content
+    plain = CallStream(ToolCalls("auto", None, True), None).message(hermes)
+    assert calls_of(plain) == [dict(name="a", arguments="{}")]

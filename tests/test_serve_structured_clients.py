@@ -183,3 +183,50 @@ def test_completions_constraints_and_length(server):
     cut = chat(server, max_tokens=3, tools=TOOLS, tool_choice=named).json()["choices"][0]
     assert cut["finish_reason"] == "length" and cut["message"]["content"] is None
     assert cut["message"]["tool_calls"][0]["function"]["arguments"].startswith('{"')
+
+
+@pytest.fixture(scope="module")
+def gemma4_tags_server(tmp_path_factory, smollm2_dir):
+    """(base URL, model name) of a server for a tiny random Llama whose tokenizer has Gemma 4's tool-call
+    tags as special tokens (ids 49152-49154, as Gemma 4's tokenizer holds them)."""
+    from conftest import make_tiny_model
+
+    from nanospec.loader import load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<|tool_call>", "<tool_call|>", '<|"|>']})
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("gemma4_tags"), tok, seed=3)
+    argv = [str(model_dir), *ENGINE]
+    proc, url = serve_bench.launch(argv, 240, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    try:
+        yield url, httpx.get(url + "/v1/models", timeout=60).json()["data"][0]["id"]
+    finally:
+        serve_bench.stop(proc)
+
+
+def test_gemma4_tool_calls_under_auto(gemma4_tags_server):
+    """tool_choice "auto" on a model whose tokenizer has Gemma 4's tags: a reply that writes
+    ``Sure. <|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>`` (a grammar over the tag tokens
+    forces it, tags included as special tokens) answers content "Sure. " and the call, whole and streamed,
+    with finish_reason "tool_calls"."""
+    url, model = gemma4_tags_server
+    grammar = 'start: "Sure. " <[49152]> "call:get_weather{city:" <[49154]> "Paris" <[49154]> "}" <[49153]>'
+    body = dict(model=model, messages=ASK, tools=TOOLS, max_tokens=MAX_TOKENS, temperature=0)
+    body["structured_outputs"] = {"grammar": grammar}
+    whole = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+    call = whole["message"]["tool_calls"][0]["function"]
+    assert call == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert whole["message"]["content"] == "Sure. " and whole["finish_reason"] == "tool_calls"
+    content = ""
+    arguments = ""
+    finish = None
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body | {"stream": True}, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                finish = choice["finish_reason"] or finish
+                content += choice["delta"].get("content") or ""
+                arguments += "".join(
+                    f["function"]["arguments"] for f in choice["delta"].get("tool_calls", [])
+                )
+    assert (content, arguments, finish) == ("Sure. ", '{"city": "Paris"}', "tool_calls")

@@ -43,7 +43,9 @@ class Reply(StreamingResponse):
         self.finals = [None] * len(job.choices)  # each choice's LLM.output_dict once finished
         self.counts = [0] * len(job.choices)  # tokens received per choice
         self.offsets = [0] * len(job.choices)  # streamed completions: text_offset of the next token
-        self.calls = [parsed.tools and CallStream(parsed.tools) for _ in job.choices]  # chat with tool calls
+        self.calls = [
+            parsed.tools and CallStream(parsed.tools, self.tok) for _ in job.choices
+        ]  # chat with tool calls
         kind = "chat.completion" if chat else "text_completion"
         kind += ".chunk" if parsed.stream and chat else ""
         self.head = dict(id=f"cmpl-{secrets.token_hex(8)}", object=kind, created=int(time.time()))
@@ -79,9 +81,9 @@ class Reply(StreamingResponse):
         c = {"index": i, "finish_reason": final and final["finish_reason"]}
         calls = self.calls[i]
         if calls and self.parsed.stream:
-            c["delta"] = calls.delta(text, final is not None)
+            c["delta"] = calls.delta(text, final is not None, ids)
         elif calls:
-            c["message"] = calls.message(text)
+            c["message"] = calls.message(text, ids)
         elif self.chat and self.parsed.stream:
             c["delta"] = {"content": text} if text else {}
         elif self.chat:
@@ -136,7 +138,7 @@ class Reply(StreamingResponse):
                 if self.parsed.echo and not echoed[i]:  # the prompt leads the choice's first chunk
                     echoed[i] = True
                     text = self.tok.decode(self.job.choices[i].prompt_ids) + text
-                if text or final or logprobs:
+                if text or final or logprobs or self.calls[i]:  # (tool calls: every token id is read)
                     c = self.choice(i, text, final, new, logprobs, prompt_logprobs)
                     if c.get("delta") != {} or final or logprobs:  # (tool-call text may be held back)
                         await send(self.chunk([c]))

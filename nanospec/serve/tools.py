@@ -10,6 +10,7 @@ fragments and the whole answer come from the same parse."""
 import json
 import re
 import secrets
+from itertools import groupby
 
 from ..sampling_params import SamplingParams
 from .errors import ApiError
@@ -20,8 +21,12 @@ GUIDED = {
     "guided_choice": "choice",
     "guided_grammar": "grammar",
 }
-OPEN = "<tool_call>"  # Hermes-style tags (SmolLM2, Qwen3): <tool_call>{"name", "arguments"}</tool_call>
-CLOSE = "</tool_call>"
+HERMES = ("<tool_call>", "</tool_call>")  # SmolLM2, Qwen3: <tool_call>{"name", "arguments"}</tool_call>
+GEMMA4 = ("<|tool_call>", "<tool_call|>")  # <|tool_call>call:NAME{key:value,...}<tool_call|>
+QUOTE = '<|"|>'  # Gemma 4 writes a string value between two of these, its text unescaped
+# a piece of Gemma 4's arguments: a quoted string, a mark, or a bare key, number or literal
+LITERAL = re.compile(r"-?\d+(\.\d+)?([eE][-+]?\d+)?|true|false|null")
+PIECE = re.compile(r'<\|"\|>(.*?)<\|"\|>|([\[\]{},:])|([^\[\]{},:<]+)', re.S)
 # an item of tool_choice "required"'s array, up to its parameters (keys in schema order)
 ITEM = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:\s*')
 FORMATS = (
@@ -138,23 +143,25 @@ def read_tools(body: dict, chat: bool) -> tuple:
 class ToolCalls:
     """How a chat reply's text holds its tool calls. ``mode`` "named": the text is the arguments of the
     function ``name``; "required": a JSON array of ``{"name", "parameters"}`` (``calls_schema``; whitespace
-    between tokens is read too); "auto": Hermes-style ``<tool_call>{"name", "arguments"}</tool_call>`` tags
-    anywhere in free text (the rest is content). ``parallel`` False keeps only the first call of "auto"."""
+    between tokens is read too); "auto": tagged calls anywhere in free text (the rest is content), Hermes's
+    ``<tool_call>{"name", "arguments"}</tool_call>`` or Gemma 4's ``<|tool_call>call:NAME{...}<tool_call|>``.
+    ``parallel`` False keeps only the first call of "auto"."""
 
     def __init__(self, mode: str, name: str | None, parallel: bool):
         self.mode = mode
         self.name = name
         self.parallel = parallel
 
-    def split(self, text: str, final: bool, items: "ArrayItems") -> tuple[str, list[tuple[str, str]]]:
+    def split(self, text, final: bool, items: "ArrayItems", tags=HERMES) -> tuple[str, list[tuple[str, str]]]:
         """(content, [(function name, arguments as JSON text)]) of the reply's ``text`` so far (``items``: its
-        array scan, "required"). Before the end (``final`` False) only what more text cannot change: the
-        content and each call's arguments only grow, so a stream sends their differences."""
+        array scan, "required"; ``tags``: "auto"'s, HERMES or GEMMA4). Before the end (``final`` False) only
+        what more text cannot change: the content and each call's arguments only grow, so a stream sends
+        their differences."""
         if self.mode == "named":
             return "", [(self.name, text)]
         if self.mode == "required":
             return "", items.calls(text)
-        content, calls = hermes_calls(text, final)
+        content, calls = tagged_calls(text, final, tags)
         return content, calls if self.parallel else calls[:1]
 
 
@@ -187,37 +194,60 @@ class ArrayItems:
                 if self.depth == 1:
                     self.spans[-1][1] = i
         self.scanned = len(text)
-        calls = []
-        for start, end in self.spans:
-            head = ITEM.match(text, start)
-            if head:
-                calls.append((json.loads(f'"{head[1]}"'), text[head.end() : end].rstrip()))
-        return calls
+        heads = [(ITEM.match(text, start), end) for start, end in self.spans]
+        return [(json.loads(f'"{h[1]}"'), text[h.end() : end].rstrip()) for h, end in heads if h]
 
 
-def hermes_calls(text: str, final: bool) -> tuple[str, list[tuple[str, str]]]:
-    """Content and calls of an "auto" reply: each closed ``<tool_call>`` tag whose JSON has a string "name"
-    is a call (its "arguments" as JSON text); any other tag stays content. Before the end, the content
-    stops at an open tag or at what may begin one."""
+def hermes_call(body: str) -> tuple[str, object] | None:
+    """(name, arguments) of a Hermes tag's JSON body, None when it is not a call; ValueError if not JSON."""
+    call = json.loads(body)
+    if isinstance(call, dict) and isinstance(call.get("name"), str):
+        return call["name"], call.get("arguments", call.get("parameters", {}))
+    return None
+
+
+def gemma4_call(body: str) -> tuple[str, object] | None:
+    """(name, arguments) of Gemma 4's ``call:NAME{key:<|"|>text<|"|>,n:3,xs:[true,null]}``: keys bare, strings
+    quoted by ``<|"|>`` and unescaped, numbers and literals bare; a bare value that is not one is a string.
+    None when it is not a call; ValueError when the arguments do not parse."""
+    name, brace, args = body.partition("{")
+    if not name.startswith("call:") or not brace:
+        return None
+    pieces = []
+    for m in PIECE.finditer(brace + args):
+        quoted, mark, bare = m.groups()
+        word = (bare or "").strip()
+        if mark or (LITERAL.fullmatch(word) and m.string[m.end() : m.end() + 1] != ":"):  # not a key
+            pieces.append(mark or word)
+        elif quoted is not None or word:
+            pieces.append(json.dumps(quoted or word, ensure_ascii=False))
+    return name[len("call:") :].strip(), json.loads("".join(pieces))
+
+
+def tagged_calls(text: str, final: bool, tags=HERMES) -> tuple[str, list[tuple[str, str]]]:
+    """Content and calls of an "auto" reply: each closed tag (``tags``: HERMES or GEMMA4) whose body is a
+    call is one (its arguments as JSON text); any other tag stays content. Before the end, the content stops
+    at an open tag or at what may begin one."""
+    opening, closing = tags
+    parse = gemma4_call if tags == GEMMA4 else hermes_call
     content = ""
     calls = []
     pos = 0
-    while (start := text.find(OPEN, pos)) >= 0 and (end := text.find(CLOSE, start)) >= 0:
+    while (start := text.find(opening, pos)) >= 0 and (end := text.find(closing, start)) >= 0:
         try:
-            call = json.loads(text[start + len(OPEN) : end])
+            call = parse(text[start + len(opening) : end])
         except (ValueError, RecursionError):
             call = None
-        if isinstance(call, dict) and isinstance(call.get("name"), str):
-            arguments = call.get("arguments", call.get("parameters", {}))
-            calls.append((call["name"], json.dumps(arguments, ensure_ascii=False)))
+        if call is not None:
+            calls.append((call[0], json.dumps(call[1], ensure_ascii=False)))
             content += text[pos:start]
         else:
-            content += text[pos : end + len(CLOSE)]
-        pos = end + len(CLOSE)
+            content += text[pos : end + len(closing)]
+        pos = end + len(closing)
     rest = text[pos:]
     if not final:
-        rest = rest[: rest.find(OPEN)] if OPEN in rest else rest
-        held = [k for k in range(1, len(OPEN)) if rest.endswith(OPEN[:k])]
+        rest = rest[: rest.find(opening)] if opening in rest else rest
+        held = [k for k in range(1, len(opening)) if rest.endswith(opening[:k])]
         rest = rest[: len(rest) - max(held, default=0)]
     return content + rest, calls
 
@@ -226,18 +256,26 @@ class CallStream:
     """One choice's reply as tool calls, read from its text as it grows: ``delta`` returns the chat delta
     since the last call (``content``, and ``tool_calls`` fragments: a call's first carries its index, id,
     type and name with the arguments so far, later ones more of the arguments), ``message`` the whole
-    answer's message."""
+    answer's message. "auto" reads Gemma 4's tags when the tokenizer ``tok`` has them: they are special
+    tokens, which the text drops, so the reply is then decoded here from its token ids with them kept."""
 
-    def __init__(self, calls: ToolCalls):
+    def __init__(self, calls: ToolCalls, tok=None):
         self.calls = calls
         self.text = ""
         self.content = 0  # content characters sent
         self.sent = []  # arguments characters sent, per call
         self.items = ArrayItems()
+        self.tok = tok
+        self.ids = []
+        self.gemma4 = {}  # {token id: text} of Gemma 4's tags, when "auto" and the tokenizer has them all
+        if tok is not None and calls.mode == "auto":
+            ids = {tok.convert_tokens_to_ids(tag): tag for tag in (*GEMMA4, QUOTE)}
+            self.gemma4 = ids if len(ids.keys() - {None, tok.unk_token_id}) == 3 else {}
 
-    def delta(self, new_text: str, final: bool) -> dict:
-        self.text += new_text
-        content, calls = self.calls.split(self.text, final, self.items)
+    def delta(self, new_text: str, final: bool, new_ids=()) -> dict:
+        self.ids += new_ids
+        self.text = text_with(self.tok, self.ids, self.gemma4) if self.gemma4 else self.text + new_text
+        content, calls = self.calls.split(self.text, final, self.items, GEMMA4 if self.gemma4 else HERMES)
         delta = {"content": content[self.content :]} if len(content) > self.content else {}
         self.content = len(content)
         fragments = []
@@ -253,10 +291,19 @@ class CallStream:
                 self.sent[k] = len(arguments)
         return delta | ({"tool_calls": fragments} if fragments else {})
 
-    def message(self, text: str) -> dict:
-        """The non-streamed message of the whole ``text``: content null when there are only tool calls."""
-        delta = self.delta(text, True)
+    def message(self, text: str, ids=()) -> dict:
+        """The non-streamed message of the whole ``text`` (its token ``ids``): content null when there are
+        only tool calls."""
+        delta = self.delta(text, True, ids)
         content = delta.get("content", "")
         calls = [{k: v for k, v in f.items() if k != "index"} for f in delta.get("tool_calls", [])]
         message = {"role": "assistant", "content": None if calls and not content.strip() else content}
         return message | ({"tool_calls": calls} if calls else {})
+
+
+def text_with(tok, ids: list[int], tags: dict[int, str]) -> str:
+    """``ids`` decoded without special tokens, except the ``tags`` {token id: its text}, kept."""
+    return "".join(
+        "".join(tags[t] for t in run) if is_tag else tok.decode(list(run), skip_special_tokens=True)
+        for is_tag, run in groupby(ids, lambda t: t in tags)
+    )

@@ -54,6 +54,7 @@ import json
 import random
 import tempfile
 import time
+from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
 
@@ -165,11 +166,9 @@ def structured_figures(llm, outputs, params, mask_ms: list, num_steps: int) -> d
         for token in out["token_ids"]:
             forced += bool(matcher.compute_ff_tokens())
             matcher.consume_token(token)
-        try:
+        with suppress(ValueError, jsonschema.ValidationError):
             jsonschema.validate(json.loads(out["text"]), sp.structured_outputs.json)
             valid += out["finish_reason"] == "stop"
-        except (ValueError, jsonschema.ValidationError):
-            pass
     return dict(valid_outputs=valid, forced_tokens=forced, mask_ms_per_step=sum(mask_ms) / max(num_steps, 1))
 
 
