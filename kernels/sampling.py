@@ -109,7 +109,8 @@ def sample_ref(logits, temperature, top_k, top_p, seeds, positions, token_ids=No
     most likely token is out of the race. Those tokens lead the descending order of z, so the top-k /
     top-p filter (a prefix of that order too) is computed on that prefix alone, its mass normalised by the
     whole vocabulary's (or the top-k's) sum, exactly as a full sort would. Each row then draws noise for
-    its own kept tokens in its race only (a row the grammar forces draws one).
+    its own kept tokens in its race only (a row the grammar forces draws one). When no row filters (top-k
+    and top-p off: the API defaults), nothing is sorted: each row's best score in its race wins.
     """
     R, V = _check(logits, temperature, top_k, top_p, seeds, positions, token_ids, bitmask)
     logits = mask_logits(logits, bitmask, token_ids)
@@ -134,6 +135,10 @@ def _sample_rows(logits, temperature, top_k, top_p, seeds, positions, token_ids)
     in_race = z + _GUMBEL_MAX >= z.gather(1, best) + g_best
     k = top_k.long()
     k_on = (k > 0) & (k < V)
+    if not (k_on.any() or (top_p < 1).any()):  # no filter: the best score in the race wins, nothing sorted
+        row, col = in_race.nonzero(as_tuple=True)
+        g = gumbel_noise(seeds[row], positions[row], ids[row, col])
+        return torch.full_like(z, float("-inf")).index_put_((row, col), z[row, col] + g).argmax(-1)
     n = int(max(in_race.sum(-1).max(), torch.where(k_on, k, 0).max()))
     zs, order = z.topk(n, dim=-1)  # descending: the race's tokens first
     top = zs[:, :1]

@@ -93,8 +93,7 @@ class LLM:
         if self.worker is not None:
             self.worker.capture_graphs(*runner.graph_shape())
         self.scheduler = Scheduler(c, allocator, runner.lookahead)
-        on_cuda = self.runner.device.type == "cuda"
-        self.overlap = c.overlap_schedule if c.overlap_schedule is not None else on_cuda
+        self.overlap = c.overlap_schedule if c.overlap_schedule is not None else runner.device.type == "cuda"
         self._inflight = None  # (batch, output) launched but not yet committed
         self._next_id = 0
         self._seeds = random.Random(c.seed)  # seeds for requests that bring none
@@ -134,9 +133,7 @@ class LLM:
     def _add(self, req: Request) -> None:
         """Queue a validated request; one without ``SamplingParams.seed`` gets a seed from the engine's
         generator (``LLM(seed=...)`` fixes a run)."""
-        req.seed = req.params.seed
-        if req.seed is None:
-            req.seed = self._seeds.randrange(2**63)
+        req.seed = req.params.seed if req.params.seed is not None else self._seeds.randrange(2**63)
         self.scheduler.add(req)
 
     def compile_grammar(self, params: SamplingParams) -> None:

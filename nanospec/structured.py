@@ -126,9 +126,7 @@ class StepMasks:
 
     def __init__(self, reqs, vocab_size: int, eos_token_ids, device):
         self.matchers = [r.matcher for r in reqs]
-        self.logprobs = any(
-            r.params.logprobs is not None for r in reqs
-        )  # a row's logprobs read masked logits
+        self.logprobs = any(r.params.logprobs is not None for r in reqs)  # they read masked logits
         self.words = -(-vocab_size // 32)
         self.eos_token_ids = set(eos_token_ids)
         self.device = device
@@ -147,9 +145,23 @@ class StepMasks:
         their committed tokens (the token a prefill or a plain decode step produces)."""
         return self.rows([(b, []) for b in indices])[0]
 
-    def tree(self, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    def fetch(self, tokens: torch.Tensor, parents: torch.Tensor) -> tuple:
+        """The arguments of ``tree`` for a draft tree on the device: host copies of its ``tokens`` and
+        ``parents``, queued without waiting, and a CUDA event marking their arrival (None elsewhere). The
+        verify launches the target's forward before it calls ``tree``, which then waits for the copies alone:
+        the tree's masks are computed while the forward runs."""
+        copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        host = [t.to("cpu", non_blocking=True) for t in (tokens, parents)]
+        if copied is not None:
+            copied.record()
+        return (*host, copied)
+
+    def tree(self, tokens: torch.Tensor, parents: torch.Tensor, copied=None) -> torch.Tensor:
         """Bitmask [B * N, W] int32 of every node of a draft tree (tokens, parents [B, N] int64: root first,
-        parents before children), on the device: node j's path is its ancestors' tokens and its own."""
+        parents before children; ``copied``: ``fetch``'s event), on the device: node j's path is its
+        ancestors' tokens and its own."""
+        if copied is not None:
+            copied.synchronize()
         rows = []
         for b, (toks, pars) in enumerate(zip(tokens.tolist(), parents.tolist())):
             paths = [[]]
@@ -181,7 +193,6 @@ class StepMasks:
         forced = -1
         if n == len(path):
             fill_next_token_bitmask(matcher, row)
-            forced_tokens = matcher.compute_ff_tokens()
-            forced = forced_tokens[0] if forced_tokens else -1
+            forced = (matcher.compute_ff_tokens() or [-1])[0]
         matcher.rollback(n)
         return row[0], forced

@@ -93,6 +93,11 @@ def test_sample_ref_equals_the_whole_vocabulary_race(scale):
         s, p = keys(len(TEMP), seed)
         got = sampling.sample_ref(logits, *params(), s, p)
         assert torch.equal(got, brute_force(logits, *params(), s, p))
+        # no row filters: the race's best score is taken without sorting
+        temp, top_k, top_p = params()
+        unfiltered = (temp, torch.where(top_k < 100000, 0, top_k), torch.ones_like(top_p))
+        got = sampling.sample_ref(logits, *unfiltered, s, p)
+        assert torch.equal(got, brute_force(logits, *unfiltered, s, p))
 
 
 def test_sample_triton_equals_ref(small_block, triton_backend):
@@ -103,6 +108,9 @@ def test_sample_triton_equals_ref(small_block, triton_backend):
         got = sampling.sample_triton(logits, *params(), s, p)
         want = sampling.sample_ref(logits, *params(), s, p)
         assert got.dtype == torch.int64 and torch.equal(got, want)
+        unfiltered = (params()[0], torch.zeros(len(TEMP), dtype=torch.int32), torch.ones(len(TEMP)))
+        got = sampling.sample_triton(logits, *unfiltered, s, p)
+        assert torch.equal(got, sampling.sample_ref(logits, *unfiltered, s, p))
         greedy_rows = torch.tensor(TEMP) == 0
         assert torch.equal(got[greedy_rows], logits.argmax(-1)[greedy_rows])
 

@@ -163,6 +163,28 @@ def test_speculation_changes_no_token(smollm2_dir, plain, chain, kind):
         assert accepted > 0
 
 
+def test_verify_masks_are_made_after_the_target_is_launched(chain, monkeypatch):
+    """A constrained speculative step reads its draft tree on the host through ``StepMasks.fetch`` (copies
+    queued before the target's forward) and makes the verify masks after the forward is launched: on a GPU
+    they are computed while it runs, not in series with it. Call order, on a CPU."""
+    events = []
+    forward = type(chain.worker.target).forward
+    monkeypatch.setattr(StepMasks, "fetch", record(events, "fetch", StepMasks.fetch))
+    monkeypatch.setattr(StepMasks, "tree", record(events, "tree", StepMasks.tree))
+    monkeypatch.setattr(type(chain.worker.target), "forward", record(events, "forward", forward))
+    chain.generate([PROMPTS[0]], constrained(0, max_tokens=6), use_tqdm=False)
+    verifies = [events[k : k + 3] for k in range(len(events)) if events[k] == "fetch"]
+    assert verifies and all(v == ["fetch", "forward", "tree"] for v in verifies)
+
+
+def record(events: list, name: str, fn):
+    def call(*args, **kwargs):
+        events.append(name)
+        return fn(*args, **kwargs)
+
+    return call
+
+
 def test_alone_batched_overlap_and_preemption_agree(smollm2_dir, chain):
     """Seeded sampling with the assistant: a request alone == in the 8 batched (every constraint kind and an
     unconstrained one) == batched with overlap scheduling on a pool so small that requests are preempted and

@@ -257,6 +257,7 @@ class FrozenKVMTPWorker:
             block_table, rows, L.long()[:, None] + torch.arange(N, device=dev), self.page_size
         )
         md = AttnMetadata.verify(block_table, L, slots.flatten(), N, tree.tree_mask, self.split_size)
+        fetched = None if masks is None else masks.fetch(tree.tokens, tree.parents)  # read after the launch
         with attn_metadata(md):
             hidden = self.target(tree.tokens.flatten(), (L.long()[:, None] + tree.depth).flatten())
         logits = self.target.compute_logits(hidden).view(B, N, -1)
@@ -265,7 +266,7 @@ class FrozenKVMTPWorker:
         per_node = [x.repeat_interleave(N) for x in sampling]
         bitmask = None
         if masks is not None:
-            bitmask = masks.tree(tree.tokens, tree.parents)
+            bitmask = masks.tree(*fetched)  # computed while the target's forward runs
             if masks.logprobs:  # logprobs read the masked logits: mask them once, here
                 logits = mask_logits(logits.view(B * N, -1), bitmask).view(B, N, -1)
                 bitmask = None
