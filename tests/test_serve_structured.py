@@ -228,6 +228,13 @@ def test_required_calls_stream_whole_in_any_split(size):
     assert streamed["calls"] == calls_of(whole) == [dict(name="weather", arguments='{"city": "Oslo"}')]
 
 
+def test_required_cut_before_its_first_call_keeps_the_text():
+    """max_tokens cut a "required" reply before its first call's parameters: the text is the content."""
+    streamed, whole = stream(ToolCalls("required", None, True), ['[{"na', 'me":"get_w'])
+    assert streamed == {"content": '[{"name":"get_w', "calls": []}
+    assert whole == {"role": "assistant", "content": '[{"name":"get_w'}
+
+
 def test_named_and_auto_calls():
     """A named function: the whole text is its arguments. "auto": Hermes tags anywhere, the rest content
     (held back while a tag may be opening), a tag that is not a call stays content, an unclosed one too."""

@@ -159,8 +159,9 @@ class ToolCalls:
         their differences."""
         if self.mode == "named":
             return "", [(self.name, text)]
-        if self.mode == "required":
-            return "", items.calls(text)
+        if self.mode == "required":  # cut before its first call (max_tokens): the text stays content
+            calls = items.calls(text)
+            return "" if calls or not final else text, calls
         content, calls = tagged_calls(text, final, tags)
         return content, calls if self.parallel else calls[:1]
 
