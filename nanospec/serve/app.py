@@ -43,9 +43,8 @@ class Reply(StreamingResponse):
         self.finals = [None] * len(job.choices)  # each choice's LLM.output_dict once finished
         self.counts = [0] * len(job.choices)  # tokens received per choice
         self.offsets = [0] * len(job.choices)  # streamed completions: text_offset of the next token
-        self.calls = [
-            parsed.tools and CallStream(parsed.tools, self.tok) for _ in job.choices
-        ]  # chat with tool calls
+        # a chat with tools: each choice's tool calls, read from its text (or token ids) as it grows
+        self.calls = [parsed.tools and CallStream(parsed.tools, self.tok) for _ in job.choices]
         kind = "chat.completion" if chat else "text_completion"
         kind += ".chunk" if parsed.stream and chat else ""
         self.head = dict(id=f"cmpl-{secrets.token_hex(8)}", object=kind, created=int(time.time()))
