@@ -290,7 +290,7 @@ def test_gemma4_arguments_become_json():
         "tags": ["a", None, []],
         "extra": {"k": False, "empty": ""},
     }
-    assert gemma4_call("call:f{}") == ("f", {})
+    assert gemma4_call("call:f{}") == gemma4_call("\n call:f {}\n") == ("f", {})
     assert gemma4_call("get_weather{}") is None
     with pytest.raises(ValueError):
         gemma4_call("call:f{city:")

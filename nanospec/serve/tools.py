@@ -211,7 +211,7 @@ def gemma4_call(body: str) -> tuple[str, object] | None:
     """(name, arguments) of Gemma 4's ``call:NAME{key:<|"|>text<|"|>,n:3,xs:[true,null]}``: keys bare, strings
     quoted by ``<|"|>`` and unescaped, numbers and literals bare; a bare value that is not one is a string.
     None when it is not a call; ValueError when the arguments do not parse."""
-    name, brace, args = body.partition("{")
+    name, brace, args = body.strip().partition("{")
     if not name.startswith("call:") or not brace:
         return None
     pieces = []
