@@ -90,7 +90,7 @@ class Request:
         """
         p = self.params
         for i, tok in enumerate(tokens):
-            if self.matcher is not None and not self.matcher.consume_token(tok):
+            if self.matcher is not None and (not self.matcher.consume_token(tok) or self.matcher.is_error()):
                 # its grammar went past one of llguidance's limits (the matcher stopped): end this request
                 self.finish_reason = "abort"
                 self.status = Status.FINISHED

@@ -280,6 +280,12 @@ def test_a_grammar_past_the_library_limits_ends_its_request_only(plain):
     assert outs[0]["finish_reason"] == "abort" and outs[1]["token_ids"] == alone
     assert plain.stats()["num_running"] == 0
     assert plain.generate([PROMPTS[3]], small, use_tqdm=False)[0]["token_ids"] == alone
+    # the same grammars again, from the compiled cache: each copy fails as the first did (a matcher in
+    # error allows only an end token; that token must not end the request as "stop")
+    regex = SamplingParams(max_tokens=16, structured_outputs=dict(regex="(b{1000}){1000}"))
+    for _ in range(2):
+        outs = plain.generate([PROMPTS[0]] * 2, [huge, regex], use_tqdm=False)
+        assert [(o["finish_reason"], o["token_ids"]) for o in outs] == [("abort", [])] * 2
 
 
 @pytest.mark.parametrize(
