@@ -4,10 +4,11 @@
 
 import json
 
+import jsonschema
 import pytest
 
 from nanospec.serve.protocol import ApiError, parse
-from nanospec.serve.tools import CallStream, ToolCalls, calls_schema, gemma4_call
+from nanospec.serve.tools import CallStream, ToolCalls, calls_schema, field_error, gemma4_call
 
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -165,6 +166,30 @@ BAD = [
     (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
     (dict(response_format={"type": "json_object"}, guided_regex="a"), "guided_regex"),
     (dict(functions=[{"name": "f"}]), "functions"),
+    *[(dict(tools=bad), "tools") for bad in ({}, "", 0, False)],
+    *[(dict(tools=TOOLS, tool_choice=bad), "tool_choice") for bad in ([], {}, "", 0, False)],
+    (
+        dict(response_format={"type": "json_schema", "json_schema": {"name": 5, "schema": {}}}),
+        "response_format",
+    ),
+    (
+        dict(response_format={"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}),
+        "response_format",
+    ),
+    (dict(structured_outputs={"regex": 5}), "structured_outputs"),
+    (
+        dict(
+            tool_choice="required",
+            tools=[
+                {
+                    "type": "function",
+                    "function": {"name": n, "parameters": {"$defs": {"A": a}, "type": "object"}},
+                }
+                for n, a in (("f", {"type": "string"}), ("g", {"type": "integer"}))
+            ],
+        ),
+        "tools",
+    ),
 ]
 
 
@@ -175,6 +200,37 @@ def test_bad_fields_are_400_naming_them(smollm2_tokenizer, body, field):
     assert e.value.status == 400 and e.value.param == field, str(e.value)
     assert field.partition(".")[0].partition("[")[0] in str(e.value)
     assert "SamplingParams" not in str(e.value)
+
+
+def test_messages_name_the_sub_field_and_keep_one_line(smollm2_tokenizer):
+    """structured_outputs keeps the name of its bad field; an engine error of several lines (a Rust panic
+    with its backtrace, from compiling a grammar for the tokenizer) keeps its first, named after the
+    request field that gave the constraint."""
+    with pytest.raises(ApiError) as e:
+        parsed(smollm2_tokenizer, structured_outputs={"regex": 5})
+    assert str(e.value).startswith("structured_outputs.regex has the wrong type")
+    panic = ValueError("SamplingParams.structured_outputs is not valid: panic: too big\n  0: backtrace")
+    error = field_error(panic, "guided_choice")
+    assert (str(error), error.param, error.status) == (
+        "guided_choice is not valid: panic: too big",
+        "guided_choice",
+        400,
+    )
+    assert parsed(smollm2_tokenizer, guided_choice=["a", "b"]).constraint_field == "guided_choice"
+
+
+def test_required_tools_with_shared_definitions(smollm2_tokenizer):
+    """ "required" over a tool whose parameters name subschemas ($defs, as pydantic writes nested models):
+    the definitions move to the array's root, where their refs point, and a nested call validates."""
+    addr = {"type": "object", "properties": {"zip": {"type": "string"}}, "required": ["zip"]}
+    params = {"$defs": {"Addr": addr}, "type": "object", "properties": {"address": {"$ref": "#/$defs/Addr"}}}
+    tools = [{"type": "function", "function": {"name": "locate", "parameters": params}}, TOOLS[0]]
+    array = constraint(smollm2_tokenizer, tools=tools, tool_choice="required")["json"]
+    assert array["$defs"] == {"Addr": addr}
+    assert "$defs" not in array["items"]["anyOf"][0]["properties"]["parameters"]
+    jsonschema.validate([{"name": "locate", "parameters": {"address": {"zip": "75001"}}}], array)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "locate", "parameters": {"address": {"zip": 75001}}}], array)
 
 
 def test_tools_on_completions_are_400(smollm2_tokenizer):

@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException
 from .engine import Engine, Job, Metrics
 from .logprobs import chat_logprobs, completion_logprobs
 from .protocol import MAX_BODY, ApiError, Detokenizer, Parsed, field_of, parse, read_json, tokenize_ids
-from .tools import CallStream
+from .tools import CallStream, field_error
 
 
 def event(data: dict) -> dict:
@@ -199,7 +199,7 @@ class Handlers:
         args = (body, chat, self.tok, self.model_name, self.max_len, self.max_n, self.engine.max_waiting)
         parsed = await asyncio.to_thread(parse, *args)
         if parsed.params[0].structured_outputs is not None:  # every choice shares it
-            await asyncio.to_thread(self.compile_grammar, parsed.params[0])
+            await asyncio.to_thread(self.compile_grammar, parsed.params[0], parsed.constraint_field)
         job = Job(parsed.prompts, parsed.params, asyncio.get_running_loop(), asyncio.Queue())
         self.engine.put("add", job)
         kind, *message = await job.messages.get()
@@ -209,13 +209,14 @@ class Handlers:
             raise ApiError(400 if kind == "bad" else 500, message[0], field_of(message[0], "max_tokens"))
         return Reply(self.engine, job, parsed, chat, self.model_name)
 
-    def compile_grammar(self, params) -> None:
+    def compile_grammar(self, params, field: str) -> None:
         """Build the constraint's matcher for the model's tokenizer on a worker thread, before the request is
-        queued: a slow compile never holds up the engine thread or the event loop. A 400 if it fails."""
+        queued: a slow compile never holds up the engine thread or the event loop. A 400 naming the request
+        ``field`` that gave the constraint if it fails."""
         try:
             self.engine.llm.compile_grammar(params)
         except ValueError as e:
-            raise ApiError(400, str(e), "structured_outputs") from None
+            raise field_error(e, field) from None
 
     async def completions(self, request: Request):
         return await self.complete(request, chat=False)

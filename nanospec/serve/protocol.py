@@ -27,7 +27,8 @@ class Parsed:
     ``prompt_index * n + j`` samples with seed + j (as vLLM numbers them). ``logprobs``: top logprobs per
     token (completions' ``logprobs``, chat's ``top_logprobs``), or None; ``echo``: the prompt comes first in
     the text and the logprobs; ``score_only``: ``max_tokens`` 0 with echo (the prompt is scored, nothing is
-    generated); ``tools``: how the chat reply holds tool calls, or None (``serve/tools.py``)."""
+    generated); ``tools``: how the chat reply holds tool calls, or None (``serve/tools.py``);
+    ``constraint_field``: the request field that gave the choices' structured-output constraint, or None."""
 
     prompts: list[list[int]]
     params: list[SamplingParams]
@@ -38,6 +39,7 @@ class Parsed:
     echo: bool = False
     score_only: bool = False
     tools: ToolCalls | None = None
+    constraint_field: str | None = None
 
 
 def read_json(raw: bytes) -> dict:
@@ -137,7 +139,7 @@ def parse(body: dict, chat: bool, tok, model_name: str, max_len: int, max_n: int
     if type(stream) is not bool or not isinstance(opts, dict):
         raise ApiError(400, "stream must be a bool and stream_options an object", "stream")
     logprobs, echo = logprob_options(body, chat)
-    tools, calls, structured = read_tools(body, chat)
+    tools, calls, structured, field = read_tools(body, chat)
     prompts = prompt_ids(tok, body, chat, tools)
     if len(prompts) * n > max_choices:  # more than may ever wait: it could never be admitted
         raise ApiError(400, f"{len(prompts)} prompts x n {n} exceed --max-waiting {max_choices}", "prompt")
@@ -179,7 +181,7 @@ def parse(body: dict, chat: bool, tok, model_name: str, max_len: int, max_n: int
             raise ApiError(400, str(e), field) from None
     include_usage = opts.get("include_usage") is True
     usage_opts = (include_usage, opts.get("continuous_usage_stats") is True)
-    return Parsed(prompts, params, stream, *usage_opts, logprobs, echo, score_only, calls)
+    return Parsed(prompts, params, stream, *usage_opts, logprobs, echo, score_only, calls, field)
 
 
 def logprob_options(body: dict, chat: bool) -> tuple:

@@ -15,12 +15,7 @@ from itertools import groupby
 from ..sampling_params import SamplingParams
 from .errors import ApiError
 
-GUIDED = {
-    "guided_json": "json",
-    "guided_regex": "regex",
-    "guided_choice": "choice",
-    "guided_grammar": "grammar",
-}
+GUIDED = {f"guided_{field}": field for field in ("json", "regex", "choice", "grammar")}  # vLLM's older names
 HERMES = ("<tool_call>", "</tool_call>")  # SmolLM2, Qwen3: <tool_call>{"name", "arguments"}</tool_call>
 GEMMA4 = ("<|tool_call>", "<tool_call|>")  # <|tool_call>call:NAME{key:value,...}<tool_call|>
 QUOTE = '<|"|>'  # Gemma 4 writes a string value between two of these, its text unescaped
@@ -29,6 +24,8 @@ LITERAL = re.compile(r"-?\d+(\.\d+)?([eE][-+]?\d+)?|true|false|null")
 PIECE = re.compile(r'<\|"\|>(.*?)<\|"\|>|([\[\]{},:])|([^\[\]{},:<]+)', re.S)
 # an item of tool_choice "required"'s array, up to its parameters (keys in schema order)
 ITEM = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:\s*')
+DEFINITIONS = ("$defs", "definitions")  # where a JSON schema keeps the subschemas its "$ref"s name
+FUNCTION = "{type: 'function', function: {name, parameters}}"  # a tool's shape
 FORMATS = (
     "{type: 'text'}, {type: 'json_object'} or {type: 'json_schema', json_schema: {name, schema, strict}}"
 )
@@ -36,34 +33,36 @@ FORMATS = (
 
 def compiled(where: str, constraint: dict):
     """The ``StructuredOutputsParams`` of ``constraint`` (compiled by the engine's own check); its ValueError
-    or TypeError is a 400 whose message and ``param`` name the request field ``where``."""
+    or TypeError is ``field_error``'s 400."""
     try:
         return SamplingParams(structured_outputs=constraint).structured_outputs
     except (ValueError, TypeError) as e:
-        message = re.sub(r"^SamplingParams\.structured_outputs[.\w]*", where, str(e))
-        raise ApiError(400, message, where) from None
+        raise field_error(e, where) from None
+
+
+def field_error(e: Exception, where: str) -> ApiError:
+    """A 400 for the engine's error ``e`` about the constraint the request field ``where`` gave: the message
+    (its first line: a Rust panic's backtrace stays out) and ``param`` name that field."""
+    sub_field = "" if where == "structured_outputs" else r"[.\w]*"  # structured_outputs keeps its own
+    message = re.sub(r"^SamplingParams\.structured_outputs" + sub_field, where, str(e).split("\n")[0])
+    return ApiError(400, message[:1000], where)
 
 
 def tool_schemas(tools) -> dict:
     """{function name: its parameters schema} of a request's ``tools``; a 400 naming the first malformed
     one (not a function, no name, a name given twice, parameters that are not an object schema)."""
     if not isinstance(tools, list):
-        raise ApiError(
-            400, "tools must be a list of {type: 'function', function: {name, parameters}}", "tools"
-        )
+        raise ApiError(400, f"tools must be a list of {FUNCTION}", "tools")
     schemas = {}
     for k, tool in enumerate(tools):
         where = f"tools[{k}].function"
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or tool.get("type") != "function":
-            raise ApiError(
-                400, f"tools[{k}] must be {{type: 'function', function: {{name, parameters}}}}", where
-            )
+            raise ApiError(400, f"tools[{k}] must be {FUNCTION}", where)
         name = function.get("name")
         if not isinstance(name, str) or not name or name in schemas:
-            raise ApiError(
-                400, f"{where}.name must be a non-empty string of its own, got {name!r}", where + ".name"
-            )
+            message = f"{where}.name must be a non-empty string of its own, got {name!r}"
+            raise ApiError(400, message, where + ".name")
         parameters = function.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
             message = f"{where}.parameters must be a JSON schema of type object, got {parameters!r:.80}"
@@ -77,11 +76,17 @@ def calls_schema(schemas: dict, parallel: bool) -> dict:
     """vLLM's schema for ``tool_choice`` "required": an array of at least one call (one at most without
     ``parallel_tool_calls``), each ``{"name": one of the tools, "parameters": that tool's schema}``."""
     items = []
+    shared = {}  # the tools' $defs / definitions, moved to the root, where their "#/$defs/..." refs point
     for name, schema in schemas.items():
-        properties = {"name": {"type": "string", "enum": [name]}, "parameters": schema}
+        for key in DEFINITIONS:
+            for def_name, definition in schema.get(key, {}).items():
+                if shared.setdefault(key, {}).setdefault(def_name, definition) != definition:
+                    raise ApiError(400, f"tools define {key}/{def_name} twice, differently", "tools")
+        parameters = {k: v for k, v in schema.items() if k not in DEFINITIONS}
+        properties = {"name": {"type": "string", "enum": [name]}, "parameters": parameters}
         items.append(dict(type="object", properties=properties, required=["name", "parameters"]))
         items[-1]["additionalProperties"] = False  # nothing after the parameters: the item ends there
-    array = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    array = {"type": "array", "minItems": 1, "items": {"anyOf": items}} | shared
     return array if parallel else array | {"maxItems": 1}
 
 
@@ -93,22 +98,25 @@ def format_constraint(fmt) -> dict:
         return {}
     if kind == "json_object":
         return {"response_format": {"json_object": True}}
-    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+    named = isinstance(spec, dict) and isinstance(spec.get("name", ""), str)
+    if not named or not isinstance(spec.get("schema"), dict) or spec.get("strict") not in (None, True, False):
         raise ApiError(400, f"response_format must be {FORMATS}, got {fmt!r:.80}", "response_format")
     return {"response_format.json_schema.schema": {"json": spec["schema"]}}
 
 
 def read_tools(body: dict, chat: bool) -> tuple:
     """(the tools for the chat template or None, the ``ToolCalls`` that reads the reply or None, the request's
-    one ``StructuredOutputsParams`` or None). ``tool_choice``: "none" (tools only rendered), "auto" (the
-    default with tools: rendered, calls parsed from the text), "required" or a named function (the output
-    constrained to calls, as vLLM maps them). A 400 naming the field for any malformed one, for a
-    ``tool_choice`` naming no given function, and for two constraints at once."""
-    tools = body.get("tools") or None
+    one ``StructuredOutputsParams`` or None, the request field it came from or None). ``tool_choice``:
+    "none" (tools only rendered), "auto" (the default with tools: rendered, calls parsed from the text),
+    "required" or a named function (the output constrained to calls, as vLLM maps them). A 400 naming the
+    field for any malformed one, for a ``tool_choice`` naming no given function, and for two constraints at
+    once."""
+    tools = body.get("tools")
     if tools is not None and not chat:
         raise ApiError(400, "tools are served on /v1/chat/completions", "tools")
     schemas = {} if tools is None else tool_schemas(tools)
-    choice = body.get("tool_choice") or ("auto" if schemas else "none")
+    choice = body.get("tool_choice")
+    choice = ("auto" if schemas else "none") if choice is None else choice
     parallel = body.get("parallel_tool_calls")
     parallel = True if parallel is None else parallel
     if type(parallel) is not bool:
@@ -132,12 +140,11 @@ def read_tools(body: dict, chat: bool) -> tuple:
         sources["tool_choice"] = {"json": calls_schema(schemas, parallel)}
     if len(sources) > 1:
         raise ApiError(400, f"one constraint per request, got {list(sources)}", list(sources)[1])
-    structured = None
-    for where, constraint in sources.items():
-        structured = compiled(where, constraint)
+    field = next(iter(sources), None)  # the request field that gave the constraint
+    structured = None if field is None else compiled(field, sources[field])
     mode = "named" if named else {"auto": "auto", "required": "required"}.get(choice)
     calls = ToolCalls(mode, name, parallel) if schemas and mode else None
-    return tools, calls, structured
+    return tools or None, calls, structured, field
 
 
 class ToolCalls:

@@ -68,14 +68,9 @@ from . import cli
 from .cli import ENGINE, SPEC, add_tensor_parallel_size, number
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
-WORKLOADS = [
-    "nanovllm",
-    "sharegpt",
-    "chat",
-    "shared-prefix",
-    "stall",
-    "structured",
-]  # default nanovllm; over HTTP sharegpt
+# the default: nanovllm; over HTTP: sharegpt
+WORKLOADS = ["nanovllm", "sharegpt", "chat", "shared-prefix", "stall", "structured"]
+COMPARE = ["enable_prefix_caching", "overlap_schedule", "assistant", "deterministic"]  # --compare OPTION
 # bench.py's int options >= 1 and their defaults (none: the engine's)
 INT_OPTIONS = """max-model-len=4096 max-num-seqs=256 max-num-batched-tokens=8192 max-input-len=1024
     max-output-len=1024 prefix-len=512 stall-len=2000 num-steps= topk= num-draft-tokens="""
@@ -136,10 +131,8 @@ def workload(args, tokenizer) -> tuple[list[list[int]], list[SamplingParams]]:
     elif args.workload == "structured":  # the 5 tasks in turn, each with its JSON schema
         tasks = json.loads((ASSETS / "structured_prompts.json").read_text())
         tasks = [tasks[i % len(tasks)] for i in range(args.num_seqs)]
-        prompts, max_tokens = (
-            [chat_ids(tokenizer, t["prompt"]) for t in tasks],
-            [args.max_output_len] * len(tasks),
-        )
+        prompts = [chat_ids(tokenizer, t["prompt"]) for t in tasks]
+        max_tokens = [args.max_output_len] * len(tasks)
         schemas = [dict(json=t["schema"]) for t in tasks]
     else:
         prompts, max_tokens = sharegpt_workload(tokenizer, *sizes, args.seed)
@@ -371,11 +364,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--assistant", default="auto", help="DIR | default | random | none | auto (default if one is shipped)")
     a("--adaptive-speculation", action=argparse.BooleanOptionalAction, default=True, help="s per step")
     cli.add_deterministic(ap)
-    a(
-        "--compare",
-        choices=["enable_prefix_caching", "overlap_schedule", "assistant", "deterministic"],
-        help="on vs off",
-    )
+    a("--compare", choices=COMPARE, help="on vs off")
     a("--compare-spec", dest="compare", action="store_const", const="assistant", help="--compare assistant")
     a("--compare-hf", action="store_true", help="also run HF transformers on the same workload")
     a("--hf-num-seqs", type=number(int, 1), help="HF runs only the first N requests (it is slow)")
