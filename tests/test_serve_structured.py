@@ -75,6 +75,7 @@ def test_tool_choice_maps_as_vllm(smollm2_tokenizer):
     assert parsed(tok, tools=TOOLS).tools.mode == "auto"
     assert parsed(tok, tools=TOOLS, tool_choice="none").tools is None
     assert parsed(tok, tools=[], tool_choice="auto").tools is None  # what clients send by default
+    assert parsed(tok, chat=False, tools=[], tool_choice="none").tools is None  # on completions too
     no_params = [{"type": "function", "function": {"name": "now"}}]
     assert constraint(tok, tools=no_params, tool_choice="required")["json"]["items"]["anyOf"][0][
         "properties"

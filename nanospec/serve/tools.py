@@ -112,6 +112,7 @@ def read_tools(body: dict, chat: bool) -> tuple:
     field for any malformed one, for a ``tool_choice`` naming no given function, and for two constraints at
     once."""
     tools = body.get("tools")
+    tools = None if tools == [] else tools  # an empty list, as clients send by default: no tools
     if tools is not None and not chat:
         raise ApiError(400, "tools are served on /v1/chat/completions", "tools")
     schemas = {} if tools is None else tool_schemas(tools)
