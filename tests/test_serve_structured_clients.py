@@ -5,14 +5,12 @@ shipped assistant (3 draft steps) on a loopback port; schemas bound their string
 constrained answer completes within a few dozen tokens."""
 
 import json
-import os
 
 import httpx
 import openai
 import pytest
+from helpers import running_server
 from pydantic import BaseModel, Field
-
-from nanospec.tools import serve_bench
 
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "200"]
 MAX_TOKENS = 48
@@ -44,15 +42,16 @@ TOOLS = [
 ASK = [{"role": "user", "content": "What are the weather and the time in Paris?"}]
 
 
+def serving(argv: list[str]):
+    """(base URL, model name) of ``nanospec-serve *argv`` on a loopback port, stopped (killed if need be)
+    after."""
+    with running_server(argv) as url:
+        yield url, httpx.get(url + "/v1/models", timeout=60).json()["data"][0]["id"]
+
+
 @pytest.fixture(scope="module")
 def server(smollm2_dir):
-    """(base URL, model name) of the server, stopped (killed if need be) after."""
-    argv = [str(smollm2_dir), *ENGINE, "--assistant", "default", "--num-steps", "3"]
-    proc, url = serve_bench.launch(argv, 240, env=os.environ | {"OMP_NUM_THREADS": "1"})
-    try:
-        yield url, httpx.get(url + "/v1/models", timeout=60).json()["data"][0]["id"]
-    finally:
-        serve_bench.stop(proc)
+    yield from serving([str(smollm2_dir), *ENGINE, "--assistant", "default", "--num-steps", "3"])
 
 
 def client(server):
@@ -196,12 +195,7 @@ def gemma4_tags_server(tmp_path_factory, smollm2_dir):
     tok = load_tokenizer(smollm2_dir)
     tok.add_special_tokens({"additional_special_tokens": ["<|tool_call>", "<tool_call|>", '<|"|>']})
     model_dir = make_tiny_model(tmp_path_factory.mktemp("gemma4_tags"), tok, seed=3)
-    argv = [str(model_dir), *ENGINE]
-    proc, url = serve_bench.launch(argv, 240, env=os.environ | {"OMP_NUM_THREADS": "1"})
-    try:
-        yield url, httpx.get(url + "/v1/models", timeout=60).json()["data"][0]["id"]
-    finally:
-        serve_bench.stop(proc)
+    yield from serving([str(model_dir), *ENGINE])
 
 
 def test_gemma4_tool_calls_under_auto(gemma4_tags_server):
