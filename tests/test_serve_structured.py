@@ -177,6 +177,10 @@ BAD = [
         dict(response_format={"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}),
         "response_format",
     ),
+    (
+        dict(response_format={"type": "json_schema", "json_schema": {"schema": {}, "strict": 1}}),
+        "response_format",
+    ),
     (dict(structured_outputs={"regex": 5}), "structured_outputs"),
     (
         dict(

@@ -19,8 +19,8 @@ GUIDED = {f"guided_{field}": field for field in ("json", "regex", "choice", "gra
 HERMES = ("<tool_call>", "</tool_call>")  # SmolLM2, Qwen3: <tool_call>{"name", "arguments"}</tool_call>
 GEMMA4 = ("<|tool_call>", "<tool_call|>")  # <|tool_call>call:NAME{key:value,...}<tool_call|>
 QUOTE = '<|"|>'  # Gemma 4 writes a string value between two of these, its text unescaped
+LITERAL = re.compile(r"-?\d+(\.\d+)?([eE][-+]?\d+)?|true|false|null")  # a JSON number or literal
 # a piece of Gemma 4's arguments: a quoted string, a mark, or a bare key, number or literal
-LITERAL = re.compile(r"-?\d+(\.\d+)?([eE][-+]?\d+)?|true|false|null")
 PIECE = re.compile(r'<\|"\|>(.*?)<\|"\|>|([\[\]{},:])|([^\[\]{},:<]+)', re.S)
 # an item of tool_choice "required"'s array, up to its parameters (keys in schema order)
 ITEM = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:\s*')
@@ -98,8 +98,9 @@ def format_constraint(fmt) -> dict:
         return {}
     if kind == "json_object":
         return {"response_format": {"json_object": True}}
-    named = isinstance(spec, dict) and isinstance(spec.get("name", ""), str)
-    if not named or not isinstance(spec.get("schema"), dict) or spec.get("strict") not in (None, True, False):
+    shaped = isinstance(spec, dict) and isinstance(spec.get("name", ""), str)  # name: a string if given
+    shaped = shaped and type(spec.get("strict")) in (bool, type(None))  # strict: a bool if given
+    if not shaped or not isinstance(spec.get("schema"), dict):
         raise ApiError(400, f"response_format must be {FORMATS}, got {fmt!r:.80}", "response_format")
     return {"response_format.json_schema.schema": {"json": spec["schema"]}}
 
