@@ -56,7 +56,7 @@ def budgets() -> dict:
     return {
         "engine (nanospec/ without tools/, serve/, ray*)": (
             [p for p in nanospec if not is_front_end(p)],
-            3500,
+            3600,  # until the core issue brings it to 3,300
         ),
         "kernels/": (sorted((REPO / "kernels").rglob("*.py")), 1850),
         "front ends (tools/, serve/, ray*)": ([p for p in nanospec if is_front_end(p)], 2000),

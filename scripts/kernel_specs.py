@@ -763,7 +763,7 @@ def main(argv=None):
     c.add_argument("--archs", default="80,86,89,90", help="comma-separated compute capabilities, or native")
     c.add_argument("--workers", type=int, default=None, help="compile processes (default: all cores)")
     c.add_argument("--json", type=pathlib.Path, default=None, help="write every row here")
-    c.add_argument("--fast", action="store_true", help="one spec per tile configuration (the test's subset)")
+    c.add_argument("--fast", action="store_true", help="one spec per tile configuration (a quick look)")
     a = ap.parse_args(argv)
     if a.cmd == "record":
         os.environ["TRITON_INTERPRET"] = "1"

@@ -1,6 +1,7 @@
-"""Every Triton kernel specialization the engine launches compiles for sm_80, sm_86, sm_89 and sm_90, fits the
-arch's shared memory per block and does not spill in decode, draft or verify (scripts/kernel_specs.py); the
-attention tile policy's branches match the torch references under the interpreter."""
+"""The kernel specializations the engine launches are the ones recorded in scripts/kernel_specs.json (which
+.ci/run then compiles for sm_80, sm_86, sm_89 and sm_90: `kernel_specs.py check`, shared memory and spills
+included); the recorder sees what the interpreter launches; the attention tile policy's branches match the
+torch references under the interpreter."""
 
 import json
 import pathlib
@@ -70,20 +71,11 @@ def test_dry_launches_record_what_the_interpreter_launches(tmp_path):
     assert [s["phases"] for s in dry] == [s["phases"] for s in real]
 
 
-# pytest compiles one spec per tile configuration for sm_89 (the 99 KB tile class) and sm_90 (the 163 KB+
-# class, its own code generator); .ci/run then compiles every spec for all four archs (kernel_specs.py check)
-FAST_ARCHS = (89, 90)
-
-
-def test_compile_check(recorded):
+def test_fast_subset_keeps_every_kernel(recorded):
+    # `kernel_specs.py check --fast` (one spec per tile configuration) still compiles every kernel; .ci/run
+    # compiles every spec for all four archs after pytest (`kernel_specs.py check`), so pytest compiles none
     fast = ks.representatives(recorded)
     assert {s["kernel"] for s in fast} == {s["kernel"] for s in recorded} and len(fast) < len(recorded)
-    t0 = time.perf_counter()
-    rows = ks.check(fast, archs=FAST_ARCHS, workers=2)
-    print(ks.summary(rows))
-    print(f"{len(rows)} compiles in {time.perf_counter() - t0:.0f} s")
-    assert len(rows) == sum(a in FAST_ARCHS for s in fast for a in s["archs"])
-    assert ks.violations(rows) == []
 
 
 # ---- the tile policy: every branch, and the kernels with those tiles against the references ------------

@@ -28,8 +28,8 @@ def mean_accept(outs):
 @pytest.mark.parametrize(
     "temperature,floor",
     [
-        (0.0, 1.2),  # measured 1.39 (4 prompts x 32 tokens, S = 3, 90 verify steps)
-        (0.7, 1.2),  # measured 1.45 (88 verify steps)
+        (0.0, 1.1),  # measured 1.39 (4 prompts x 32 tokens, S = 3, 90 verify steps)
+        (0.7, 1.1),  # measured 1.45 (88 verify steps)
     ],
 )
 def test_shipped_assistant_acceptance_floor(smollm2_dir, prompts, temperature, floor):
@@ -62,4 +62,4 @@ def test_shipped_assistant_seeded_sampling_spec_on_equals_off(smollm2_dir, promp
     assert [o["token_ids"] for o in on] == off
     alone = [llm.generate([p], [s], use_tqdm=False)[0]["token_ids"] for p, s in zip(prompts, sp)]
     assert alone == off
-    assert mean_accept(on) > 1.2
+    assert mean_accept(on) > 1.1  # a drafter that is never accepted gives 1.0
