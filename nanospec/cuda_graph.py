@@ -1,12 +1,13 @@
 """CUDA graphs per batch-size bucket for the hot phases: plain decode and the whole speculative step.
 
 Each phase is a pure tensor function of named inputs (no host syncs). ``GraphRunner.run`` is the one place
-that decides graph or eager: a batch that fits a bucket is copied into the first rows of static buffers and
-the bucket's graph replays (padding rows point at the reserved dummy block 0, so their K/V writes land there
-and they read one dummy key: they never touch a live request's KV); a batch larger than every bucket, or a
-phase with no buckets (CPU, ``enforce_eager``), runs the same function eagerly on the live tensors. On CPU,
-tests give buckets explicitly: the function then runs eagerly on the padded static buffers, exactly what a
-graph would replay.
+that decides graph or eager. A batch of constrained rows with their masks runs eagerly (the speculative step
+runs such rows apart from the others, which keep their graph: DESIGN §5). A batch that fits a bucket is copied
+into the first rows of static buffers and the bucket's graph replays (padding rows point at the reserved dummy
+block 0, so their K/V writes land there and they read one dummy key: they never touch a live request's KV); a
+batch larger than every bucket, or a phase with no buckets (CPU, ``enforce_eager``), runs the same function
+eagerly on the live tensors. On CPU, tests give buckets explicitly: the function then runs eagerly on the
+padded static buffers, exactly what a graph would replay.
 """
 
 from collections.abc import Callable
@@ -124,14 +125,16 @@ class GraphRunner:
         for g in self.graphs.values():
             g.capture()
 
-    def run(self, phase: str, inputs: dict[str, torch.Tensor], num_splits: int | None):
+    def run(self, phase: str, inputs: dict[str, torch.Tensor], num_splits: int | None, masks=None):
         """The phase's outputs for the live batch (padding rows dropped): the same function on the same named
         tensors, eager or replayed. ``num_splits`` serves only the eager call (a graph has its own fixed
-        split count)."""
+        split count). ``masks`` (structured output's ``StepMasks`` of a batch of constrained rows, or None):
+        such a batch runs eagerly, since the host computes each draft step's masks between its kernels."""
         bs = next(iter(inputs.values())).shape[0]
-        bucket = select_bucket(bs, self.sizes)
+        bucket = None if masks is not None else select_bucket(bs, self.sizes)
         if bucket is None:
-            return self.phases[phase][0](num_splits=num_splits, **inputs)
+            extra = {} if masks is None else {"masks": masks}
+            return self.phases[phase][0](num_splits=num_splits, **extra, **inputs)
         for name, t in inputs.items():
             self.buf.fill(name, t)
         out = self.graphs[phase].run(bucket)

@@ -9,6 +9,7 @@ mask, roll back). A bitmask is packed int32, ``ceil(V / 32)`` words per row, bit
 ``v >> 5`` set when token v is allowed (llguidance's layout); ``kernels.sampling`` applies it.
 """
 
+import copy
 import json
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -16,13 +17,47 @@ from functools import cached_property, lru_cache
 import llguidance
 import llguidance.hf
 import torch
-from llguidance.torch import fill_next_token_bitmask
 
 from .transfer import to_device
 
 # JSON is emitted without whitespace between its tokens: a model cannot loop on whitespace
 JSON_OPTIONS = {"whitespace_flexible": False}
 GRAMMAR_CACHE_SIZE = 64  # compiled grammars kept per model
+# keywords whose value is a map of names to subschemas, a list of subschemas, or one subschema
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")  # not allOf: each part would refuse the others' properties
+SCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains")
+OBJECT_KEYWORDS = ("properties", "patternProperties")  # they make an object schema without a "type"
+
+
+def strict_schema(schema):
+    """A copy of the JSON schema ``schema`` in which an object schema that does not state
+    ``additionalProperties`` or ``unevaluatedProperties`` allows only the properties it lists, and an array
+    schema with ``prefixItems`` but no ``items`` only those items: the strict reading of vLLM's default
+    grammar backend (XGrammar), which tool and response-format schemas (Pydantic's, LangChain's) rely on to
+    end.
+    A schema that states them keeps what it states; the parts of an ``allOf`` stay as they are (each would
+    refuse the others' properties), and so do values under ``enum``, ``const``, ``default`` and ``examples``
+    (data, not schemas)."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: strict_schema(s) for name, s in out[key].items()}
+    for key in SCHEMA_LISTS + SCHEMA_ONE:
+        if key in out:
+            out[key] = strict_schema(out[key])
+    kinds = out.get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    is_object = "object" in kinds or (kinds == [None] and any(k in out for k in OBJECT_KEYWORDS))
+    if is_object and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    if "prefixItems" in out and not any(k in out for k in ("items", "additionalItems", "unevaluatedItems")):
+        out["items"] = False
+    return out
 
 
 @dataclass
@@ -74,6 +109,8 @@ class StructuredOutputsParams:
             schema = json.loads(schema) if isinstance(schema, str) else schema
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema is an object")
+            if self.json is not None:  # json_object stays any object
+                schema = strict_schema(schema)
             return llguidance.grammar_from("json_schema", json.dumps({"x-guidance": JSON_OPTIONS, **schema}))
         if self.regex is not None:
             return llguidance.grammar_from("regex", self.regex)
@@ -126,11 +163,25 @@ class StepMasks:
 
     def __init__(self, reqs, vocab_size: int, eos_token_ids, device):
         self.matchers = [r.matcher for r in reqs]
-        self.logprobs = any(r.params.logprobs is not None for r in reqs)  # they read masked logits
+        self.asks_logprobs = [r.params.logprobs is not None for r in reqs]
+        self.logprobs = any(self.asks_logprobs)  # they read masked logits
         self.words = -(-vocab_size // 32)
         self.eos_token_ids = set(eos_token_ids)
         self.device = device
         self.seen: dict[tuple, tuple[torch.Tensor, int]] = {}
+
+    def constrained_rows(self) -> list[int]:
+        """Indices of the batch's rows whose request has a constraint."""
+        return [b for b, matcher in enumerate(self.matchers) if matcher is not None]
+
+    def select(self, rows: list[int]) -> "StepMasks":
+        """The masks of these rows of the batch, as a batch of their own."""
+        part = copy.copy(self)
+        part.matchers = [self.matchers[b] for b in rows]
+        part.asks_logprobs = [self.asks_logprobs[b] for b in rows]
+        part.logprobs = any(part.asks_logprobs)
+        part.seen = {}
+        return part
 
     def __call__(self, paths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Masks of the rows whose draft paths are ``paths`` [R, D] int64 (R a multiple of the batch size,
@@ -192,7 +243,8 @@ class StepMasks:
         n = matcher.try_consume_tokens(path)
         forced = -1
         if n == len(path):
-            fill_next_token_bitmask(matcher, row)
+            # llguidance.torch's helper does this, but importing that module compiles a torch function
+            matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
             forced = (matcher.compute_ff_tokens() or [-1])[0]
         matcher.rollback(n)
         return row[0], forced

@@ -7,6 +7,7 @@ constrained answer completes within a few dozen tokens."""
 import json
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from helpers import running_server
@@ -40,6 +41,21 @@ TOOLS = [
     tool("get_time", "The time in a city now.", {"city": {"type": "string", "maxLength": 12}}),
 ]
 ASK = [{"role": "user", "content": "What are the weather and the time in Paris?"}]
+# tools as Pydantic and LangChain write them: "required" lists, no "additionalProperties"
+WEATHER_ADD = [
+    {
+        "type": "function",
+        "function": dict(
+            name=name,
+            description=description,
+            parameters=dict(type="object", properties=properties, required=list(properties)),
+        ),
+    }
+    for name, description, properties in (
+        ("get_weather", "The weather in a city.", {"city": {"type": "string"}, "unit": {"type": "string"}}),
+        ("add", "Add two integers.", {"a": {"type": "integer"}, "b": {"type": "integer"}}),
+    )
+]
 
 
 def serving(argv: list[str]):
@@ -94,6 +110,29 @@ def test_langchain_structured_output_and_required_tools(server):
     call = message.tool_calls[0]
     assert call["name"] == "GetWeather" and GetWeather(**call["args"]) and call["id"].startswith("call_")
     assert message.response_metadata["finish_reason"] == "tool_calls"
+
+
+def test_required_tool_call_ends_after_its_listed_arguments(server):
+    """Two tools whose parameters do not say ``additionalProperties`` (as Pydantic and LangChain write them),
+    tool_choice "required", T 0, max_tokens 80: the model calls ``add`` with exactly ``a`` and ``b`` and the
+    call ends ("tool_calls"), since an object schema allows only the properties it lists (vLLM's strict
+    reading); through LangChain's ``bind_tools`` the same request gives a tool call that validates."""
+    from langchain_openai import ChatOpenAI
+
+    question = "What is 2 + 3?"
+    body = dict(messages=[{"role": "user", "content": question}], tools=WEATHER_ADD, tool_choice="required")
+    r = chat(server, **body, max_tokens=80)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    call = choice["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "add" and set(json.loads(call["arguments"])) == {"a", "b"}, call
+    llm = ChatOpenAI(base_url=server[0] + "/v1", api_key="x", model=server[1], temperature=0, max_tokens=80)
+    message = llm.bind_tools(WEATHER_ADD, tool_choice="required").invoke(question)
+    assert message.tool_calls and not message.invalid_tool_calls, message
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in WEATHER_ADD}
+    for call in message.tool_calls:
+        jsonschema.validate(call["args"], schemas[call["name"]] | {"additionalProperties": False})
 
 
 def streamed_calls(server, **body) -> tuple[list[dict], str]:

@@ -66,7 +66,7 @@ PROMPTS = [
     "Which animal barks?",
 ]
 CONSTRAINTS = [
-    dict(json=PERSON),
+    dict(json={k: v for k, v in PERSON.items() if k != "additionalProperties"}),  # strict: the same as PERSON
     dict(regex=r"[0-9]{3}-[a-z]{2,4}"),
     dict(choice=["yes", "no", "maybe"]),
     dict(grammar='start: "A" ("B" | "CD")+ "!"'),
@@ -161,6 +161,38 @@ def test_speculation_changes_no_token(smollm2_dir, plain, chain, kind):
         assert [(o["token_ids"], o["finish_reason"]) for o in outs] == want
         accepted = sum(sum(o["accept_lengths"]) - len(o["accept_lengths"]) for o in outs)
         assert accepted > 0
+
+
+def test_unconstrained_rows_keep_their_graphs(smollm2_dir, chain, monkeypatch):
+    """7 unconstrained requests and 1 constrained one in a batch, greedy and seeded: every speculative step
+    runs the 7 through the graph path (buckets given on CPU: the phase runs on padded static buffers, which a
+    graph replays), the constrained one alone and eagerly with its draft masks; the tokens equal an all-eager
+    engine's (no buckets), with drafts accepted."""
+    from test_cuda_graph import with_buckets
+
+    from nanospec.cuda_graph import BucketGraphs
+
+    graphed = engine(smollm2_dir, "default", num_steps=3)
+    with_buckets(graphed, [1, 2, 4, 8])
+    replayed = []  # the seeds of the live rows in each replayed batch (padding rows have seed 0)
+    replay = BucketGraphs.run
+
+    def recording(self, bs):
+        replayed.append(set(graphed.worker.graphs.buf.seeds[:bs].tolist()) - {0})
+        return replay(self, bs)
+
+    monkeypatch.setattr(BucketGraphs, "run", recording)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    so = StructuredOutputsParams(**CONSTRAINTS[0])
+    for kw in (dict(), dict(temperature=0.8, top_p=0.95)):
+        params = [SamplingParams(max_tokens=16, seed=100 + i, ignore_eos=True, **kw) for i in range(7)]
+        params.append(SamplingParams(max_tokens=16, seed=107, structured_outputs=so, **kw))
+        replayed.clear()
+        outs = graphed.generate(prompts, params, use_tqdm=False)
+        assert [(o["token_ids"], o["finish_reason"]) for o in outs] == run(chain, prompts, params)
+        assert replayed and all(seeds <= set(range(100, 107)) for seeds in replayed)
+        assert set(range(100, 107)) in replayed  # all 7 in one replay, beside the constrained row
+        assert sum(sum(o["accept_lengths"]) - len(o["accept_lengths"]) for o in outs) > 0
 
 
 def test_verify_masks_are_made_after_the_target_is_launched(chain, monkeypatch):
@@ -286,6 +318,45 @@ def test_a_grammar_past_the_library_limits_ends_its_request_only(plain):
     for _ in range(2):
         outs = plain.generate([PROMPTS[0]] * 2, [huge, regex], use_tqdm=False)
         assert [(o["finish_reason"], o["token_ids"]) for o in outs] == [("abort", [])] * 2
+
+
+ADD = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a"],
+}
+
+
+@pytest.mark.parametrize(
+    "schema, text, allowed",
+    [
+        (ADD, '{"a":2,"b":3}', True),
+        (ADD, '{"a":2,"b":3,"c":2}', False),  # a key the schema does not list
+        (ADD | {"additionalProperties": True}, '{"a":2,"b":3,"c":2}', True),
+        (ADD | {"additionalProperties": {"type": "string"}}, '{"a":2,"c":"x"}', True),
+        (ADD | {"additionalProperties": {"type": "string"}}, '{"a":2,"c":2}', False),
+        ({"type": "object", "properties": {"o": ADD}}, '{"o":{"a":1,"z":1}}', False),  # nested
+        ({"properties": {"a": {}}}, '{"a":1,"b":1}', False),  # an object schema without "type"
+        ({"type": "object"}, "{}", True),
+        ({"type": "object"}, '{"k":1}', False),
+        ({"$defs": {"A": ADD}, "type": "array", "items": {"$ref": "#/$defs/A"}}, '[{"a":1,"q":0}]', False),
+        ({"type": "array", "prefixItems": [{"type": "integer"}]}, "[1]", True),
+        ({"type": "array", "prefixItems": [{"type": "integer"}]}, "[1,2]", False),
+        ({"type": "array", "items": {"type": "integer"}}, "[1,2,3]", True),
+        ({"anyOf": [ADD, {"type": "integer"}]}, '{"a":1,"x":1}', False),
+        (None, '{"k":1,"j":[1]}', True),  # json_object: any object
+    ],
+)
+def test_object_schemas_allow_only_their_listed_properties(plain, schema, text, allowed):
+    """vLLM's (XGrammar's) strict reading: an object schema without ``additionalProperties`` allows only the
+    properties it lists, an array with ``prefixItems`` only those items; a schema that states
+    ``additionalProperties`` keeps it; ``json_object`` is any object."""
+    so = StructuredOutputsParams(json_object=True) if schema is None else StructuredOutputsParams(json=schema)
+    matcher = plain.grammars.matcher(so)
+    tokens = plain.tokenizer.encode(text, add_special_tokens=False)
+    whole = matcher.try_consume_tokens(tokens) == len(tokens) and matcher.is_accepting()
+    assert whole == allowed
+    assert so.json is None or so.json == schema  # the request keeps the schema it was given
 
 
 @pytest.mark.parametrize(

@@ -38,6 +38,7 @@ from ..models.gemma4_assistant import Gemma4Assistant
 from ..next_inputs import NextInputs, StepInput
 from ..outputs import StepOutput, emitted_logprobs
 from ..sampler import sampling_tensors
+from ..transfer import to_device
 from .draft import run_draft
 from .policy import DraftLength, StepTimer
 from .verify import accept, compact_accepted_kv, emitted_tokens
@@ -143,8 +144,9 @@ class FrozenKVMTPWorker:
         """Draft, verify over the tree, accept, and keep the next draft inputs (see the module docstring).
         ``plan`` = (s, estimate) from ``self.plan`` (None: ask it here). The inputs, committed lengths
         included, are gathered on the device: no host sync until the output is read. ``masks`` (structured
-        output: the batch's ``structured.StepMasks``, or None) runs the step eagerly, the host masking each
-        draft step and every verify node (DESIGN §5)."""
+        output: the batch's ``structured.StepMasks``, or None): the constrained rows run eagerly, the host
+        masking each draft step and every verify node, the others through their graphs (``_run``, DESIGN
+        §5)."""
         if not reqs:  # DESIGN §4 rule 4
             return StepOutput(torch.zeros(0, 2, dtype=torch.long), speculative=True)
         s, estimate = self.plan(reqs) if plan is None else plan
@@ -164,11 +166,7 @@ class FrozenKVMTPWorker:
             "top_p": top_p,
             "seeds": seeds,
         }
-        if masks is None:
-            outputs = self.graphs.run(f"mtp:{s}", inputs, num_kv_splits(bound))
-        else:
-            outputs = self.draft_verify(**inputs, num_splits=num_kv_splits(bound), num_steps=s, masks=masks)
-        tree_tokens, out, acc, bonus, hidden, path, logits = outputs
+        tree_tokens, out, acc, bonus, hidden, path, logits = self._run(s, inputs, num_kv_splits(bound), masks)
         logprobs = None
         if any(r.params.logprobs is not None for r in reqs):  # emitted token j: the target's at node path[j]
             node_logits = logits[torch.arange(len(reqs), device=self.device)[:, None], path.clamp(min=0)]
@@ -194,6 +192,23 @@ class FrozenKVMTPWorker:
             self.trace("draft_len", fields)
             self._trace_step(reqs, L.tolist(), tree_tokens.tolist(), result)
         return result
+
+    def _run(self, s: int, inputs: dict, num_splits: int, masks=None) -> tuple:
+        """The ``mtp:{s}`` phase's outputs for the batch, in batch order. Rows without a constraint go
+        through the graphs; constrained rows (``masks``) run apart, eagerly, with their draft masks (DESIGN
+        §5), so one constrained request does not take the batch off its graphs."""
+        phase = f"mtp:{s}"
+        constrained = [] if masks is None else masks.constrained_rows()
+        if len(constrained) in (0, len(inputs["L"])):
+            return self.graphs.run(phase, inputs, num_splits, masks)
+        free = [b for b in range(len(inputs["L"])) if b not in constrained]
+        parts = []
+        for rows, part_masks in ((free, None), (constrained, masks.select(constrained))):
+            index = to_device(rows, torch.long, self.device)
+            part = {name: t.index_select(0, index) for name, t in inputs.items()}
+            parts.append(self.graphs.run(phase, part, num_splits, part_masks))
+        order = to_device(free + constrained, torch.long, self.device).argsort()
+        return tuple(torch.cat([a, b]).index_select(0, order) for a, b in zip(*parts))
 
     def observe(self, out: StepOutput) -> None:
         """A committed step's accept lengths and measured time, for the draft-length policy."""
