@@ -17,26 +17,16 @@ if ON_GPU:
 torch.set_num_threads(int(os.environ.get("NANOSPEC_TEST_THREADS", "1")))
 
 
-# pyproject's addopts run the suite in two pytest-xdist workers (`-n 2 --dist loadgroup`; `-n 0` runs it in
-# one process). A test file is one unit of work, so its module fixtures (engines, servers) are built once; the
-# tests that start a Ray cluster share one unit, so two clusters never run at once. The slowest files start
-# first, so that the two workers finish together.
-SLOW_FIRST = [
-    "test_fresh_machine",
-    "test_kernel_specs",
-    "test_tp",
-    "test_deterministic",
-    "ray",
-    "test_kv_pressure",
-]
+# pyproject's addopts run the suite in two pytest-xdist workers (`-n 2 --dist loadfile`; `-n 0` runs it in
+# one process). A test file is one unit of work, so its module fixtures (engines, servers) are built once,
+# and the tests that start a Ray cluster live in one file (test_ray.py), so two clusters never run at once.
+# The slowest files start first, so that the two workers finish together.
+SLOW_FIRST = ["test_kernel_specs", "test_fresh_machine", "test_tp", "test_deterministic", "test_ray"]
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        group = "ray" if item.get_closest_marker("ray") else item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(group))
     rank = {name: k for k, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.get_closest_marker("xdist_group").args[0], len(rank)))
+    items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))
 
 
 @pytest.fixture

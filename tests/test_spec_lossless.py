@@ -154,16 +154,13 @@ def test_greedy_lossless_smollm2(smollm2_dir, tmp_path):
         "What is the capital of France?",
         "Name three colors.",
         "Count to five.",
-        "Write a haiku about rain.",
         "What is 12 times 7?",
-        "Give me a synonym for happy.",
     )
     prompts = chat_texts(tok, questions)
     sp = SamplingParams(max_tokens=24)
     ref = [o["token_ids"] for o in engine(smollm2_dir).generate(prompts, sp, use_tqdm=False)]
     for kw in (
         {"num_steps": 1},
-        {"num_steps": 2},
         {"num_steps": 5},
         {"num_steps": 2, "topk": 3, "num_draft_tokens": 5},
         {"num_steps": 5, "topk": 3, "num_draft_tokens": 12},
