@@ -53,39 +53,68 @@ class StaticBuffers:
         buf[n:].fill_(self.pads[name])
 
 
-class BucketGraphs:
-    """``fn(bs)`` (reading static buffers, returning tensors) captured as one CUDA graph per bucket.
+class StaticOutputs:
+    """The static outputs of every captured phase and bucket: per output position one tensor of the largest
+    bucket's rows, each trailing dim the largest any phase returns there. A graph copies its outputs into
+    views of them (``write``), so a capture keeps one set of outputs alive, not one per phase and bucket.
+    A position where a phase returns None (a tensor only an eager call returns) stays None."""
 
-    ``capture()`` warms every kernel specialization with an eager call first (a JIT compile inside capture
-    invalidates it), captures largest-first into one shared memory pool. ``run(bs)`` replays the bucket's
-    graph and returns its static outputs; with no graph for ``bs`` it calls ``fn(bs)`` eagerly.
+    def __init__(self, samples: list[tuple], rows: int):
+        self.buffers = []
+        for column in zip(*samples):
+            kept = [x for x in column if x is not None]
+            if not kept:
+                self.buffers.append(None)
+                continue
+            trailing = [max(dims) for dims in zip(*(x.shape[1:] for x in kept))]
+            self.buffers.append(torch.empty(rows, *trailing, dtype=kept[0].dtype, device=kept[0].device))
+
+    def write(self, outputs: tuple, bs: int) -> tuple:
+        """Copy ``outputs`` (one phase's, ``bs`` rows) into their views; returns the views."""
+        views = []
+        for buf, x in zip(self.buffers, outputs):
+            if x is None:
+                views.append(None)
+                continue
+            view = buf[(slice(0, bs), *(slice(0, d) for d in x.shape[1:]))]
+            view.copy_(x)
+            views.append(view)
+        return tuple(views)
+
+
+def as_tuple(out) -> tuple:
+    return out if isinstance(out, tuple) else (out,)
+
+
+class BucketGraphs:
+    """``fn(bs)`` (reading static buffers, returning a tensor or a tuple of tensors and Nones) captured as one
+    CUDA graph per bucket.
+
+    ``capture(pool, outputs)`` warms every kernel specialization with an eager call first (a JIT compile
+    inside capture invalidates it), then captures largest-first into the memory ``pool`` that every phase
+    shares, the graph writing its outputs into views of the shared ``StaticOutputs``. ``run(bs)`` replays the
+    bucket's graph and returns those views; with no graph for ``bs`` it calls ``fn(bs)`` eagerly.
     """
 
-    def __init__(self, fn: Callable[[int], object], sizes: list[int], device):
+    def __init__(self, fn: Callable[[int], object], sizes: list[int]):
         self.fn = fn
         self.sizes = sizes
-        self.device = device
         self.graphs = {}
-        self.outputs = {}
+        self.views = {}
 
-    def capture(self) -> None:
-        if self.device.type != "cuda":
-            return
-        pool = None
+    def capture(self, pool, outputs: StaticOutputs) -> None:
         for bs in sorted(self.sizes, reverse=True):
             self.fn(bs)  # warm-up: compile every kernel variant outside the capture
-            torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
-                self.outputs[bs] = self.fn(bs)
-            pool = g.pool()
+                self.views[bs] = outputs.write(as_tuple(self.fn(bs)), bs)
             self.graphs[bs] = g
-        torch.cuda.synchronize(self.device)
 
     def run(self, bs: int):
         if bs in self.graphs:
             self.graphs[bs].replay()
-            return self.outputs[bs]
+            return self.views[bs]
         return self.fn(bs)
 
 
@@ -112,30 +141,42 @@ class GraphRunner:
         self.buffer_specs = buffers
         self.buf = StaticBuffers(device, sizes[-1], buffers) if sizes else None
         self.graphs = {
-            name: BucketGraphs(lambda bs, name=name: self._static_call(name, bs), sizes, device)
-            for name in phases
+            name: BucketGraphs(lambda bs, name=name: self._static_call(name, bs), sizes) for name in phases
         }
+        self.outputs: StaticOutputs | None = None
 
     def _static_call(self, phase: str, bs: int):
         fn, names = self.phases[phase]
         return fn(num_splits=self.num_splits, **{k: getattr(self.buf, k)[:bs] for k in names})
 
     def capture(self) -> None:
-        """Capture every phase for every bucket (CUDA only; a no-op elsewhere)."""
+        """Capture every phase for every bucket into one memory pool, their outputs into one set of static
+        outputs (a no-op without buckets: CPU, ``enforce_eager``). Each phase first runs eagerly at the
+        largest bucket, which sizes the static outputs."""
+        if not self.sizes:
+            return
+        largest = self.sizes[-1]
+        samples = [as_tuple(self._static_call(name, largest)) for name in self.phases]
+        self.outputs = StaticOutputs(samples, largest)
+        del samples
+        pool = torch.cuda.graph_pool_handle()
         for g in self.graphs.values():
-            g.capture()
+            g.capture(pool, self.outputs)
+        torch.cuda.synchronize()
 
-    def run(self, phase: str, inputs: dict[str, torch.Tensor], num_splits: int | None, masks=None):
+    def run(self, phase: str, inputs: dict[str, torch.Tensor], num_splits: int | None, eager=None):
         """The phase's outputs for the live batch (padding rows dropped): the same function on the same named
         tensors, eager or replayed. ``num_splits`` serves only the eager call (a graph has its own fixed
-        split count). ``masks`` (structured output's ``StepMasks`` of a batch of constrained rows, or None):
-        such a batch runs eagerly, since the host computes each draft step's masks between its kernels."""
+        split count). ``eager``: further arguments that only an eager call takes (structured output's masks,
+        which the host computes between draft steps; the logits that logprobs read), or None."""
         bs = next(iter(inputs.values())).shape[0]
-        bucket = None if masks is not None else select_bucket(bs, self.sizes)
+        bucket = None if eager else select_bucket(bs, self.sizes)
         if bucket is None:
-            extra = {} if masks is None else {"masks": masks}
-            return self.phases[phase][0](num_splits=num_splits, **extra, **inputs)
+            return self.phases[phase][0](num_splits=num_splits, **(eager or {}), **inputs)
         for name, t in inputs.items():
             self.buf.fill(name, t)
         out = self.graphs[phase].run(bucket)
-        return out[:bs] if isinstance(out, torch.Tensor) else tuple(x[:bs] for x in out)
+        if isinstance(out, torch.Tensor):
+            return out[:bs]
+        out = tuple(None if x is None else x[:bs] for x in out)
+        return out[0] if len(out) == 1 else out

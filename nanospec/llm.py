@@ -3,9 +3,11 @@
 import itertools
 import os
 import random
+import sys
 import time
 from operator import attrgetter
 
+import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
@@ -89,9 +91,14 @@ class LLM:
         allocator = runner.allocate_kv_cache()
         if self.worker is not None:
             self.worker.bind(runner.kv_pools)
-        runner.capture_graphs()
-        if self.worker is not None:
+        memory = torch.cuda.memory_reserved if runner.device.type == "cuda" else lambda: 0
+        before = memory()
+        if self.worker is None:  # under speculation every decode step is the worker's: no decode graphs
+            runner.capture_graphs()
+        else:
             self.worker.capture_graphs(*runner.graph_shape())
+        if memory() > before:  # planned in the KV budget (model_runner.memory_plan): what capture took
+            print(f"nanospec: CUDA graphs took {(memory() - before) / 2**30:.2f} GiB", file=sys.stderr)
         self.scheduler = Scheduler(c, allocator, runner.lookahead)
         self.overlap = c.overlap_schedule if c.overlap_schedule is not None else runner.device.type == "cuda"
         self._inflight = None  # (batch, output) launched but not yet committed

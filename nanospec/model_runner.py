@@ -2,6 +2,8 @@
 into tensors and runs prefill / decode forwards (eagerly or through CUDA graphs, decided by
 ``GraphRunner.run``)."""
 
+import sys
+
 import torch
 
 from . import loader
@@ -38,6 +40,20 @@ def build_target(cfg, device, dtype, max_position: int, model_dir=None, seed=0, 
     model.eval().requires_grad_(False)
     model.init_buffers(device)
     return model
+
+
+def memory_plan(total: int, used: int, prefill_peak: int, step_logits: int, config) -> dict[str, int]:
+    """Bytes of a GPU of ``total`` bytes, ``used`` of them taken (weights, the CUDA context): what the
+    engine reserves besides its weights and what is left for the KV cache, within
+    ``config.gpu_memory_utilization``. ``prefill_peak``: the activations of a max-chunk prefill (profiled on
+    CUDA); ``step_logits``: the largest decode or verify step's logits (``ModelRunner.step_logits_bytes``).
+    Eager steps take the larger of the two; CUDA graphs keep one memory pool as large as the largest
+    captured step's activations besides it (the ``mtp:{s}`` or ``decode`` phases; their static outputs are
+    a few MB). The same arithmetic runs without a GPU in ``scripts/memory_plan.py``."""
+    activations = max(prefill_peak, step_logits)
+    graph_pool = 0 if config.enforce_eager else activations
+    kv_cache = int(total * config.gpu_memory_utilization) - used - activations - graph_pool
+    return dict(total=total, used=used, activations=activations, graph_pool=graph_pool, kv_cache=kv_cache)
 
 
 class ModelRunner:
@@ -88,9 +104,10 @@ class ModelRunner:
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
-            # graphs keep their own pool of activations (at most the profiled peak) beside the eager one
-            budget = total * c.gpu_memory_utilization - (total - free) - peak * (1 if c.enforce_eager else 2)
-            n = min(int(budget // per_block), c.max_num_seqs * per_req + 1)
+            plan = memory_plan(total, total - free, peak, self.step_logits_bytes(), c)
+            n = min(int(plan["kv_cache"] // per_block), c.max_num_seqs * per_req + 1)
+            figures = ", ".join(f"{name} {value / 2**30:.2f}" for name, value in plan.items())
+            print(f"nanospec: memory plan (GiB): {figures}", file=sys.stderr, flush=True)
         else:
             n = min(int(c.cpu_kv_cache_gb * 2**30 // per_block), c.max_num_seqs * per_req + 1)
         # every rank's pool has as many blocks (they share the block tables): the smallest any rank offers
@@ -102,6 +119,12 @@ class ModelRunner:
                 "max_model_len or raise gpu_memory_utilization, cpu_kv_cache_gb, num_kv_blocks"
             )
         return n
+
+    def step_logits_bytes(self) -> int:
+        """Bytes of the largest decode or verify step's logits: ``max_num_seqs`` x (``num_draft_tokens`` or
+        1) rows of the vocabulary, the LM head's output in the model dtype and its fp32 copy."""
+        rows = self.config.max_num_seqs * self.lookahead
+        return rows * self.vocab_size * (torch.finfo(self.dtype).bits // 8 + 4)
 
     def allocate_kv_cache(self) -> BlockAllocator:
         """Size, allocate and bind the pools (after a profiled prefill on CUDA); returns the block

@@ -7,6 +7,8 @@
 #   gpu           the device; torch, triton, transformers versions                                      [GPU_S 20]
 #   kernel_tests  every kernel test compiled for real on CUDA (no Triton interpreter)          [KERNEL_TESTS_S 100]
 #   graphs        CUDA graphs vs eager: the same tokens (scripts/gpu_graphs.py)                       [GRAPHS_S 100]
+#                 graph_memory: the memory plan and what capture took, at the defaults and Gemma 4 E2B's shape
+#                                                                                              [GRAPH_MEMORY_S 120]
 #   bench         bench.py: ShareGPT batch-1 latency with the shipped assistant (bench_batch1) and without
 #                 (bench_batch1_plain), BENCH_S [40] each; the nano-vllm workload on Qwen3-0.6B's shape (random
 #                 weights) with HF transformers on its first 16 requests in batches of HF_BATCH [16] (bench_qwen3,
@@ -80,6 +82,12 @@ want kernel_tests && step kernel_tests "${KERNEL_TESTS_S:-100}" \
   env NANOSPEC_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_kernels_*.py
 want kernel_tests && step no_sync "${NO_SYNC_S:-60}" python3 -m pytest -q -p no:cacheprovider tests/test_transfers.py
 want graphs && step graphs "${GRAPHS_S:-100}" python3 scripts/gpu_graphs.py
+# capture at the defaults (256 sequences, the assistant, S = 5) and for Gemma 4 E2B's shape: the engine prints
+# its memory plan and what capture took; the plan without a GPU beside them
+want graphs && step graph_memory "${GRAPH_MEMORY_S:-120}" sh -c 'python3 scripts/memory_plan.py &&
+  python3 -c "from nanospec import LLM; LLM(assistant=\"default\")" &&
+  python3 scripts/memory_plan.py --shape gemma4-e2b &&
+  python3 bench.py --shape gemma4-e2b --assistant random --batch-1 --num-seqs 1 --max-output-len 8'
 if want bench; then
   step bench_batch1 "${BENCH_S:-40}" python3 bench.py --workload sharegpt --batch-1
   step bench_batch1_plain "${BENCH_S:-40}" python3 bench.py --workload sharegpt --batch-1 --assistant none

@@ -447,7 +447,7 @@ def _graph_buckets(llm):
 
     sizes = graph_batch_sizes(llm.config.max_num_seqs)
     for owner in (llm.runner, llm.worker):
-        if owner is not None:
+        if owner is not None and owner.graphs is not None:
             g = owner.graphs
             owner.graphs = GraphRunner(g.phases, g.buffer_specs, sizes, g.num_splits, llm.runner.device)
 

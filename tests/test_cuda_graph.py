@@ -4,6 +4,10 @@ On CPU ``BucketGraphs.run`` calls the phase function eagerly on the padded stati
 what a graph replays on the GPU; so padding and static-shape logic are tested here, capture itself on the GPU.
 """
 
+import contextlib
+import gc
+import weakref
+
 import pytest
 import torch
 from helpers import prepare_decode
@@ -44,7 +48,7 @@ PROMPTS = [[1, 2, 3, 4, 5], [9] * 11, [40, 41, 42]]
 def with_buckets(llm, sizes):
     """Give the engine's graph runners these buckets: on CPU their phases run eagerly on padded buffers."""
     for owner in (llm.runner, llm.worker):
-        if owner is not None:
+        if owner is not None and owner.graphs is not None:
             g = owner.graphs
             owner.graphs = GraphRunner(g.phases, g.buffer_specs, sizes, g.num_splits, llm.runner.device)
 
@@ -130,3 +134,76 @@ def test_static_graph_path_matches_eager(tiny_llama_dir, tmp_path, spec, tempera
         assert [o["token_ids"] for o in out] == ref
         al = llm.runner.allocator
         assert al.num_free == al.num_usable
+
+
+class StandInGraph:
+    """A stand-in for ``torch.cuda.CUDAGraph`` on a CPU: capture runs the phase, replay does nothing."""
+
+    def replay(self):
+        pass
+
+
+@pytest.fixture
+def stand_in_capture(monkeypatch):
+    """``torch.cuda``'s graph calls replaced by stand-ins; returns the pool each capture was given."""
+    pools = []
+
+    @contextlib.contextmanager
+    def graph(g, pool=None):
+        pools.append(pool)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", StandInGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    return pools
+
+
+def test_capture_keeps_one_set_of_static_outputs(stand_in_capture):
+    """Capture at the defaults (max_num_seqs 256: 20 buckets; S = 5: phases mtp:0..5), each phase returning
+    fresh outputs shaped as the speculative step's (tree tokens [bs, N], emitted [bs, s + 1], accept length,
+    bonus, hidden [bs, H], path [bs, s + 1]; the verify's logits only from an eager call): afterwards the
+    tensors still alive are one set of static outputs for the largest bucket, not one per phase and bucket,
+    and every capture used the same memory pool. A replay returns views of those outputs."""
+    hidden_size = 64
+    made = []  # weak references to every tensor a phase returned
+
+    def phase(s):
+        def fn(bonus, L, num_splits=None, keep_logits=False):
+            bs = len(bonus)
+            outs = [torch.ones(bs, s + 1, dtype=torch.long), torch.ones(bs, s + 1, dtype=torch.long)]
+            outs += [torch.ones(bs, dtype=torch.long), torch.ones(bs, dtype=torch.long)]
+            outs += [torch.ones(bs, hidden_size), torch.ones(bs, s + 1, dtype=torch.long)]
+            made.extend(weakref.ref(x) for x in outs)
+            logits = torch.ones(bs, s + 1, 49152) if keep_logits else None
+            return (*outs, logits)
+
+        return fn
+
+    sizes = graph_batch_sizes(256)
+    buffers = {"bonus": ((1,), torch.long, 0), "L": ((1,), torch.int32, 0)}
+    phases = {f"mtp:{s}": (phase(s), ["bonus", "L"]) for s in range(6)}
+    runner = GraphRunner(phases, buffers, sizes, 16, "cpu")
+    runner.capture()
+    gc.collect()
+    alive = sum(r().nbytes for r in made if r() is not None)
+    one_set = sum(x.nbytes for x in phases["mtp:5"][0](torch.zeros(256), None) if x is not None)
+    assert len(sizes) == 20 and len(stand_in_capture) == 6 * 20
+    assert len({id(pool) for pool in stand_in_capture}) == 1  # one pool for every phase and bucket
+    assert alive == 0 and sum(b.nbytes for b in runner.outputs.buffers if b is not None) == one_set
+    out = runner.run("mtp:2", {"bonus": torch.zeros(3, dtype=torch.long), "L": torch.zeros(3)}, None)
+    assert out[1].shape == (3, 3) and out[6] is None
+    assert out[1].untyped_storage().data_ptr() == runner.outputs.buffers[1].untyped_storage().data_ptr()
+
+
+def test_no_decode_graphs_under_speculation(tiny_llama_dir, asst_dir, monkeypatch):
+    """With an assistant every decode step is the worker's: only the ``mtp:{s}`` phases are captured (the
+    plain ``decode`` phase would never replay); without one, ``decode`` is."""
+    captured = []
+    monkeypatch.setattr(GraphRunner, "capture", lambda self: captured.append(sorted(self.phases)))
+    _engine(tiny_llama_dir, assistant=str(asst_dir), num_steps=2, adaptive_speculation=False)
+    assert captured == [["mtp:0", "mtp:1", "mtp:2"]] or captured == [["mtp:2"]]
+    captured.clear()
+    _engine(tiny_llama_dir)
+    assert captured == [["decode"]]

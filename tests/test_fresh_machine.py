@@ -13,17 +13,13 @@ import json
 import os
 import pathlib
 import re
-import signal
 import subprocess
 import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from helpers import make_llm
 
-from nanospec import SamplingParams
 from nanospec.tools import serve_bench
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -136,79 +132,6 @@ def test_serve_answers_health_and_readme_request():
         serve_bench.stop(proc)
 
 
-RAY_DRIVER = """
-import json
-import sys
-
-import ray
-
-from nanospec.ray import LLMPredictor
-
-ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=sys.argv[1])
-try:
-    assert ray.util.get_node_ip_address() == "127.0.0.1", ray.util.get_node_ip_address()
-    prompts = json.loads(sys.argv[2])
-    options = json.loads(sys.argv[3])
-    ds = ray.data.from_items([{"id": i, "prompt": p} for i, p in enumerate(prompts)])
-    ds = ds.map_batches(LLMPredictor, fn_constructor_kwargs=options, concurrency=1, batch_size=2)
-    rows = ds.take_all()
-    print(json.dumps({r["id"]: [int(t) for t in r["generated_token_ids"]] for r in rows}))
-finally:
-    ray.shutdown()
-"""
-
-
-@pytest.mark.ray
-@pytest.mark.skipif(
-    importlib.util.find_spec("ray") is None, reason="needs the ray extra: pip install '.[ray]'"
-)
-def test_ray_data_driver_in_the_repo_root(smollm2_dir):
-    """A Ray Data driver started in the repo root (Ray puts the driver's cwd on every worker's sys.path): an
-    ``LLMPredictor`` actor builds the default model and returns ``LLM.generate``'s greedy tokens. Ray runs on
-    loopback (single-machine mode), with a random auth token; the driver shuts Ray down, and every process of
-    its process group is killed after it, even when the test fails."""
-    prompts = ["The capital of France is", "Once upon a time"]
-    greedy = dict(temperature=0, max_tokens=4, ignore_eos=True)
-    engine = dict(device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=64, page_size=16)
-    ray_env = dict(  # as tests/test_ray.py: 0 turns on Ray's single-machine mode, every server on 127.0.0.1
-        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
-        RAY_AUTH_MODE="token",
-        RAY_AUTH_TOKEN=os.urandom(16).hex(),
-        RAY_USAGE_STATS_ENABLED="0",
-    )
-    with tempfile.TemporaryDirectory(prefix="ray") as tmp:
-        argv = [
-            sys.executable,
-            "-c",
-            RAY_DRIVER,
-            tmp,
-            json.dumps(prompts),
-            json.dumps(engine | {"sampling_params": greedy}),
-        ]
-        driver = subprocess.Popen(
-            argv,
-            cwd=REPO,
-            env=user_env() | ray_env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            out, err = driver.communicate(timeout=300)
-        finally:
-            try:  # what is left of the driver's process group (Ray's processes share its fate anyway)
-                os.killpg(driver.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            driver.wait()
-    assert driver.returncode == 0, err[-3000:]
-    got = json.loads(out.strip().splitlines()[-1])
-    ref = make_llm(smollm2_dir).generate(prompts, SamplingParams(**greedy), use_tqdm=False)
-    assert [got[str(i)] for i in range(2)] == [o["token_ids"] for o in ref]
-    assert [len(got[str(i)]) for i in range(2)] == [4, 4]
-
-
 # documented commands no test runs whole from the repo root (a measurement, or run in process elsewhere)
 HELP = {
     "nanospec-serve --help": "usage: nanospec-serve",
@@ -223,6 +146,7 @@ HELP = {
     "python scripts/offline_bundle.py --help": "usage: nanospec-bundle",
     "python scripts/kernel_specs.py --help": "usage: kernel_specs.py",
     "python scripts/code_lines.py --help": "usage: code_lines.py",
+    "python scripts/memory_plan.py --help": "usage: memory_plan.py",
 }
 
 

@@ -166,9 +166,11 @@ class FrozenKVMTPWorker:
             "top_p": top_p,
             "seeds": seeds,
         }
-        tree_tokens, out, acc, bonus, hidden, path, logits = self._run(s, inputs, num_kv_splits(bound), masks)
+        wants_logprobs = any(r.params.logprobs is not None for r in reqs)
+        outputs = self._run(s, inputs, num_kv_splits(bound), masks, wants_logprobs)
+        tree_tokens, out, acc, bonus, hidden, path, logits = outputs
         logprobs = None
-        if any(r.params.logprobs is not None for r in reqs):  # emitted token j: the target's at node path[j]
+        if wants_logprobs:  # emitted token j: the target's at node path[j]
             node_logits = logits[torch.arange(len(reqs), device=self.device)[:, None], path.clamp(min=0)]
             logprobs = emitted_logprobs(reqs, node_logits, out)
         # a step that drafts nothing (s = 0) verifies the bonus token alone: the draft input stays fresh
@@ -193,22 +195,28 @@ class FrozenKVMTPWorker:
             self._trace_step(reqs, L.tolist(), tree_tokens.tolist(), result)
         return result
 
-    def _run(self, s: int, inputs: dict, num_splits: int, masks=None) -> tuple:
+    def _run(self, s: int, inputs: dict, num_splits: int, masks=None, logprobs: bool = False) -> tuple:
         """The ``mtp:{s}`` phase's outputs for the batch, in batch order. Rows without a constraint go
         through the graphs; constrained rows (``masks``) run apart, eagerly, with their draft masks (DESIGN
-        §5), so one constrained request does not take the batch off its graphs."""
+        §5), so one constrained request does not take the batch off its graphs. A batch with a request for
+        logprobs runs eagerly and keeps the verify's logits (a graph returns none: DESIGN §3)."""
         phase = f"mtp:{s}"
+        if logprobs:
+            return self.graphs.run(phase, inputs, num_splits, dict(masks=masks, keep_logits=True))
         constrained = [] if masks is None else masks.constrained_rows()
-        if len(constrained) in (0, len(inputs["L"])):
-            return self.graphs.run(phase, inputs, num_splits, masks)
+        if not constrained:
+            return self.graphs.run(phase, inputs, num_splits)
+        if len(constrained) == len(inputs["L"]):
+            return self.graphs.run(phase, inputs, num_splits, dict(masks=masks))
         free = [b for b in range(len(inputs["L"])) if b not in constrained]
-        parts = []
-        for rows, part_masks in ((free, None), (constrained, masks.select(constrained))):
-            index = to_device(rows, torch.long, self.device)
-            part = {name: t.index_select(0, index) for name, t in inputs.items()}
-            parts.append(self.graphs.run(phase, part, num_splits, part_masks))
+        index = to_device(free, torch.long, self.device)
+        parts = [self.graphs.run(phase, {k: t.index_select(0, index) for k, t in inputs.items()}, num_splits)]
+        index = to_device(constrained, torch.long, self.device)
+        part = {k: t.index_select(0, index) for k, t in inputs.items()}
+        parts.append(self.graphs.run(phase, part, num_splits, dict(masks=masks.select(constrained))))
         order = to_device(free + constrained, torch.long, self.device).argsort()
-        return tuple(torch.cat([a, b]).index_select(0, order) for a, b in zip(*parts))
+        merged = [None if a is None else torch.cat([a, b]).index_select(0, order) for a, b in zip(*parts)]
+        return tuple(merged)
 
     def observe(self, out: StepOutput) -> None:
         """A committed step's accept lengths and measured time, for the draft-length policy."""
@@ -307,15 +315,18 @@ class FrozenKVMTPWorker:
         num_splits=None,
         num_steps=None,
         masks=None,
+        keep_logits=False,
     ):
         """One whole speculative step of ``num_steps`` draft steps (default: all) from draft-input tensors
         (bonus [B], hidden [B, Hb]) and the rows' sampling tensors (``sampler.sampling_tensors``): the
         ``mtp:{s}`` phase, the same code whether a CUDA graph captures it or it runs eagerly (always eagerly
-        with ``masks``). Returns (tree tokens [B, N], then ``verify``'s outputs)."""
+        with ``masks`` or ``keep_logits``). Returns (tree tokens [B, N], then ``verify``'s outputs, its
+        logits None unless ``keep_logits``: a graph keeps only what the host reads)."""
         s = self.num_steps if num_steps is None else num_steps
         sampling = (temperature, top_k, top_p, seeds)
         tree = self.draft(StepInput([], bonus, hidden), block_table, L, num_splits, s, sampling, masks)
-        return (tree.tokens, *self.verify(tree, block_table, L, sampling, s, masks))
+        *outputs, logits = self.verify(tree, block_table, L, sampling, s, masks)
+        return (tree.tokens, *outputs, logits if keep_logits else None)
 
     def _trace_step(self, reqs, lens, tree_tokens, result) -> None:
         for r, L, toks, emitted in zip(reqs, lens, tree_tokens, result.tokens):
