@@ -151,8 +151,8 @@ class GraphRunner:
 
     def capture(self) -> None:
         """Capture every phase for every bucket into one memory pool, their outputs into one set of static
-        outputs (a no-op without buckets: CPU, ``enforce_eager``). Each phase first runs eagerly at the
-        largest bucket, which sizes the static outputs."""
+        outputs (CUDA only: elsewhere, and with ``enforce_eager``, there are no buckets and nothing to
+        capture). Each phase first runs eagerly at the largest bucket, which sizes the static outputs."""
         if not self.sizes:
             return
         largest = self.sizes[-1]
@@ -168,7 +168,8 @@ class GraphRunner:
         """The phase's outputs for the live batch (padding rows dropped): the same function on the same named
         tensors, eager or replayed. ``num_splits`` serves only the eager call (a graph has its own fixed
         split count). ``eager``: further arguments that only an eager call takes (structured output's masks,
-        which the host computes between draft steps; the logits that logprobs read), or None."""
+        which the host computes between draft steps; the logits that logprobs read), or None. A replay
+        returns views of the shared static outputs: read them before the next replay of any phase."""
         bs = next(iter(inputs.values())).shape[0]
         bucket = None if eager else select_bucket(bs, self.sizes)
         if bucket is None:

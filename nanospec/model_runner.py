@@ -47,9 +47,10 @@ def memory_plan(total: int, used: int, prefill_peak: int, step_logits: int, conf
     engine reserves besides its weights and what is left for the KV cache, within
     ``config.gpu_memory_utilization``. ``prefill_peak``: the activations of a max-chunk prefill (profiled on
     CUDA); ``step_logits``: the largest decode or verify step's logits (``ModelRunner.step_logits_bytes``).
-    Eager steps take the larger of the two; CUDA graphs keep one memory pool as large as the largest
-    captured step's activations besides it (the ``mtp:{s}`` or ``decode`` phases; their static outputs are
-    a few MB). The same arithmetic runs without a GPU in ``scripts/memory_plan.py``."""
+    Eager steps take the larger of the two; the CUDA graphs' one memory pool, which holds the largest
+    captured step's activations (an ``mtp:{s}`` or ``decode`` step), is reserved as much again, an upper
+    bound (their static outputs are a few MB). The same arithmetic runs without a GPU in
+    ``scripts/memory_plan.py``."""
     activations = max(prefill_peak, step_logits)
     graph_pool = 0 if config.enforce_eager else activations
     kv_cache = int(total * config.gpu_memory_utilization) - used - activations - graph_pool

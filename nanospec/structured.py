@@ -23,39 +23,42 @@ from .transfer import to_device
 # JSON is emitted without whitespace between its tokens: a model cannot loop on whitespace
 JSON_OPTIONS = {"whitespace_flexible": False}
 GRAMMAR_CACHE_SIZE = 64  # compiled grammars kept per model
-# keywords whose value is a map of names to subschemas, a list of subschemas, or one subschema
-SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")  # not allOf: each part would refuse the others' properties
-SCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains")
+# keywords whose value is a map of names to subschemas, one subschema, or a list of alternatives or parts
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+SCHEMA_ONE = ("items", "additionalProperties", "additionalItems")
+COMBINATORS = ("anyOf", "oneOf", "allOf")
 OBJECT_KEYWORDS = ("properties", "patternProperties")  # they make an object schema without a "type"
 
 
-def strict_schema(schema):
+def strict_schema(schema, close: bool = True):
     """A copy of the JSON schema ``schema`` in which an object schema that does not state
-    ``additionalProperties`` or ``unevaluatedProperties`` allows only the properties it lists, and an array
-    schema with ``prefixItems`` but no ``items`` only those items: the strict reading of vLLM's default
-    grammar backend (XGrammar), which tool and response-format schemas (Pydantic's, LangChain's) rely on to
-    end.
-    A schema that states them keeps what it states; the parts of an ``allOf`` stay as they are (each would
-    refuse the others' properties), and so do values under ``enum``, ``const``, ``default`` and ``examples``
-    (data, not schemas)."""
-    if isinstance(schema, list):
-        return [strict_schema(s) for s in schema]
+    ``additionalProperties`` allows only the properties it lists, and an array schema with ``prefixItems``
+    but no ``items`` only those items: the strict reading of vLLM's default grammar backend (XGrammar), which
+    tool and response-format schemas (Pydantic's, LangChain's) rely on to end. A schema that states them
+    keeps what it states. Where properties may come from several schemas at one level, that level stays
+    open and the schemas below it are read strictly: an object schema beside ``anyOf`` / ``oneOf`` /
+    ``allOf``, those alternatives' own level, and the parts of an ``allOf`` of two or more. Values under
+    ``enum``, ``const``, ``default`` and ``examples`` are data and stay as they are. ``close=False``: this
+    level stays open."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
     for key in SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
             out[key] = {name: strict_schema(s) for name, s in out[key].items()}
-    for key in SCHEMA_LISTS + SCHEMA_ONE:
+    for key in SCHEMA_ONE:
         if key in out:
             out[key] = strict_schema(out[key])
-    kinds = out.get("type")
-    kinds = kinds if isinstance(kinds, list) else [kinds]
-    is_object = "object" in kinds or (kinds == [None] and any(k in out for k in OBJECT_KEYWORDS))
-    if is_object and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+    own = any(k in out for k in OBJECT_KEYWORDS)
+    for key in ("prefixItems",) + COMBINATORS:
+        if isinstance(out.get(key), list):
+            alone = key == "prefixItems" or (not own and (key != "allOf" or len(out[key]) == 1))
+            out[key] = [strict_schema(part, alone) for part in out[key]]
+    kinds = out["type"] if isinstance(out.get("type"), list) else [out.get("type")]
+    is_object = "object" in kinds or (kinds == [None] and own)
+    if close and is_object and not any(k in out for k in COMBINATORS) and "additionalProperties" not in out:
         out["additionalProperties"] = False
-    if "prefixItems" in out and not any(k in out for k in ("items", "additionalItems", "unevaluatedItems")):
+    if close and "prefixItems" in out and not any(k in out for k in ("items", "additionalItems")):
         out["items"] = False
     return out
 

@@ -14,7 +14,6 @@ target's KV-owning layers (Gemma 4's shared-KV layers own none).
 
 import argparse
 import sys
-from types import SimpleNamespace
 
 import torch
 
@@ -53,7 +52,9 @@ def plan(args) -> dict:
     dtype = getattr(torch, args.dtype)
     elem = torch.finfo(dtype).bits // 8
     target_config, assistant_config = configs(args.shape)
-    num_draft_tokens = 1 if args.num_steps == 0 else args.num_draft_tokens or 1 + args.num_steps * args.topk
+    num_draft_tokens = (
+        args.config.num_draft_tokens or 1
+    )  # the lookahead: tree nodes N, or 1 without an assistant
     cls, text_config = target_class(target_config)
     with torch.device("meta"):
         target = cls(text_config, args.max_model_len + num_draft_tokens, SINGLE, linear).to(dtype)
@@ -77,12 +78,11 @@ def plan(args) -> dict:
     static = args.max_num_seqs * (4 * width + 8 * 7 + 2 * hidden * elem + 8 * (3 * num_draft_tokens + 2))
     total = int(args.gpu_memory_gib * GIB)
     used = weights + int(args.runtime_gib * GIB)
-    config = SimpleNamespace(
-        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager
-    )
-    figures = memory_plan(total, used, prefill_peak, step_logits, config)
-    kv_tokens = max(figures["kv_cache"], 0) // (kv_per_token * args.page_size) * args.page_size
-    needed = args.max_num_seqs * (args.max_model_len + num_draft_tokens)
+    figures = memory_plan(total, used, prefill_peak, step_logits, args.config)
+    # the engine allocates the budget's blocks, at most max_num_seqs requests at full length (and block 0)
+    per_request = cdiv(args.max_model_len + num_draft_tokens, args.page_size)
+    budget_blocks = max(figures["kv_cache"], 0) // (kv_per_token * args.page_size)
+    kv_blocks = min(budget_blocks, args.max_num_seqs * per_request + 1)
     return dict(
         figures,
         weights=weights,
@@ -90,9 +90,10 @@ def plan(args) -> dict:
         prefill_peak=prefill_peak,
         static_buffers=0 if args.enforce_eager else static,
         kv_per_token=kv_per_token,
-        kv_tokens=kv_tokens,
-        kv_tokens_needed=needed,
-        one_request=args.max_model_len + num_draft_tokens,
+        kv_allocated=kv_blocks * args.page_size * kv_per_token,
+        kv_tokens=max(kv_blocks - 1, 0) * args.page_size,  # block 0 is reserved
+        kv_tokens_needed=args.max_num_seqs * per_request * args.page_size,
+        one_request=per_request * args.page_size,
     )
 
 
@@ -112,11 +113,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--runtime-gib", type=float, default=1.0, help="CUDA context and allocator slack")
     ap.add_argument("--enforce-eager", action="store_true")
     args = ap.parse_args(argv)
-    for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "page_size", "topk"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.num_steps < 0 or args.gpu_memory_gib <= 0 or not 0 < args.gpu_memory_utilization <= 1:
-        ap.error("--num-steps must be >= 0, --gpu-memory-gib > 0, --gpu-memory-utilization in (0, 1]")
+    if args.num_steps < 0 or args.gpu_memory_gib <= 0 or args.runtime_gib < 0:
+        ap.error("--num-steps must be >= 0, --gpu-memory-gib > 0, --runtime-gib >= 0")
+    from nanospec.config import EngineConfig
+
+    engine = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, page_size=args.page_size)
+    engine |= dict(max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager)
+    engine |= dict(gpu_memory_utilization=args.gpu_memory_utilization)
+    if args.num_steps:  # the engine's own checks of the draft options (EngineConfig)
+        engine |= dict(assistant="default", num_steps=args.num_steps, topk=args.topk)
+        engine |= dict(num_draft_tokens=args.num_draft_tokens)
+    try:
+        args.config = EngineConfig(device="cpu", **engine)
+    except (TypeError, ValueError) as e:
+        ap.error(str(e))
     return args
 
 
@@ -126,13 +136,20 @@ def main(argv=None) -> int:
     print(f"memory plan: {args.shape} ({args.dtype}), {args.max_num_seqs} sequences of up to", end=" ")
     print(f"{args.max_model_len} tokens, {args.num_steps} draft steps", end=", ")
     print(f"{args.gpu_memory_gib:g} GiB at {args.gpu_memory_utilization:g}")
-    for name in ("weights", "activations", "graph_pool", "static_buffers", "kv_cache"):
+    for name in ("weights", "activations", "graph_pool", "static_buffers", "kv_cache", "kv_allocated"):
         print(f"  {name:<15} {p[name] / GIB:8.2f} GiB")
     print(f"  (the largest decode or verify step's logits: {p['step_logits'] / GIB:.2f} GiB;", end=" ")
     print(f"a max-chunk prefill's activations, estimated: {p['prefill_peak'] / GIB:.2f} GiB;", end=" ")
     print(f"the CUDA context: {args.runtime_gib:g} GiB)")
-    print(f"  KV cache: {p['kv_tokens']:,} tokens at {p['kv_per_token']:,} bytes each", end="")
-    print(f" ({p['kv_tokens_needed']:,} for every sequence at full length)")
+    print(
+        f"  KV cache: a budget of {p['kv_cache'] / GIB:.2f} GiB; the engine allocates at most what every",
+        end=" ",
+    )
+    print(
+        f"sequence at full length needs ({p['kv_tokens_needed']:,} tokens): {p['kv_tokens']:,} tokens",
+        end=" ",
+    )
+    print(f"at {p['kv_per_token']:,} bytes each")
     fits = p["kv_tokens"] >= p["one_request"]
     print("fits" if fits else f"does not fit: one request of max_model_len needs {p['one_request']} tokens")
     return 0 if fits else 1

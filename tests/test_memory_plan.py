@@ -47,9 +47,15 @@ def test_gemma4_e2b_at_the_defaults_keeps_graphs_small(capsys):
 
 def test_smollm2_plan_and_one_that_does_not_fit(smollm2_dir, capsys):
     """The default model with its shipped assistant fits an 80 GiB GPU; on 1 GiB a 4,096-token request does
-    not (exit 1, saying what one request needs); bad options are refused."""
+    not (exit 1, saying what one request needs, in whole pages); options the engine refuses are refused."""
     assert script.main([]) == 0
     assert script.main(["--gpu-memory-gib", "1"]) == 1
-    assert "does not fit: one request of max_model_len needs 4102 tokens" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        script.main(["--max-num-seqs", "0"])
+    assert "does not fit: one request of max_model_len needs 4112 tokens" in capsys.readouterr().out
+    for bad in (
+        ["--max-num-seqs", "0"],
+        ["--topk", "2"],
+        ["--num-draft-tokens", "-5"],
+        ["--runtime-gib", "-1"],
+    ):
+        with pytest.raises(SystemExit):  # the engine's own checks (EngineConfig), as argparse errors
+            script.main(bad)

@@ -344,13 +344,24 @@ ADD = {
         ({"type": "array", "prefixItems": [{"type": "integer"}]}, "[1,2]", False),
         ({"type": "array", "items": {"type": "integer"}}, "[1,2,3]", True),
         ({"anyOf": [ADD, {"type": "integer"}]}, '{"a":1,"x":1}', False),
+        ({"allOf": [ADD]}, '{"a":1,"z":1}', False),  # one part: closed
+        ({"allOf": [ADD, {"properties": {"c": {}}}]}, '{"a":1,"c":1}', True),  # parts add up: open
+        ({"allOf": [{"properties": {"o": ADD}}, {"properties": {"c": {}}}]}, '{"o":{"a":1,"z":1}}', False),
+        ({"type": "object", "properties": {"q": {"allOf": [ADD]}}}, '{"q":{"a":1,"z":2}}', False),
+        (
+            ADD | {"anyOf": [{"properties": {"x": {}}, "required": ["x"]}]},
+            '{"x":2,"a":1}',  # llguidance writes the alternatives' properties first
+            True,
+        ),  # beside anyOf
         (None, '{"k":1,"j":[1]}', True),  # json_object: any object
     ],
 )
 def test_object_schemas_allow_only_their_listed_properties(plain, schema, text, allowed):
     """vLLM's (XGrammar's) strict reading: an object schema without ``additionalProperties`` allows only the
     properties it lists, an array with ``prefixItems`` only those items; a schema that states
-    ``additionalProperties`` keeps it; ``json_object`` is any object."""
+    ``additionalProperties`` keeps it; a level whose properties may come from several schemas (beside
+    ``anyOf``, the parts of an ``allOf`` of two) stays open, the levels below it strict; ``json_object`` is
+    any object."""
     so = StructuredOutputsParams(json_object=True) if schema is None else StructuredOutputsParams(json=schema)
     matcher = plain.grammars.matcher(so)
     tokens = plain.tokenizer.encode(text, add_special_tokens=False)

@@ -215,8 +215,7 @@ class FrozenKVMTPWorker:
         part = {k: t.index_select(0, index) for k, t in inputs.items()}
         parts.append(self.graphs.run(phase, part, num_splits, dict(masks=masks.select(constrained))))
         order = to_device(free + constrained, torch.long, self.device).argsort()
-        merged = [None if a is None else torch.cat([a, b]).index_select(0, order) for a, b in zip(*parts)]
-        return tuple(merged)
+        return tuple(None if a is None else torch.cat([a, b]).index_select(0, order) for a, b in zip(*parts))
 
     def observe(self, out: StepOutput) -> None:
         """A committed step's accept lengths and measured time, for the draft-length policy."""
