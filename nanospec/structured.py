@@ -166,8 +166,7 @@ class StepMasks:
 
     def __init__(self, reqs, vocab_size: int, eos_token_ids, device):
         self.matchers = [r.matcher for r in reqs]
-        self.asks_logprobs = [r.params.logprobs is not None for r in reqs]
-        self.logprobs = any(self.asks_logprobs)  # they read masked logits
+        self.logprobs = any(r.params.logprobs is not None for r in reqs)  # they read masked logits
         self.words = -(-vocab_size // 32)
         self.eos_token_ids = set(eos_token_ids)
         self.device = device
@@ -178,11 +177,9 @@ class StepMasks:
         return [b for b, matcher in enumerate(self.matchers) if matcher is not None]
 
     def select(self, rows: list[int]) -> "StepMasks":
-        """The masks of these rows of the batch, as a batch of their own."""
+        """The masks of these rows of the batch, as a batch of their own (``logprobs`` stays the batch's)."""
         part = copy.copy(self)
         part.matchers = [self.matchers[b] for b in rows]
-        part.asks_logprobs = [self.asks_logprobs[b] for b in rows]
-        part.logprobs = any(part.asks_logprobs)
         part.seen = {}
         return part
 

@@ -208,13 +208,14 @@ class FrozenKVMTPWorker:
             return self.graphs.run(phase, inputs, num_splits)
         if len(constrained) == len(inputs["L"]):
             return self.graphs.run(phase, inputs, num_splits, dict(masks=masks))
-        free = [b for b in range(len(inputs["L"])) if b not in constrained]
-        index = to_device(free, torch.long, self.device)
-        parts = [self.graphs.run(phase, {k: t.index_select(0, index) for k, t in inputs.items()}, num_splits)]
-        index = to_device(constrained, torch.long, self.device)
-        part = {k: t.index_select(0, index) for k, t in inputs.items()}
-        parts.append(self.graphs.run(phase, part, num_splits, dict(masks=masks.select(constrained))))
-        order = to_device(free + constrained, torch.long, self.device).argsort()
+        free = sorted(set(range(len(inputs["L"]))) - set(constrained))
+        rows = to_device(free + constrained, torch.long, self.device)  # one transfer for both parts
+        constrained_masks = dict(masks=masks.select(constrained))
+        parts = []
+        for index, eager in ((rows[: len(free)], None), (rows[len(free) :], constrained_masks)):
+            part = {k: t.index_select(0, index) for k, t in inputs.items()}
+            parts.append(self.graphs.run(phase, part, num_splits, eager))
+        order = rows.argsort()
         return tuple(None if a is None else torch.cat([a, b]).index_select(0, order) for a, b in zip(*parts))
 
     def observe(self, out: StepOutput) -> None:
