@@ -1,5 +1,7 @@
 """kernels/ is only ever the subpackage ``nanospec.kernels`` (DESIGN §1): never a top-level ``kernels``
-package, which would shadow (or be shadowed by) PyPI's ``kernels`` distribution that transformers imports."""
+package, which would shadow (or be shadowed by) PyPI's ``kernels`` distribution that transformers imports.
+In a source checkout ``nanospec/kernels`` is a committed link to the folder, so editors, type checkers and
+anything that ships the ``nanospec`` folder find the kernels where the imports say they are."""
 
 import importlib.util
 import os
@@ -30,8 +32,69 @@ def test_nanospec_kernels_is_the_repo_folder():
 
 def test_kernels_folder_is_no_regular_package():
     """A kernels/__init__.py would make the folder the package ``kernels`` for anything started from the repo
-    root (its directory is sys.path[0]), ahead of PyPI's."""
+    root (its directory is sys.path[0]), ahead of PyPI's. ``nanospec/kernels`` is a link to it, tracked by git
+    (mode 120000), not a copy."""
     assert not (REPO / "kernels" / "__init__.py").exists()
+    link = REPO / "nanospec" / "kernels"
+    assert link.is_symlink() and os.readlink(link) == "../kernels"
+    if (REPO / ".git").exists():
+        staged = subprocess.run(
+            ["git", "ls-files", "-s", "nanospec/kernels"], cwd=REPO, capture_output=True, text=True
+        )
+        assert staged.stdout.startswith("120000 "), staged.stdout
+
+
+def test_editor_goes_to_the_kernel():
+    """jedi (the engine of many editors' go-to-definition) follows a kernel call in ``nanospec/context.py``
+    to its definition in ``kernels/attention.py``."""
+    jedi = pytest.importorskip("jedi")
+    path = REPO / "nanospec" / "context.py"
+    source = path.read_text()
+    lines = source.splitlines()
+    line = next(i for i, text in enumerate(lines, 1) if "return decode_attention(" in text)
+    column = lines[line - 1].index("decode_attention") + 2
+    script = jedi.Script(source, path=str(path), project=jedi.Project(str(REPO)))
+    found = script.goto(line, column, follow_imports=True)
+    assert [(pathlib.Path(d.module_path).resolve(), d.name) for d in found] == [
+        (REPO / "kernels" / "attention.py", "decode_attention")
+    ]
+
+
+def test_type_checker_finds_the_kernels(tmp_path):
+    """mypy resolves ``nanospec.kernels.attention`` from ``nanospec/context.py`` (without the link it reports
+    "Cannot find implementation or library stub")."""
+    pytest.importorskip("mypy")
+    cmd = [sys.executable, "-m", "mypy", "--follow-imports=silent", "--cache-dir", str(tmp_path / "cache")]
+    out = subprocess.run([*cmd, "nanospec/context.py"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "nanospec.kernels" not in out.stdout
+
+
+def test_a_kernel_imports_without_the_engine():
+    """``import nanospec.kernels.sampling`` loads torch and triton, not the engine or transformers (the
+    package loads ``LLM`` on first use, PEP 562)."""
+    code = (
+        "import sys, nanospec.kernels.sampling; "
+        "print(sorted(m for m in sys.modules if m.startswith(('transformers', 'nanospec.'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    imported = [line.split("|")[-1].strip() for line in out.stderr.splitlines() if "|" in line]
+    assert not [m for m in imported if m.split(".")[0] == "transformers"]
+    assert eval(out.stdout) == ["nanospec.kernels", "nanospec.kernels.backend", "nanospec.kernels.sampling"]
+    code = "import nanospec; print(nanospec.SamplingParams(max_tokens=3).max_tokens, nanospec.LLM.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["3", "LLM"], out.stderr
+    import nanospec
+
+    with pytest.raises(AttributeError, match="no attribute 'Llm'"):
+        nanospec.Llm  # noqa: B018
 
 
 def test_pyproject_maps_kernels_under_nanospec():

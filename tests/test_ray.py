@@ -8,6 +8,7 @@ through the openai client as the offline engine does, both replicas serving. Mar
 import importlib.util
 import json
 import os
+import pathlib
 import secrets
 import signal
 import subprocess
@@ -134,7 +135,8 @@ def test_ray_data_driver_in_the_repo_root(smollm2_dir):
 def ray_cluster(tmp_path_factory):
     """``ray`` with a local cluster of 2 CPUs started. Loopback only: Ray's single-machine mode (the node IP
     is 127.0.0.1, so every server binds there); a random auth token in the environment (nothing written to
-    ~/.ray); the session files in a temporary dir. Shut down (every process it started) after the module."""
+    ~/.ray); the session files in a temporary dir; the ``nanospec`` folder uploaded (``py_modules``). Shut
+    down (every process it started) after the module."""
     env = dict(
         RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
         RAY_AUTH_MODE="token",
@@ -155,7 +157,10 @@ def ray_cluster(tmp_path_factory):
             )
 
         tmp = tmp_path_factory.mktemp("ray")
-        setup = dict(worker_process_setup_hook=loopback_grpc)  # in every worker, before Serve's modules load
+        import nanospec
+
+        # loopback_grpc runs in every worker, before Serve's modules load; nanospec ships as users ship it
+        setup = dict(worker_process_setup_hook=loopback_grpc, py_modules=[nanospec])
         children = set(psutil.Process().children(recursive=True))
         before = listening()
         ray.init(
@@ -268,6 +273,32 @@ def test_build_app_checks_its_arguments(ray_cluster, tiny_llama_dir):
         model=model, num_replicas="2", max_num_seqs="4", enforce_eager="true", overlap_schedule="none"
     )
     assert isinstance(build_app(args | dict(device="cpu", gpu_memory_utilization="0.5")), Application)
+
+
+def test_py_modules_ship_the_kernels(ray_cluster):
+    """``ray.init(runtime_env={"py_modules": [nanospec]})`` (the ``ray_cluster`` fixture) uploads the
+    ``nanospec`` folder; the kernels travel with it (``nanospec/kernels`` is a link to ``kernels/``, which the
+    upload follows)."""
+
+    def nanospec_from_py_modules(repo: str):
+        """In the worker, with neither the repo nor the editable install on the path (only the uploaded
+        folder can provide it), import ``nanospec.kernels.matmul``; where it came from."""
+        import pathlib
+        import sys
+
+        sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != pathlib.Path(repo)]
+        sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+        for name in [m for m in sys.modules if m == "nanospec" or m.startswith("nanospec.")]:
+            del sys.modules[name]
+        import nanospec.kernels.matmul
+
+        return nanospec.__file__, nanospec.kernels.matmul.__file__
+
+    task = ray_cluster.remote(nanospec_from_py_modules)
+    package, matmul = within(300, ray_cluster.get, task.remote(str(REPO)))
+    assert not pathlib.Path(package).resolve().is_relative_to(REPO), package
+    assert pathlib.Path(matmul).parent.parent == pathlib.Path(package).parent
+    assert pathlib.Path(matmul).parts[-3:] == ("nanospec", "kernels", "matmul.py")
 
 
 @pytest.fixture(scope="module")
