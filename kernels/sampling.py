@@ -14,7 +14,8 @@ reaches ``top_p`` (the token that crosses ``top_p`` is kept). ``top_k <= 0`` or 
 disable them. A packed allowed-token ``bitmask`` (structured output: int32 ``[R, ceil(V / 32)]``, bit
 ``v & 31`` of word ``v >> 5`` set when token v is allowed) sets the logits of the other tokens to ``-inf``
 first, so greedy, sampled and filtered rows all see the masked distribution; the kernel tests the bits as
-it loads the logits (no ``[R, V]`` mask is built on a GPU).
+it loads the logits. ``mask_logits`` (greedy rows, draft rows, logprobs) unpacks the bits into a ``[R, V]``
+mask instead.
 
 The reference sorts each sampled row. The Triton kernel (one program per row) never holds a row in registers:
 it streams the vocabulary in BLOCK chunks: a max / argmax / sum-exp pass, then two bisections (<= 32

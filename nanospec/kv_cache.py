@@ -142,7 +142,7 @@ class BlockAllocator:
         req.block_table = []
 
     # ---- prefix caching ----------------------------------------------------------------------------------
-    def _hashes(self, req: Request, num_tokens: int) -> list[int]:
+    def _hashes(self, req: Request, num_tokens: int) -> list[bytes]:
         """Chained 32-byte sha256 keys of the first ``num_tokens // page_size`` full blocks of ``req``'s
         tokens (kept on the request: its token prefix never changes, so each block is hashed once)."""
         ps = self.page_size

@@ -11,7 +11,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from . import cpu, loader, parallel
+from . import cpu, default_model, loader, parallel
 from .config import EngineConfig
 from .model_runner import ModelRunner
 from .models.assistant_io import read_config
@@ -59,8 +59,10 @@ class LLM:
         # DESIGN §4 rule 2: check every option, then construct, then allocate, then bind
         assistant = assistant_config = None
         if c.speculative:  # a bad or mismatched assistant fails from the configs, before any weights load
-            assistant = resolve_assistant(c.assistant, loader.is_default_target(hf_config, self.tokenizer))
-            check_assistant_config(assistant_config := read_config(assistant), hf_config)
+            is_default = default_model.is_default_target(hf_config, self.tokenizer)
+            assistant = resolve_assistant(c.assistant, is_default)
+            assistant_config = read_config(assistant)
+            check_assistant_config(assistant_config, hf_config)
         parallel.check_sizes(c, hf_config, assistant_config)
         tp = parallel.start(c, LLM, str(model_dir), kwargs)
         try:  # a failure from here on closes the ranks already started
@@ -102,6 +104,7 @@ class LLM:
         self.scheduler = Scheduler(c, allocator, runner.lookahead)
         self.overlap = c.overlap_schedule if c.overlap_schedule is not None else runner.device.type == "cuda"
         self._inflight = None  # (batch, output) launched but not yet committed
+        self._rank_tables: dict[int, list[int]] = {}  # ranks > 0: their copy of the block tables
         self._next_id = 0
         self._seeds = random.Random(c.seed)  # seeds for requests that bring none
         self._stash: list[Request] = []  # finished add_request() requests seen by generate(), kept for step()
@@ -198,6 +201,8 @@ class LLM:
         work (no host sync): prefill, or one decode / speculative step (``plan``: the draft length and its
         estimate, ``DraftLength.choose``)."""
         self._release(released)
+        if self.runner.tp.rank > 0:
+            self._restore_block_tables(batch)
         masks = None
         if any(r.matcher is not None for r in batch.reqs):
             masks = StepMasks(batch.reqs, self.runner.vocab_size, self.eos_token_ids, self.runner.device)
@@ -221,6 +226,16 @@ class LLM:
         for req, reason in released:
             self.next_inputs.on_release([req], reason)
             self.runner.block_tables.on_release([req])
+            self._rank_tables.pop(req.request_id, None)
+
+    def _restore_block_tables(self, batch) -> None:
+        """Ranks > 0: each request of ``batch`` gets its whole block table. A step message carries of a
+        running request's table only the blocks its step added (``Batch.new_blocks``); the rest is this
+        rank's copy, ``_rank_tables`` (request id -> block ids, dropped at release: DESIGN §9)."""
+        for i, req in enumerate(batch.reqs):
+            if batch.kind == "decode":
+                req.block_table = self._rank_tables[req.request_id] + batch.new_blocks[i]
+            self._rank_tables[req.request_id] = req.block_table
 
     # ---- tensor parallelism (nanospec/parallel.py): rank 0 sends each call, every rank runs it ------------
     def _call(self, name: str, *args):
@@ -234,11 +249,8 @@ class LLM:
             raise
 
     def _serve(self) -> None:
-        """Ranks > 0: rank 0's calls in its order until it closes (a None message), then exit. Each call's
-        requests first get their whole block tables from the ones this rank keeps (DESIGN §9)."""
-        tables = {}  # request id -> block ids (parallel.restore_block_tables)
+        """Ranks > 0: rank 0's calls in its order until it closes (a None message), then exit."""
         while (msg := parallel.broadcast()) is not None:
-            parallel.restore_block_tables(tables, *msg)
             attrgetter(msg[0])(self)(*msg[1])
         os._exit(0)  # nothing of this rank outlives the group: skip the interpreter's teardown
 

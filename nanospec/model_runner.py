@@ -12,6 +12,7 @@ from .context import AttnMetadata, attn_metadata
 from .cuda_graph import GraphRunner, graph_batch_sizes
 from .kernels.attention import KV_SPLIT_SIZE, num_kv_splits
 from .kernels.matmul import linear_invariant
+from .kernels.sampling import sample
 from .kv_cache import DUMMY_BLOCK, BlockAllocator, BlockTables, cdiv, slot_mapping
 from .models import init_random_weights, load_weights, target_class
 from .next_inputs import NextInputs, StepInput
@@ -42,16 +43,16 @@ def build_target(cfg, device, dtype, max_position: int, model_dir=None, seed=0, 
     return model
 
 
-def memory_plan(total: int, used: int, prefill_peak: int, step_logits: int, config) -> dict[str, int]:
+def memory_plan(total: int, used: int, peak: int, step_logits: int, config) -> dict[str, int]:
     """Bytes of a GPU of ``total`` bytes, ``used`` of them taken (weights, the CUDA context): what the
     engine reserves besides its weights and what is left for the KV cache, within
-    ``config.gpu_memory_utilization``. ``prefill_peak``: the activations of a max-chunk prefill (profiled on
-    CUDA); ``step_logits``: the largest decode or verify step's logits (``ModelRunner.step_logits_bytes``).
-    Eager steps take the larger of the two; the CUDA graphs' one memory pool, which holds the largest
-    captured step's activations (an ``mtp:{s}`` or ``decode`` step), is reserved as much again, an upper
-    bound (their static outputs are a few MB). The same arithmetic runs without a GPU in
-    ``scripts/memory_plan.py``."""
-    activations = max(prefill_peak, step_logits)
+    ``config.gpu_memory_utilization``. ``peak``: the activations of the largest prefill chunk and of the
+    largest decode or verify step with its logits and sampling (on CUDA profiled, ``_profile_peak``; without
+    a GPU estimated, ``scripts/memory_plan.py``); ``step_logits``: that step's logits alone
+    (``ModelRunner.step_logits_bytes``), a floor under the peak. Eager steps take the larger of the two; the
+    CUDA graphs' one memory pool, which holds the largest captured step's activations (an ``mtp:{s}`` or
+    ``decode`` step), is reserved as much again, an upper bound (their static outputs are a few MB)."""
+    activations = max(peak, step_logits)
     graph_pool = 0 if config.enforce_eager else activations
     kv_cache = int(total * config.gpu_memory_utilization) - used - activations - graph_pool
     return dict(total=total, used=used, activations=activations, graph_pool=graph_pool, kv_cache=kv_cache)
@@ -128,7 +129,7 @@ class ModelRunner:
         return rows * self.vocab_size * (torch.finfo(self.dtype).bits // 8 + 4)
 
     def allocate_kv_cache(self) -> BlockAllocator:
-        """Size, allocate and bind the pools (after a profiled prefill on CUDA); returns the block
+        """Size, allocate and bind the pools (after profiling the largest steps on CUDA); returns the block
         allocator."""
         if self.device.type == "cuda":
             self._profile_peak()
@@ -161,16 +162,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _profile_peak(self) -> None:
-        """One prefill of the largest chunk over a scratch pool, so the KV budget leaves room for activations.
-        Only the target is bound to the scratch pool; the drafter binds after the real allocation."""
+        """The largest steps the engine will run, over a scratch pool, so the KV budget leaves room for their
+        activations (vLLM profiles its sampler the same way): a prefill of the largest chunk, then a step of
+        ``max_num_seqs`` requests of ``lookahead`` tokens each (a verify, or a decode), its logits and sampled
+        tokens. Only the target is bound to the scratch pool; the drafter, whose activations are far smaller
+        (``topk`` rows per request at its own width), binds after the real allocation."""
         c = self.config
-        T = min(c.max_num_batched_tokens, c.max_model_len)
-        blocks = cdiv(T, c.page_size) + 1
-        self.bind_pools(blocks)
-        torch.cuda.reset_peak_memory_stats(self.device)
         dev = self.device
+        T = min(c.max_num_batched_tokens, c.max_model_len)
+        B = c.max_num_seqs
+        N = self.lookahead
+        blocks = cdiv(max(T, N), c.page_size) + 1
+        self.bind_pools(blocks)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        table = torch.arange(1, blocks, dtype=torch.int32, device=dev)
         md = AttnMetadata.prefill(
-            torch.arange(1, blocks, dtype=torch.int32, device=dev)[None],
+            table[None],
             torch.tensor([T], dtype=torch.int32, device=dev),
             torch.arange(c.page_size, c.page_size + T, device=dev),
             torch.tensor([0, T], dtype=torch.int32, device=dev),
@@ -180,8 +188,18 @@ class ModelRunner:
         with attn_metadata(md):
             ids = torch.zeros(T, dtype=torch.long, device=dev)
             self.model.compute_logits(self.model(ids, torch.arange(T, device=dev))[-1:])
+        # every request reads and writes the same scratch blocks: only the shapes count here
+        L = torch.zeros(B, dtype=torch.int32, device=dev)
+        positions = torch.arange(N, device=dev).repeat(B)
+        md = AttnMetadata.verify(table.repeat(B, 1), L, c.page_size + positions, N, None, self.split_size)
+        with attn_metadata(md):
+            hidden = self.model(torch.zeros(B * N, dtype=torch.long, device=dev), positions)
+        logits = self.model.compute_logits(hidden)
+        greedy = torch.zeros(B * N, device=dev)
+        sample(logits, greedy, greedy.int(), greedy + 1, positions, positions)
         self.kv_pools = []
-        torch.cuda.synchronize(dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
     # ---- graphs
     # ----------------------------------------------------------------------------------------------------
@@ -295,7 +313,7 @@ class ModelRunner:
         if not rows:
             return None, None
         tokens = self._tensor([t for _, ids, _ in scored for t in ids])
-        logits = self.model.compute_logits(hidden[rows])
+        logits = self.model.compute_logits(hidden[to_device(rows, torch.int64, self.device)])
         return TokenLogprobs(logits, tokens, max(k for _, _, k in scored)), scored
 
     # ---- plain decode

@@ -12,7 +12,7 @@ Process model: rank 0 is the caller's process and owns the scheduler; it sends e
 of a request's inputs) to the other ranks over a CPU (gloo) group, and every rank runs the same calls in the
 same order (``LLM._call``). Tokens are decided on rank 0 and broadcast (``agree``), so every rank ends a step
 with the same inputs for the next one. A running request travels without its block table: the other ranks
-keep it and append the blocks each plan adds (``restore_block_tables``). The group comes from ``env://``
+keep it and append the blocks each plan adds (``LLM._restore_block_tables``). The group comes from ``env://``
 settings (torchrun) or, when the engine starts its own ranks, from a temporary file (no port to race for; the
 ranks' sockets on loopback).
 """
@@ -239,22 +239,6 @@ def _rank_main(r: int, n: int, rdzv: str, engine: type, model_dir: str, kwargs: 
     """A started rank: the same ``LLM`` (``engine``) as rank 0, serving rank 0's calls until it closes."""
     os.environ.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), NANOSPEC_TP_INIT=f"file://{rdzv}")
     engine(model_dir, **kwargs)
-
-
-def restore_block_tables(tables: dict[int, list[int]], name: str, args: tuple) -> None:
-    """Ranks > 0, before rank 0's call ``name(*args)`` runs here. ``tables`` (request id -> block ids) is the
-    rank's copy of each launched request's block table, so that a step message carries of a running
-    request's table only the blocks its step added (DESIGN §9). ``_release(released)`` and ``_launch(batch,
-    plan, released)`` drop the released requests' tables; then every request of a launched batch gets its
-    whole table: a waiting one arrives with it, a running one with none, its table being the one kept here
-    and the plan's ``Batch.new_blocks``."""
-    for req, _ in args[-1] if name in ("_launch", "_release") else ():
-        tables.pop(req.request_id, None)
-    batch = args[0] if name == "_launch" else None
-    for i, req in enumerate(batch.reqs if batch is not None else ()):
-        if batch.kind == "decode":
-            req.block_table = tables[req.request_id] + batch.new_blocks[i]
-        tables[req.request_id] = req.block_table
 
 
 def broadcast(msg=None):

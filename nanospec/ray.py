@@ -7,7 +7,7 @@ from dataclasses import fields
 
 import numpy as np
 
-from . import loader
+from . import default_model
 from .config import EngineConfig
 from .llm import LLM
 from .sampling_params import SamplingParams
@@ -123,7 +123,7 @@ def build_app(args: dict):
     config = EngineConfig.from_kwargs(model, options)
     if num_gpus is None:
         num_gpus = config.tensor_parallel_size if config.torch_device().type == "cuda" else 0
-    name = model or loader.DEFAULT_MODEL_NAME
+    name = model or default_model.DEFAULT_MODEL_NAME
 
     def replica_app():  # runs in each replica: its engine and the app over it
         replica = serve.get_replica_context().replica_id.unique_id.encode()

@@ -11,10 +11,9 @@ from .request import Request, Status
 @dataclass
 class Batch:
     """One step's plan. kind "prefill": compute ``num_new[i]`` prompt tokens of ``reqs[i]`` starting at its
-    ``num_computed_tokens``; kind "decode": one decode (or draft + verify) step for every request, writing
-    ``num_new[i]`` KV rows (the lookahead: 1, or the N tokens a verify writes), ``new_blocks[i]``
-    the blocks request i's table gained in this plan (all a step message carries of a running request's
-    table: DESIGN §9)."""
+    ``num_computed_tokens``; kind "decode": one decode (or draft + verify) step for every request (``num_new``
+    is empty: every request writes the lookahead's KV rows); ``new_blocks[i]`` the blocks request i's table
+    gained in this plan (all a step message carries of a running request's table: DESIGN §9)."""
 
     kind: str
     reqs: list[Request]
@@ -162,8 +161,7 @@ class Scheduler:
             elif not req.num_inflight:
                 self._preempt(req)  # the youngest holder left: its blocks go to the older ones
             # else: it waits for its step in flight to commit; alone it then fits (the pool check)
-        rows_written = [self.lookahead] * len(scheduled)
-        return Batch("decode", scheduled, rows_written, new_blocks) if scheduled else None
+        return Batch("decode", scheduled, new_blocks=new_blocks) if scheduled else None
 
     def _preempt(self, req: Request) -> None:
         """Free a running request, or a waiting one holding blocks, for recompute by a later prefill over

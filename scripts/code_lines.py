@@ -59,7 +59,7 @@ def budgets() -> dict:
             3600,  # until the core issue brings it to 3,300
         ),
         "kernels/": (sorted((REPO / "kernels").rglob("*.py")), 1850),
-        "front ends (tools/, serve/, ray*)": ([p for p in nanospec if is_front_end(p)], 2000),
+        "front ends (tools/, serve/, ray*)": ([p for p in nanospec if is_front_end(p)], 2200),
         "lifecycle (llm.py, scheduler.py, kv_cache.py, mtp/)": (lifecycle, 1150),
     }
 

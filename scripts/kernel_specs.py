@@ -396,7 +396,7 @@ def _assistant(target, cfg, kind, path):
     import torch
     from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
 
-    from nanospec.models.gemma4_assistant import assistant_config_for
+    from nanospec.tools.checkpoints import assistant_config_for
 
     centroid = dict(use_ordered_embeddings=kind == "centroid", num_centroids=64, centroid_top_k=8)
     if cfg.model_type != "gemma4_text":

@@ -26,7 +26,7 @@ def configs(shape: str):
     from transformers import Qwen3Config
 
     from nanospec import loader
-    from nanospec.models.shapes import GEMMA4, QWEN3_0_6B, gemma4_configs
+    from nanospec.tools.checkpoints import GEMMA4, QWEN3_0_6B, gemma4_configs
 
     if shape in GEMMA4:
         return gemma4_configs(shape)
@@ -52,9 +52,8 @@ def plan(args) -> dict:
     dtype = getattr(torch, args.dtype)
     elem = torch.finfo(dtype).bits // 8
     target_config, assistant_config = configs(args.shape)
-    num_draft_tokens = (
-        args.config.num_draft_tokens or 1
-    )  # the lookahead: tree nodes N, or 1 without an assistant
+    # the lookahead: tree nodes N, or 1 without an assistant
+    num_draft_tokens = args.config.num_draft_tokens or 1
     cls, text_config = target_class(target_config)
     with torch.device("meta"):
         target = cls(text_config, args.max_model_len + num_draft_tokens, SINGLE, linear).to(dtype)
@@ -70,15 +69,18 @@ def plan(args) -> dict:
     kv_heads, head_dim = max(filter(None, target.kv_geometry), key=lambda g: g[0] * g[1])
     qkv = (text_config.num_attention_heads + 2 * kv_heads) * head_dim
     per_token = (6 * hidden + 3 * text_config.intermediate_size + qkv) * elem
+    # the two steps the engine profiles on CUDA (ModelRunner._profile_peak): the largest prefill chunk, then
+    # max_num_seqs requests of num_draft_tokens tokens with every row's logits
     prefill_peak = min(args.max_num_batched_tokens, args.max_model_len) * per_token + vocab * (elem + 4)
     step_logits = args.max_num_seqs * num_draft_tokens * vocab * (elem + 4)
+    step_peak = args.max_num_seqs * num_draft_tokens * per_token + step_logits
     width = cdiv(args.max_model_len + num_draft_tokens, args.page_size)
     # static inputs (block table, bonus, committed length, sampling parameters, seed hidden) and outputs
     # (tree tokens, emitted tokens, accept length, bonus, hidden, path) of the largest bucket
     static = args.max_num_seqs * (4 * width + 8 * 7 + 2 * hidden * elem + 8 * (3 * num_draft_tokens + 2))
     total = int(args.gpu_memory_gib * GIB)
     used = weights + int(args.runtime_gib * GIB)
-    figures = memory_plan(total, used, prefill_peak, step_logits, args.config)
+    figures = memory_plan(total, used, max(prefill_peak, step_peak), step_logits, args.config)
     # the engine allocates the budget's blocks, at most max_num_seqs requests at full length (and block 0)
     per_request = cdiv(args.max_model_len + num_draft_tokens, args.page_size)
     budget_blocks = max(figures["kv_cache"], 0) // (kv_per_token * args.page_size)
@@ -88,6 +90,7 @@ def plan(args) -> dict:
         weights=weights,
         step_logits=step_logits,
         prefill_peak=prefill_peak,
+        step_peak=step_peak,
         static_buffers=0 if args.enforce_eager else static,
         kv_per_token=kv_per_token,
         kv_allocated=kv_blocks * args.page_size * kv_per_token,
@@ -138,8 +141,9 @@ def main(argv=None) -> int:
     print(f"{args.gpu_memory_gib:g} GiB at {args.gpu_memory_utilization:g}")
     for name in ("weights", "activations", "graph_pool", "static_buffers", "kv_cache", "kv_allocated"):
         print(f"  {name:<15} {p[name] / GIB:8.2f} GiB")
-    print(f"  (the largest decode or verify step's logits: {p['step_logits'] / GIB:.2f} GiB;", end=" ")
-    print(f"a max-chunk prefill's activations, estimated: {p['prefill_peak'] / GIB:.2f} GiB;", end=" ")
+    print(f"  (estimated: the largest decode or verify step {p['step_peak'] / GIB:.2f} GiB,", end=" ")
+    print(f"its logits {p['step_logits'] / GIB:.2f} GiB;", end=" ")
+    print(f"a max-chunk prefill {p['prefill_peak'] / GIB:.2f} GiB;", end=" ")
     print(f"the CUDA context: {args.runtime_gib:g} GiB)")
     print(
         f"  KV cache: a budget of {p['kv_cache'] / GIB:.2f} GiB; the engine allocates at most what every",

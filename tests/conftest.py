@@ -180,7 +180,7 @@ def save_assistant(path, target_cfg, seed=7, **kw):
     """
     from transformers import Gemma4AssistantForCausalLM
 
-    from nanospec.models.gemma4_assistant import assistant_config_for
+    from nanospec.tools.checkpoints import assistant_config_for
 
     cfg = assistant_config_for(target_cfg, **{"num_layers": 2, "hidden_size": 32, "num_heads": 4, **kw})
     torch.manual_seed(seed)

@@ -11,7 +11,7 @@ from transformers import AutoConfig, Gemma4AssistantForCausalLM
 import nanospec.model_runner as model_runner
 import nanospec.models.assistant_io as assistant_io
 from nanospec import LLM
-from nanospec.models.gemma4_assistant import assistant_config_for
+from nanospec.tools.checkpoints import assistant_config_for
 
 
 def save(path, cfg):

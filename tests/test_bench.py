@@ -7,8 +7,7 @@ import re
 
 import pytest
 
-from nanospec.models import shapes
-from nanospec.tools import bench
+from nanospec.tools import bench, checkpoints
 
 TOTAL_LINE = re.compile(r"^Total: (\d+)tok, Time: (\d+\.\d\d)s, Throughput: (\d+\.\d\d)tok/s$")
 TINY = [
@@ -489,9 +488,9 @@ def test_gemma4_shape_runs_scaled_down(capsys, monkeypatch, shape):
     """--shape gemma4-* --assistant random through the engine, the shape's numbers scaled down (CPU)."""
     monkeypatch.setitem(bench.GEMMA4, shape, SMALL_GEMMA4[shape])
     moe = dict(enable_moe_block=True, num_experts=16, top_k_experts=4, moe_intermediate_size=16)
-    monkeypatch.setattr(shapes, "G4_MOE", {"gemma4-26b-a4b": moe})
+    monkeypatch.setattr(checkpoints, "G4_MOE", {"gemma4-26b-a4b": moe})
     small = dict(head_dim=16, global_head_dim=32, vocab_size=49152, vocab_size_per_layer_input=49152)
-    monkeypatch.setattr(shapes, "G4_COMMON", small)
+    monkeypatch.setattr(checkpoints, "G4_COMMON", small)
     engines, init = [], bench.LLM.__init__
     monkeypatch.setattr(
         bench.LLM, "__init__", lambda self, *a, **k: engines.append(self) or init(self, *a, **k)

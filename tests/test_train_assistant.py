@@ -12,8 +12,10 @@ from conftest import make_tiny_model, randomize
 from helpers import TRAIN_ENGINE, chat_texts, record_step_reqs, tiny_target
 
 from nanospec import LLM, SamplingParams
+from nanospec.models.assistant_io import hf_tensors
 from nanospec.models.gemma4_assistant import Gemma4Assistant
 from nanospec.mtp.worker import DEFAULT_ASSISTANT
+from nanospec.tools.checkpoints import save_assistant
 from nanospec.tools.datasets import (
     chat_prompts,
     config_hash,
@@ -66,7 +68,7 @@ def test_train_infer_consistency(tiny_llama_dir, tmp_path):
     target = tiny_target(tiny_llama_dir)
     assistant = new_assistant(target, layers=2, seed=0)
     randomize(assistant, 5, std=0.15)  # far from the near-identity init so that every weight matters
-    assistant.save_pretrained(tmp_path / "a")
+    save_assistant(assistant, tmp_path / "a")
     llm = LLM(str(tiny_llama_dir), assistant=str(tmp_path / "a"), num_steps=S, **ENGINE)
     records = record_drafts(llm)
     prompts = [[5, 17, 300, 42, 9, 1000, 7], [123, 8, 4000]]
@@ -117,7 +119,7 @@ def test_tiny_training_improves_acceptance(smollm2_tokenizer, tmp_path):
     seqs = [p + o["token_ids"] for p, o in zip(prompts, outs)]
     target = tiny_target(tiny_llama_dir)
     rand = new_assistant(target, layers=1, seed=0)
-    rand.save_pretrained(tmp_path / "random")
+    save_assistant(rand, tmp_path / "random")
     tokens, lens, hidden, kv = capture_target(target, seqs, rand.layer_map(target.kv_layer_types))
     Ls, valid = sample_positions(lens, 64, torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -154,7 +156,7 @@ def test_cli_init_continues_from_checkpoint(tiny_llama_dir, tmp_path):
     target = tiny_target(tiny_llama_dir)
     start = new_assistant(target, layers=2, seed=0)
     randomize(start, 7, std=0.15)  # unlike any fresh init
-    start.save_pretrained(tmp_path / "init")
+    save_assistant(start, tmp_path / "init")
     main(
         [
             "--target",
@@ -176,8 +178,8 @@ def test_cli_init_continues_from_checkpoint(tiny_llama_dir, tmp_path):
             str(tmp_path / "out"),
         ]
     )
-    got = Gemma4Assistant.from_pretrained(tmp_path / "out").hf_tensors()
-    want = start.hf_tensors()
+    got = hf_tensors(Gemma4Assistant.from_pretrained(tmp_path / "out"))
+    want = hf_tensors(start)
     assert got.keys() == want.keys() and any(".layers.1." in k for k in got)
     for k in want:
         torch.testing.assert_close(got[k], want[k].detach(), rtol=0, atol=1e-6)

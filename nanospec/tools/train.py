@@ -36,8 +36,9 @@ from tqdm.auto import tqdm
 
 from ..context import AttnMetadata, attn_metadata
 from ..kernels.backend import using_backend
-from ..models.gemma4_assistant import Gemma4Assistant, assistant_config_for
+from ..models.gemma4_assistant import Gemma4Assistant
 from . import cli
+from .checkpoints import assistant_config_for, save_assistant
 from .cli import number
 
 # train()'s options: (name, argparse type with its range check, default, help); CLI flag: --name-with-dashes
@@ -361,13 +362,13 @@ def train(target, seqs, out_dir=None, assistant=None, starts=None, info=None, pr
         if progress and step % 20 == 0:
             tqdm.write(f"step {step} loss {losses[-1]:.4f} kl {nulls[0]} agree {nulls[1]} t {elapsed:.1f}s")
         if out_dir and time.time() - last_save > o.save_every_min * 60:
-            assistant.save_pretrained(out_dir, summary)
+            save_assistant(assistant, out_dir, summary)
             last_save = time.time()
     bar.close()
     if not summary:
         raise RuntimeError("no training step ran (the time or token budget was spent first); nothing saved")
     if out_dir:
-        assistant.save_pretrained(out_dir, summary)
+        save_assistant(assistant, out_dir, summary)
     return assistant, summary
 
 
