@@ -1,4 +1,4 @@
-"""Paged KV pool: block allocator, per-request block tables (and their device rows) and the slot mapping."""
+"""Paged KV pool: the block allocator (each request's block table, the prefix cache) and the slot mapping."""
 
 import hashlib
 from array import array
@@ -7,7 +7,6 @@ from collections import OrderedDict, deque
 import torch
 
 from .request import Request
-from .transfer import to_device
 
 DUMMY_BLOCK = 0  # reserved: padding rows (CUDA graphs, idle slots) point here and never touch a live block
 
@@ -24,53 +23,6 @@ def slot_mapping(block_table: torch.Tensor, rows: torch.Tensor, token_idx: torch
     one place this formula is written (prefill, decode, verify writes and the tree compaction all use it).
     """
     return block_table.long()[rows, token_idx // page_size] * page_size + token_idx % page_size
-
-
-class BlockTables:
-    """Every launched request's block table on the device, in persistent rows (DESIGN §4): ``capacity`` rows
-    (``max_num_seqs``: the running requests and the prompts whose prefill has begun never outnumber it, as the
-    scheduler admits a prompt only while fewer run or are in its batch, and a begun prompt joins the batch
-    before anything queued behind it) of ``width`` blocks (the graphs' width, ``cdiv(max_model_len +
-    lookahead, page_size)``: every table fits), allocated once.
-
-    ``take(reqs)`` gives a request a free row at its first step (reset to the dummy block), writes into each
-    row the blocks its table gained since its last step (a request's table only grows while it holds a row:
-    the allocator empties it only when the scheduler releases the request) and gathers the rows in batch
-    order; the scatter and the gather use indices that ``transfer.to_device`` sends. ``on_release(reqs)``
-    frees the rows (finished, aborted, preempted) with no device work.
-    """
-
-    def __init__(self, capacity: int, width: int, device):
-        self.table = torch.full((capacity, width), DUMMY_BLOCK, dtype=torch.int32, device=device)
-        self.rows: dict[int, list[int]] = {}  # request id -> [row, blocks of its table written there]
-        self.free = list(range(capacity))
-
-    def take(self, reqs: list[Request]) -> torch.Tensor:
-        """[B, W] int32 block tables of ``reqs`` in batch order, padded with the dummy block; W is the longest
-        table (at least 1)."""
-        order = []
-        writes = []  # (row, column, block) of every block the device does not hold yet
-        for r in reqs:
-            if r.request_id not in self.rows:
-                assert self.free, "more requests hold block tables than rows (max_num_seqs)"
-                row = self.free.pop()
-                self.table[row] = DUMMY_BLOCK  # none of the blocks of the row's last owner
-                self.rows[r.request_id] = [row, 0]
-            row, known = self.rows[r.request_id]
-            writes += [(row, j, block) for j, block in enumerate(r.block_table[known:], known)]
-            self.rows[r.request_id][1] = len(r.block_table)
-            order.append(row)
-        if writes:
-            row, column, block = to_device(writes, torch.long, self.table.device).T
-            self.table[row, column] = block.int()
-        width = max((len(r.block_table) for r in reqs), default=1) or 1
-        return self.table[to_device(order, torch.long, self.table.device), :width]
-
-    def on_release(self, reqs: list[Request]) -> None:
-        """Free the rows of ``reqs``; unknown ids are skipped."""
-        for r in reqs:
-            if r.request_id in self.rows:
-                self.free.append(self.rows.pop(r.request_id)[0])
 
 
 class BlockAllocator:

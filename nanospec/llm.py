@@ -17,7 +17,7 @@ from .model_runner import ModelRunner
 from .models.assistant_io import read_config
 from .models.gemma4_assistant import check_assistant_config
 from .mtp.worker import FrozenKVMTPWorker, resolve_assistant
-from .next_inputs import NextInputs
+from .persistent_batch import PersistentBatch
 from .request import Request
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -82,12 +82,16 @@ class LLM:
         if assistant is not None and c.trace:
             trace = c.trace if callable(c.trace) else _print_event
             emit = lambda event, fields: trace(self.num_steps_run, event, fields)  # noqa: E731
-        # the next step's input of every running request; the drafter's seed hidden only under speculation
+        # every running request's row; the drafter's seed hidden in it only under speculation
         hidden_size = runner.model.config.hidden_size if assistant is not None else 0
-        self.next_inputs = NextInputs(hidden_size, runner.device, runner.dtype, c.max_num_seqs, emit)
+        width = runner.graph_shape()[2]
+        self.persistent_batch = PersistentBatch(
+            c.max_num_seqs, width, hidden_size, runner.device, runner.dtype, emit
+        )
         if assistant is not None:
-            args = (runner.model, assistant, self.next_inputs, runner.block_tables, runner.split_size, emit)
-            self.worker = FrozenKVMTPWorker(c, *args)
+            self.worker = FrozenKVMTPWorker(
+                c, runner.model, assistant, self.persistent_batch, runner.split_size, emit
+            )
         if runner.device.type == "cpu":
             cpu.default_cpu_threads()
         allocator = runner.allocate_kv_cache()
@@ -101,10 +105,11 @@ class LLM:
             self.worker.capture_graphs(*runner.graph_shape())
         if memory() > before:  # planned in the KV budget (model_runner.memory_plan): what capture took
             print(f"nanospec: CUDA graphs took {(memory() - before) / 2**30:.2f} GiB", file=sys.stderr)
-        self.scheduler = Scheduler(c, allocator, runner.lookahead)
+        self.scheduler = Scheduler(c, allocator, runner.lookahead, self._on_release)
         self.overlap = c.overlap_schedule if c.overlap_schedule is not None else runner.device.type == "cuda"
         self._inflight = None  # (batch, output) launched but not yet committed
         self._rank_tables: dict[int, list[int]] = {}  # ranks > 0: their copy of the block tables
+        self._unsent_releases: list[tuple[Request, str]] = []  # for ranks > 0, with rank 0's next call
         self._next_id = 0
         self._seeds = random.Random(c.seed)  # seeds for requests that bring none
         self._stash: list[Request] = []  # finished add_request() requests seen by generate(), kept for step()
@@ -168,64 +173,57 @@ class LLM:
         the next inputs stay on the device. Without it the step commits its own results at once. Same code
         path.
         """
-        stashed = self._stash
+        finished = self._stash
         self._stash = []
+        # a request preempted here releases its rows before the launch, so a request preempted and
+        # re-prefilled in this step loses its old next input, not the one its prefill gives it
         batch = self.scheduler.schedule()
-        launched = None
-        if batch is not None:
-            self.num_steps_run += 1
-            # rank 0 picks the draft length, so every rank drafts the same s (DESIGN §4 rule 8)
-            spec = batch.kind == "decode" and self.worker is not None
-            plan = self.worker.plan(batch.reqs) if spec else None
-            # preemptions made while planning are released before the launch: a request preempted and
-            # re-prefilled in this step must lose its old next input, not the one its prefill gives it
-            released = self.scheduler.released
-            self.scheduler.released = []
-            launched = (batch, self._call("_launch", batch, plan, released))
-            self.scheduler.on_launch(batch)
-        finished = []
+        launched = None if batch is None else self._launch_step(batch)
         if self._inflight is not None:
-            finished = self._commit(*self._inflight)
+            finished += self._commit(*self._inflight)
         self._inflight = launched
-        if not self.overlap and launched is not None:
-            finished += self._commit(*launched)
+        if launched is not None and (not self.overlap or all(r.is_finished for r in batch.reqs)):
+            finished += self._commit(*launched)  # no overlap, or nothing left to emit: exactly idle
             self._inflight = None
-        if self._inflight is not None and all(r.is_finished for r in self._inflight[0].reqs):
-            finished += self._commit(*self._inflight)  # nothing left to emit: the engine goes exactly idle
-            self._inflight = None
-        self._send_releases()
-        return stashed + finished
+        return finished
 
-    def _launch(self, batch, plan=None, released=()):
-        """Drop the next inputs of ``released`` (requests freed while planning), then queue a step's device
-        work (no host sync): prefill, or one decode / speculative step (``plan``: the draft length and its
-        estimate, ``DraftLength.choose``)."""
-        self._release(released)
+    def _launch_step(self, batch) -> tuple:
+        """Launch ``batch`` on every rank and book it (``Scheduler.on_launch``); returns (batch, output)."""
+        self.num_steps_run += 1
+        plan = None
+        if batch.kind == "decode" and self.worker is not None:
+            plan = self.worker.plan(batch.reqs)  # rank 0 picks s: every rank drafts the same (§4 rule 8)
+        out = self._call("_launch", batch, plan)
+        self.scheduler.on_launch(batch)
+        return batch, out
+
+    def _launch(self, batch, plan=None):
+        """Queue a step's device work (no host sync): prefill, or one decode / speculative step (``plan``:
+        the draft length and its estimate, ``DraftLength.choose``)."""
         if self.runner.tp.rank > 0:
             self._restore_block_tables(batch)
         masks = None
         if any(r.matcher is not None for r in batch.reqs):
             masks = StepMasks(batch.reqs, self.runner.vocab_size, self.eos_token_ids, self.runner.device)
         if batch.kind == "prefill":
-            out = self.runner.prefill(batch, masks)
+            out = self.runner.prefill(batch, self.persistent_batch, masks)
             if out.done:
-                self.next_inputs.on_prefill_done(out.done, out.bonus, out.hidden)
+                self.persistent_batch.on_prefill_done(out.done, out.bonus, out.hidden)
             return out
         if self.worker is None:
-            return self.runner.decode(batch.reqs, self.next_inputs, masks)
+            return self.runner.decode(batch.reqs, self.persistent_batch, masks)
         return self.worker.step(batch.reqs, plan, masks)
 
-    def _send_releases(self) -> None:
-        """Drop the next inputs of the requests the scheduler freed since the last call (finished, aborted,
-        preempted) on every rank: one call, so one message per step under tensor parallelism (DESIGN §9)."""
-        if self.scheduler.released:
-            self._call("_release", self.scheduler.released)
-            self.scheduler.released = []
+    def _on_release(self, req: Request, reason: str) -> None:
+        """The scheduler's one release of a request (finished, aborted, preempted), after it freed the KV
+        blocks: this rank frees the request's next input and block-table row now; ranks > 0 free theirs
+        before they run rank 0's next call, which carries them (one message per step, DESIGN §9)."""
+        self._release([(req, reason)])
+        self._unsent_releases.append((req, reason))  # sent (and emptied) by the next _call, at any size
 
     def _release(self, released: list) -> None:
         for req, reason in released:
-            self.next_inputs.on_release([req], reason)
-            self.runner.block_tables.on_release([req])
+            self.persistent_batch.release(req, reason)
             self._rank_tables.pop(req.request_id, None)
 
     def _restore_block_tables(self, batch) -> None:
@@ -242,16 +240,20 @@ class LLM:
         """Run the method at dotted path ``name`` on every rank, rank 0 first sending it; a rank's death
         becomes a RuntimeError naming it (``parallel.raise_if_dead``)."""
         try:
-            parallel.broadcast((name, args))
+            parallel.broadcast((name, args, self._unsent_releases))
+            self._unsent_releases = []
             return attrgetter(name)(self)(*args)
         except Exception:
             parallel.raise_if_dead()
             raise
 
     def _serve(self) -> None:
-        """Ranks > 0: rank 0's calls in its order until it closes (a None message), then exit."""
+        """Ranks > 0: rank 0's calls in its order until it closes (a None message), each after the releases
+        rank 0 made since its last call, then exit."""
         while (msg := parallel.broadcast()) is not None:
-            attrgetter(msg[0])(self)(*msg[1])
+            name, args, released = msg
+            self._release(released)
+            attrgetter(name)(self)(*args)
         os._exit(0)  # nothing of this rank outlives the group: skip the interpreter's teardown
 
     def collective_rpc(self, fn, *args) -> list:
@@ -291,7 +293,6 @@ class LLM:
         req = self.scheduler.abort(request_id)
         if req is not None:
             self._stash.append(req)
-            self._send_releases()
         return req is not None
 
     def get_request(self, request_id: int) -> Request | None:
@@ -312,7 +313,7 @@ class LLM:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "kv_cache_usage": 1 - allocator.num_free / allocator.num_usable,
-            "num_draft_inputs": len(self.next_inputs) if self.worker is not None else 0,
+            "num_draft_inputs": len(self.persistent_batch) if self.worker is not None else 0,
             "num_preemptions": self.scheduler.num_preemptions,
         }
 

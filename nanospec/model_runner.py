@@ -13,11 +13,11 @@ from .cuda_graph import GraphRunner, graph_batch_sizes
 from .kernels.attention import KV_SPLIT_SIZE, num_kv_splits
 from .kernels.matmul import linear_invariant
 from .kernels.sampling import sample
-from .kv_cache import DUMMY_BLOCK, BlockAllocator, BlockTables, cdiv, slot_mapping
+from .kv_cache import DUMMY_BLOCK, BlockAllocator, cdiv, slot_mapping
 from .models import init_random_weights, load_weights, target_class
-from .next_inputs import NextInputs, StepInput
 from .outputs import PrefillOutput, StepOutput, TokenLogprobs, emitted_logprobs
 from .parallel import SINGLE, TensorParallel, linear
+from .persistent_batch import PersistentBatch, StepInput
 from .request import Request
 from .sampler import sample_tokens
 from .scheduler import Batch
@@ -59,8 +59,8 @@ def memory_plan(total: int, used: int, peak: int, step_logits: int, config) -> d
 
 
 class ModelRunner:
-    """Owns the target model, its KV pools, the device rows of the block tables (``block_tables``, shared with
-    the MTP worker; ``LLM`` releases a request's row with its next input) and the graph runner.
+    """Owns the target model, its KV pools and the graph runner; a step's per-request rows (block tables,
+    sampling parameters, next inputs) come from ``LLM``'s ``PersistentBatch``.
 
     ``LLM`` drives the order (DESIGN §4 rule 2): ``ModelRunner(...)`` builds the target;
     ``allocate_kv_cache()`` sizes the pools from the memory budget, allocates them and binds the target's
@@ -83,7 +83,6 @@ class ModelRunner:
         self.split_size = KV_SPLIT_SIZE if config.deterministic else None
         self.vocab_size = self.model.config.vocab_size
         self.lookahead = config.num_draft_tokens if config.speculative else 1
-        self.block_tables = BlockTables(config.max_num_seqs, self.graph_shape()[2], self.device)
         self.kv_pools: list[torch.Tensor] = []
         self.allocator: BlockAllocator | None = None
         self.graphs: GraphRunner | None = None
@@ -235,9 +234,10 @@ class ModelRunner:
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
         return to_device(data, dtype, self.device)
 
-    def prepare_prefill(self, batch: Batch):
+    def prepare_prefill(self, batch: Batch, block_table: torch.Tensor):
         """Token ids, positions and metadata for one chunk of each request's prompt (+ outputs on resume);
-        returns (ids [T], positions [T], AttnMetadata, index of each request's last row)."""
+        ``block_table`` [B, W] int32: the batch's (``PersistentBatch.block_tables``). Returns (ids [T],
+        positions [T], AttnMetadata, index of each request's last row)."""
         ids = []
         pos = []
         rows = []
@@ -250,11 +250,10 @@ class ModelRunner:
             rows += [i] * n
             cu.append(cu[-1] + n)
             lens.append(s + n)
-        bt = self.block_tables.take(batch.reqs)
         positions = self._tensor(pos)
-        slots = slot_mapping(bt, self._tensor(rows), positions, self.config.page_size)
+        slots = slot_mapping(block_table, self._tensor(rows), positions, self.config.page_size)
         md = AttnMetadata.prefill(
-            bt,
+            block_table,
             self._tensor(lens, torch.int32),
             slots,
             self._tensor(cu, torch.int32),
@@ -266,13 +265,14 @@ class ModelRunner:
     # ---- running
     # -----------------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, batch: Batch, masks=None) -> PrefillOutput:
-        """Run one prefill step (chunks of several requests), no host sync. New requests whose prompt
+    def prefill(self, batch: Batch, persistent_batch: PersistentBatch, masks=None) -> PrefillOutput:
+        """Run one prefill step (chunks of several requests), no host sync; the requests' block tables and
+        sampling parameters come from their rows in ``persistent_batch``. New requests whose prompt
         completes sample their first token (``masks``: the batch's ``structured.StepMasks``, or None);
         resumed ones (after preemption) emit nothing: their newest token is out."""
         if not batch.reqs:  # DESIGN §4 rule 4: an empty step never reaches attention metadata
             return PrefillOutput(0, [], [], [], torch.zeros(0, dtype=torch.long), torch.zeros(0))
-        ids, pos, md, last = self.prepare_prefill(batch)
+        ids, pos, md, last = self.prepare_prefill(batch, persistent_batch.block_tables(batch.reqs))
         with attn_metadata(md):
             hidden = self.model(ids, pos)
         done = [i for i in range(len(batch.reqs)) if batch.completes(i)]
@@ -283,7 +283,8 @@ class ModelRunner:
             reqs = [batch.reqs[i] for i in new]
             logits = self.model.compute_logits(hidden[self._tensor([last[i] for i in new])])
             bitmask = None if masks is None else masks.root(new)
-            sampled = sample_tokens(reqs, logits, self._tensor([r.num_tokens for r in reqs]), bitmask)
+            positions = self._tensor([r.num_tokens for r in reqs])
+            sampled = sample_tokens(reqs, logits, positions, persistent_batch, bitmask)
             self.tp.agree(sampled)  # rank 0's tokens (DESIGN §4 rule 8)
             bonus[self._tensor([done.index(i) for i in new])] = sampled
             rows_bitmask = None if bitmask is None else bitmask[:, None]
@@ -319,14 +320,14 @@ class ModelRunner:
     # ---- plain decode
     # ------------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def decode(self, reqs: list[Request], next_inputs: NextInputs, masks=None) -> StepOutput:
+    def decode(self, reqs: list[Request], persistent_batch: PersistentBatch, masks=None) -> StepOutput:
         """One plain decode step: each request's next token, its input read from and its next input left in
-        ``next_inputs``, on the device (no host sync); ``masks``: the batch's ``structured.StepMasks``, or
-        None."""
+        its row of ``persistent_batch``, on the device (no host sync); ``masks``: the batch's
+        ``structured.StepMasks``, or None."""
         if not reqs:  # DESIGN §4 rule 4
             return StepOutput(torch.zeros(0, 2, dtype=torch.long))
-        inp = next_inputs.take(reqs)
-        bt = self.block_tables.take(reqs)
+        inp = persistent_batch.take(reqs)
+        bt = persistent_batch.block_tables(reqs)
         pos = inp.num_computed_tokens.long()
         slots = slot_mapping(bt, torch.arange(len(reqs), device=self.device), pos, self.config.page_size)
         bound = max(r.num_computed_tokens + r.num_inflight for r in reqs) + 1
@@ -339,9 +340,9 @@ class ModelRunner:
         }
         logits = self.graphs.run("decode", inputs, num_kv_splits(bound))
         bitmask = None if masks is None else masks.root(range(len(reqs)))
-        toks = sample_tokens(reqs, logits, pos + 1, bitmask)  # the produced token sits at position L + 1
+        toks = sample_tokens(reqs, logits, pos + 1, persistent_batch, bitmask)  # the token at position L + 1
         self.tp.agree(toks)
-        next_inputs.advance(StepInput(inp.req_ids, toks, inp.hidden, inp.num_computed_tokens + 1))
+        persistent_batch.advance(StepInput(inp.req_ids, toks, inp.hidden, inp.num_computed_tokens + 1))
         rows = torch.stack([torch.ones_like(toks), toks], 1)
         rows_bitmask = None if bitmask is None else bitmask[:, None]
         logprobs = emitted_logprobs(reqs, logits[:, None], toks[:, None], rows_bitmask)

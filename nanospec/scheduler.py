@@ -41,15 +41,15 @@ class Scheduler:
     one decode step writes: 1 for plain decode, N (draft tokens verified) under speculation. Preempted
     requests free all their blocks, keep their outputs, and are recomputed by a later prefill over prompt +
     outputs (nothing is lost). ``_release`` is the one exit from the running set (finish, abort, preemption):
-    it frees the request's KV blocks and lists it in ``released``, which ``LLM`` empties at the end of each
-    step (or abort) to drop the requests' next inputs in one call.
+    it frees the request's KV blocks and calls ``on_release(req, reason)``, with which ``LLM`` frees the
+    request's device rows (its next input and block-table row) at once.
     """
 
-    def __init__(self, config: EngineConfig, allocator: BlockAllocator, lookahead: int = 1):
+    def __init__(self, config: EngineConfig, allocator: BlockAllocator, lookahead: int = 1, on_release=None):
         self.config = config
         self.allocator = allocator
         self.lookahead = lookahead
-        self.released: list[tuple[Request, str]] = []  # (request, reason) freed since LLM last looked
+        self.on_release = on_release or (lambda req, reason: None)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -74,9 +74,10 @@ class Scheduler:
         return None
 
     def _release(self, req: Request, reason: str) -> None:
-        """Free ``req``'s KV blocks and list it in ``released`` (reason: finished / aborted / preempted)."""
+        """Free ``req``'s KV blocks, then its device rows (``on_release``; reason: finished / aborted /
+        preempted)."""
         self.allocator.free(req)
-        self.released.append((req, reason))
+        self.on_release(req, reason)
 
     def schedule(self) -> Batch | None:
         """Next step: a prefill batch or a decode batch; None when idle (or when every running request waits

@@ -1,6 +1,8 @@
 """Code lines per budget (CONTRIBUTING.md): lines holding code; not blank, not only a comment, not docstring.
 
 python scripts/code_lines.py          # every budget and every file over 400 code lines; exit 1 if one is over
+
+A budget the core issue lowers prints its goal beside the limit enforced until then.
 python scripts/code_lines.py --files  # also every file, largest first
 """
 
@@ -46,21 +48,33 @@ def is_front_end(path: pathlib.Path) -> bool:
     return top in ("tools", "serve") or top.startswith("ray")
 
 
+# The layers beside the core (DESIGN §1): each one concern in its own file, off the core's path when unused.
+LAYERS = {
+    "nanospec/parallel.py": "tensor parallelism",
+    "nanospec/structured.py": "structured output",
+    "nanospec/models/gemma4.py": "the Gemma 4 target, MoE included",
+    "nanospec/default_model.py": "the default model's download and conversion",
+    "nanospec/cpu.py": "the CPU thread policy",
+}
+LAYER_LIMIT = 300
+
+
 def budgets() -> dict:
-    """{name: (files, most code lines)}."""
+    """{name: (files, most code lines, the core issue's goal or None)}."""
     nanospec = sorted(
         p for p in (REPO / "nanospec").rglob("*.py") if p.relative_to(REPO).parts[1] != "assets"
     )
+    engine = [p for p in nanospec if not is_front_end(p)]
+    layers = [REPO / name for name in LAYERS]
     lifecycle = [REPO / "nanospec" / n for n in ("llm.py", "scheduler.py", "kv_cache.py")]
     lifecycle += sorted((REPO / "nanospec" / "mtp").rglob("*.py"))
     return {
-        "engine (nanospec/ without tools/, serve/, ray*)": (
-            [p for p in nanospec if not is_front_end(p)],
-            3600,  # until the core issue brings it to 3,300
-        ),
-        "kernels/": (sorted((REPO / "kernels").rglob("*.py")), 1850),
-        "front ends (tools/, serve/, ray*)": ([p for p in nanospec if is_front_end(p)], 2200),
-        "lifecycle (llm.py, scheduler.py, kv_cache.py, mtp/)": (lifecycle, 1150),
+        "core (the engine without its layers)": ([p for p in engine if p not in layers], 2800, 2500),
+        "layers (each <= 300, in its own file)": (layers, 1000, None),
+        "engine (nanospec/ without tools/, serve/, ray*)": (engine, 3600, 3300),
+        "kernels/": (sorted((REPO / "kernels").rglob("*.py")), 1850, 1800),
+        "front ends (tools/, serve/, ray*)": ([p for p in nanospec if is_front_end(p)], 2200, None),
+        "lifecycle (llm.py, scheduler.py, kv_cache.py, mtp/)": (lifecycle, 1150, 1000),
     }
 
 
@@ -70,13 +84,18 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     over = False
     counted = {}
-    for name, (files, limit) in budgets().items():
+    for name, (files, limit, goal) in budgets().items():
         total = 0
         for path in files:
             counted[path] = code_lines(path)
             total += counted[path]
         over |= total > limit
-        print(f"{total:6d} / {limit:5d}  {name}{'  OVER' if total > limit else ''}")
+        goal = f" (goal {goal})" if goal is not None and total > goal else ""
+        print(f"{total:6d} / {limit:5d}  {name}{goal}{'  OVER' if total > limit else ''}")
+    for name, concern in LAYERS.items():
+        n = counted[REPO / name]
+        over |= n > LAYER_LIMIT
+        print(f"{n:6d} / {LAYER_LIMIT:5d}    {name}: {concern}{'  OVER' if n > LAYER_LIMIT else ''}")
     files = sorted(counted.items(), key=lambda item: -item[1])
     for path, n in files:
         if args.files or n > FILE_LIMIT:

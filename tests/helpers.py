@@ -52,7 +52,7 @@ def chat_texts(tokenizer, questions):
 def next_inputs(llm):
     """``LLM.collective_rpc`` probe: this rank's next-step inputs (request ids, bonus tokens, committed
     lengths, seed hiddens of the draft inputs, or the plain-decode rows) and its KV pool's block count."""
-    inp = llm.next_inputs.rows
+    inp = llm.persistent_batch.inputs
     return (
         inp.req_ids,
         inp.bonus_tokens.tolist(),
@@ -69,10 +69,11 @@ def rank_min(llm):
     return int(tp.all_reduce(torch.tensor([100 - tp.rank]), torch.distributed.ReduceOp.MIN))
 
 
-def prepare_decode(runner, reqs):
+def prepare_decode(llm, reqs):
     """Decode inputs built on the host from the requests (the engine keeps them on the device): each one's
     last token at position ``num_computed_tokens``; returns (ids, positions, AttnMetadata)."""
-    bt = runner.block_tables.take(reqs)
+    runner = llm.runner
+    bt = llm.persistent_batch.block_tables(reqs)
     pos = torch.tensor([r.num_computed_tokens for r in reqs], device=runner.device)
     slots = slot_mapping(bt, torch.arange(len(reqs), device=runner.device), pos, runner.config.page_size)
     md = AttnMetadata.decode(

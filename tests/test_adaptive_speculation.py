@@ -28,7 +28,7 @@ def oracle(monkeypatch, reference):
         for r, L in zip(reqs, seq_lens.tolist()):
             ref, n_out = reference(r.prompt_token_ids), L - len(r.prompt_token_ids) + 1
             rows.append((ref[n_out : n_out + S] + [0] * S)[:S])
-        bonus = self.next_inputs.take(reqs).bonus_tokens
+        bonus = self.persistent_batch.take(reqs).bonus_tokens
         return chain_tree(bonus, torch.tensor(rows, dtype=torch.long).view(len(reqs), S))
 
     install_drafter(monkeypatch, draft)
@@ -98,7 +98,7 @@ def test_switches_keep_the_draft_input_fresh(tiny_llama_dir, asst_dir, reference
     checked = []
 
     def check(llm):
-        inp = llm.next_inputs.rows
+        inp = llm.persistent_batch.inputs
         rows = {rid: i for i, rid in enumerate(inp.req_ids)}
         assert set(rows) == {r.request_id for r in llm.scheduler.running}
         for r in llm.scheduler.running:
@@ -126,7 +126,7 @@ def test_switches_keep_the_draft_input_fresh(tiny_llama_dir, asst_dir, reference
     assert [done[i].output_token_ids for i in range(4)] == [
         reference(p)[:n] for p, n in zip(prompts, (30, 26, 34, 22))
     ]
-    assert len(llm.next_inputs) == 0
+    assert len(llm.persistent_batch) == 0
 
 
 def test_policy_warm_up_choice_and_probes():

@@ -60,7 +60,8 @@ def _decode_batch(llm, n_prompts=3):
         batch = llm.scheduler.schedule()
         if batch.kind == "decode":
             return batch
-        tokens = llm.runner.prefill(batch).tokens  # launched, then committed: a step without overlap
+        # launched, then committed: a step without overlap
+        tokens = llm.runner.prefill(batch, llm.persistent_batch).tokens
         llm.scheduler.on_launch(batch)
         llm.scheduler.commit(batch, tokens)
 
@@ -72,7 +73,7 @@ def test_padding_rows_never_touch_live_blocks(tiny_llama_dir):
     with_buckets(llm, [8])  # 3 live rows + 5 padding rows
     batch = _decode_batch(llm)
     before = r.kv_pools[0].clone()
-    ids, pos, md = prepare_decode(r, batch.reqs)
+    ids, pos, md = prepare_decode(llm, batch.reqs)
     inputs = {
         "ids": ids,
         "pos": pos,

@@ -37,7 +37,8 @@ def _prefill(llm, reqs, num_new):
     """One prefill step over ``num_new[i]`` new tokens of each request; returns logits for every new token."""
     for r, n in zip(reqs, num_new):
         llm.runner.allocator.allocate(r, r.num_computed_tokens + n)
-    ids, pos, md, _ = llm.runner.prepare_prefill(Batch("prefill", reqs, list(num_new)))
+    bt = llm.persistent_batch.block_tables(reqs)
+    ids, pos, md, _ = llm.runner.prepare_prefill(Batch("prefill", reqs, list(num_new)), bt)
     with torch.inference_mode(), attn_metadata(md):
         logits = llm.runner.model.compute_logits(llm.runner.model(ids, pos))
     for r, n in zip(reqs, num_new):
@@ -50,7 +51,7 @@ def _decode(llm, reqs, tokens):
     for r, t in zip(reqs, tokens):
         r.output_token_ids.append(t)
         llm.runner.allocator.allocate(r, r.num_computed_tokens + 1)
-    ids, pos, md = prepare_decode(llm.runner, reqs)
+    ids, pos, md = prepare_decode(llm, reqs)
     assert ids.tolist() == list(tokens)
     with torch.inference_mode(), attn_metadata(md):
         logits = llm.runner.model.compute_logits(llm.runner.model(ids, pos))

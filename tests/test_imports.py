@@ -51,3 +51,23 @@ def test_engine_imports_no_front_end():
     assert {(m, t) for m in engine for t in graph[m] if ci.is_front_end(t)} == set()
     assert ci.layer_violations({"nanospec.llm": {"nanospec.serve.server"}}) != []
     assert ci.layer_violations({"nanospec.kernels.norm": {"nanospec.cpu"}}) != []
+
+
+def test_readme_reading_order_follows_the_imports():
+    """README's "Read the code in this order" lists each engine file after every file of the list it
+    imports (the packages ``nanospec`` and ``nanospec.mtp`` aside)."""
+    text = (REPO / "README.md").read_text().split("## Read the code in this order")[1].split("\n\n## ")[0]
+    order = []
+    for line in text.splitlines():
+        cells = line.split("|")
+        if len(cells) < 3 or not cells[1].strip().startswith("`nanospec/"):
+            continue
+        first, *others = [name.strip(" `") for name in cells[1].split(",")]
+        folder = first.rpartition("/")[0]
+        for name in [first, *[f"{folder}/{other}" for other in others]]:
+            order.append(ci.module_name(REPO / name))
+    assert len(order) >= 12 and "nanospec.llm" in order
+    graph = ci.import_graph()
+    for i, module in enumerate(order):
+        later = set(order[i + 1 :]) & graph[module]
+        assert not later, f"README lists {module} before {sorted(later)}, which it imports"

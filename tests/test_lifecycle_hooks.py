@@ -23,7 +23,7 @@ class Recorder:
             self.reasons.append(fields["reason"])
             req = self.find(fields["req"])
             assert req.block_table == []  # the KV blocks went in the same call ...
-            assert fields["req"] not in self.llm.next_inputs.rows.req_ids  # ... as the draft input
+            assert fields["req"] not in self.llm.persistent_batch.inputs.req_ids  # ... as the draft input
         if event == "verify":
             assert fields["committed_L"] == fields["kv_rows"][0] + fields["accept_length"]
 
@@ -62,7 +62,7 @@ def test_hooks_prefill_decode_finish_in_order(tiny_llama_dir, asst_dir):
     steps = [s for s, _, _ in rec.events]
     assert steps == sorted(steps) and steps[0] == 1  # prefill in step 1, one draft + verify per later step
     assert [s for s, e, _ in rec.events if e == "verify"] == list(range(2, 2 + n_verify))
-    assert len(llm.next_inputs) == 0
+    assert len(llm.persistent_batch) == 0
 
 
 def test_hooks_all_finish_in_one_verify_then_new_prefill(tiny_llama_dir, asst_dir):
@@ -73,7 +73,10 @@ def test_hooks_all_finish_in_one_verify_then_new_prefill(tiny_llama_dir, asst_di
     done = llm.step()  # one verify commits >= 1 token + the bonus: both reach max_tokens=2 in it
     assert len(done) == 2
     assert [e for _, e, _ in rec.events] == ["prefill_done"] * 2 + ["draft", "verify"] * 2 + ["release"] * 2
-    assert len(llm.next_inputs) == 0 and llm.next_inputs.rows.hidden.shape == (0, HB)  # idle input
+    assert len(llm.persistent_batch) == 0 and llm.persistent_batch.inputs.hidden.shape == (
+        0,
+        HB,
+    )  # idle input
     llm.add_request(PROMPTS[2], greedy(3))
     run_all(llm)
     assert rec.kinds(2)[0] == "prefill_done" and rec.kinds(2)[-1] == "release"
@@ -107,7 +110,7 @@ def test_hooks_abort_releases_blocks_and_draft_input(tiny_llama_dir, asst_dir):
     llm.step()
     assert llm.abort_request(a) and not llm.abort_request(a) and not llm.abort_request(99)
     assert rec.kinds(a)[-1] == "release" and rec.reasons == ["aborted"]
-    assert a not in llm.next_inputs.rows.req_ids
+    assert a not in llm.persistent_batch.inputs.req_ids
     done = run_all(llm)
     assert sorted((r.request_id, r.finish_reason) for r in done) == [(a, "abort"), (b, "length")]
     assert llm.runner.allocator.num_free == llm.runner.allocator.num_usable

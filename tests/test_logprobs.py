@@ -67,7 +67,7 @@ def oracle(monkeypatch, tiny_llama_dir):
             n_out = L - len(r.prompt_token_ids) + 1
             d = (continuation(r.prompt_token_ids)[n_out : n_out + S] + [0] * S)[:S]
             rows.append(d if L % 3 else d[:2] + [(t + 1) % 49152 for t in d[2:]])
-        bonus = self.next_inputs.take(reqs).bonus_tokens
+        bonus = self.persistent_batch.take(reqs).bonus_tokens
         return chain_tree(bonus, torch.tensor(rows, dtype=torch.long).view(len(reqs), S))
 
     install_drafter(monkeypatch, draft)

@@ -20,7 +20,7 @@ def device_oracle(monkeypatch, reference):
     wrong at depth 2 (a function of the row's state only), so commits of 3 and of 4 tokens both occur."""
 
     def draft(self, reqs, block_table, seq_lens, num_splits=None, num_steps=None, sampling=None):
-        inp = self.next_inputs.take(reqs)
+        inp = self.persistent_batch.take(reqs)
         S = self.num_steps if num_steps is None else num_steps
         rows = []
         for r, L in zip(reqs, seq_lens.tolist()):
@@ -46,7 +46,7 @@ def run(llm, arrivals):
 def idle_exact(llm):
     a = llm.runner.allocator
     assert not any(a.ref_count) and a.num_free == a.num_usable and not llm.has_unfinished()
-    inputs = llm.next_inputs.rows
+    inputs = llm.persistent_batch.inputs
     assert len(inputs) == 0 and inputs.num_computed_tokens.shape == (0,)
 
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from nanospec import LLM, SamplingParams
-from nanospec.kv_cache import DUMMY_BLOCK, BlockAllocator, BlockTables, slot_mapping
+from nanospec.kv_cache import DUMMY_BLOCK, BlockAllocator, slot_mapping
+from nanospec.persistent_batch import PersistentBatch
 from nanospec.request import Request, Status
 
 PAGE = 4
@@ -266,29 +267,34 @@ def test_allocator_growth_and_failure():
 def test_block_tables_pad_with_dummy():
     r1, r2 = Request(1, [0], SamplingParams(), set()), Request(2, [0], SamplingParams(), set())
     r1.block_table, r2.block_table = [3, 1, 2], [5]
-    tables = BlockTables(2, 4, "cpu")
-    t = tables.take([r1, r2])
+    tables = PersistentBatch(2, 4, 0, "cpu", torch.float32)
+    t = tables.block_tables([r1, r2])
     assert t.dtype == torch.int32 and t.tolist() == [[3, 1, 2], [5, DUMMY_BLOCK, DUMMY_BLOCK]]
-    assert tables.take([]).shape == (0, 1)
+    assert tables.block_tables([]).shape == (0, 1)
 
 
 def test_block_tables_grow_in_place_and_rows_are_reused_clean():
     """A row gains only the blocks its table gained; a released row serves the next request with none of its
-    last owner's blocks; a request takes its row in any batch order."""
-    r1, r2, r3 = (Request(i, [0], SamplingParams(), set()) for i in (1, 2, 3))
+    last owner's blocks or sampling parameters; a request takes its row in any batch order."""
+    r1, r2 = (Request(i, [0], SamplingParams(), set()) for i in (1, 2))
+    r3 = Request(3, [0], SamplingParams(temperature=0.5, top_k=7, top_p=0.9), set())
+    r1.seed, r3.seed = 11, 33
     r1.block_table, r2.block_table = [3, 1, 2, 7], [5]
-    tables = BlockTables(2, 4, "cpu")
-    tables.take([r1, r2])
+    tables = PersistentBatch(2, 4, 0, "cpu", torch.float32)
+    tables.block_tables([r1, r2])
     r2.block_table += [6, 4]
-    assert tables.take([r2, r1]).tolist() == [[5, 6, 4, DUMMY_BLOCK], [3, 1, 2, 7]]
-    tables.on_release([r1])
+    assert tables.block_tables([r2, r1]).tolist() == [[5, 6, 4, DUMMY_BLOCK], [3, 1, 2, 7]]
+    assert [t.tolist() for t in tables.sampling([r1])] == [[0.0], [-1], [1.0], [11]]
+    tables.release(r1, "finished")
     r3.block_table = [8]
-    assert tables.take([r3]).tolist() == [[8]]
-    assert tables.table[tables.rows[3][0]].tolist() == [8, DUMMY_BLOCK, DUMMY_BLOCK, DUMMY_BLOCK]
+    assert tables.block_tables([r3]).tolist() == [[8]]
+    assert tables.block_table[tables.row[3]].tolist() == [8, DUMMY_BLOCK, DUMMY_BLOCK, DUMMY_BLOCK]
+    assert [t.tolist() for t in tables.sampling([r3])] == [[0.5], [7], [pytest.approx(0.9)], [33]]
     with pytest.raises(AssertionError, match="max_num_seqs"):
-        tables.take([Request(4, [0], SamplingParams(), set())])
-    tables.on_release([r2, r3, r1])  # an unknown id is skipped
-    assert sorted(tables.free) == [0, 1] and not tables.rows
+        tables.block_tables([Request(4, [0], SamplingParams(), set())])
+    for r in (r2, r3, r1):  # an unknown id is skipped
+        tables.release(r, "finished")
+    assert sorted(tables.free) == [0, 1] and not tables.row
 
 
 # ------------------------------------------------------------------------------------------ finish rules

@@ -1,6 +1,6 @@
-"""The progress rule under KV pressure (DESIGN §4 rule 10), as a property of the real ``LLM.step`` ordering,
-the real ``Scheduler``, ``BlockAllocator`` and ``NextInputs``, with the model replaced by a fake that reads
-and writes the next inputs on the "device" the way the real runner and worker do.
+"""The progress rule under KV pressure (DESIGN §4 rule 10), as a property of the real ``LLM.step``
+ordering, the real ``Scheduler``, ``BlockAllocator`` and ``PersistentBatch``, with the model replaced by a
+fake that reads and writes the next inputs on the "device" the way the real runner and worker do.
 
 The fake emits, at position p of request r, the token ``token_at(r, p)``, computed from the device-side next
 inputs (committed length L): so a stale, lost or duplicated next input shows up as a wrong token, and a
@@ -16,10 +16,11 @@ import random
 import torch
 
 from nanospec.config import EngineConfig
-from nanospec.kv_cache import DUMMY_BLOCK, BlockAllocator, BlockTables, cdiv
+from nanospec.kv_cache import DUMMY_BLOCK, BlockAllocator, cdiv
 from nanospec.llm import LLM
-from nanospec.next_inputs import NextInputs, StepInput
 from nanospec.outputs import PrefillOutput, StepOutput
+from nanospec.parallel import SINGLE
+from nanospec.persistent_batch import PersistentBatch, StepInput
 from nanospec.request import Request
 from nanospec.sampling_params import SamplingParams
 from nanospec.scheduler import Scheduler
@@ -35,22 +36,21 @@ def token_at(request_id: int, position: int) -> int:
     return (request_id * 31 + position * 7) % VOCAB
 
 
-def take_block_tables(block_tables: BlockTables, reqs) -> None:
+def take_block_tables(persistent_batch: PersistentBatch, reqs) -> None:
     """Take the block-table rows as ``ModelRunner`` and the worker do; they hold each request's table."""
     width = max((len(r.block_table) for r in reqs), default=1) or 1
     want = [r.block_table + [DUMMY_BLOCK] * (width - len(r.block_table)) for r in reqs]
-    assert block_tables.take(reqs).tolist() == want
+    assert persistent_batch.block_tables(reqs).tolist() == want
 
 
 class FakeRunner:
     """Prefill: a new request's first token; a resumed one's next input from its newest token. Plain decode:
     one token from the device-side committed length, as ``ModelRunner.decode``."""
 
-    def __init__(self, block_tables: BlockTables):
-        self.block_tables = block_tables
+    tp = SINGLE  # one rank
 
-    def prefill(self, batch, masks=None) -> PrefillOutput:
-        take_block_tables(self.block_tables, batch.reqs)
+    def prefill(self, batch, persistent_batch, masks=None) -> PrefillOutput:
+        take_block_tables(persistent_batch, batch.reqs)
         done = [i for i in range(len(batch.reqs)) if batch.completes(i)]
         new = [i for i in done if not batch.reqs[i].output_token_ids]
         bonus = [batch.reqs[i].last_token for i in done]
@@ -64,12 +64,12 @@ class FakeRunner:
             len(batch.reqs), done, new, done_reqs, torch.tensor(bonus, dtype=torch.long), hidden
         )
 
-    def decode(self, reqs, next_inputs: NextInputs, masks=None) -> StepOutput:
-        take_block_tables(self.block_tables, reqs)
-        inp = next_inputs.take(reqs)
+    def decode(self, reqs, persistent_batch: PersistentBatch, masks=None) -> StepOutput:
+        take_block_tables(persistent_batch, reqs)
+        inp = persistent_batch.take(reqs)
         ids = torch.tensor(inp.req_ids)
         toks = (ids * 31 + (inp.num_computed_tokens.long() + 1) * 7) % VOCAB
-        next_inputs.advance(StepInput(inp.req_ids, toks, inp.hidden, inp.num_computed_tokens + 1))
+        persistent_batch.advance(StepInput(inp.req_ids, toks, inp.hidden, inp.num_computed_tokens + 1))
         return StepOutput(torch.stack([torch.ones_like(toks), toks], 1))
 
 
@@ -77,9 +77,8 @@ class FakeWorker:
     """A speculative step that accepts a random 1..max_accept tokens per row (drafts + the bonus token) and
     leaves each row's next input from the device-side committed length, as ``FrozenKVMTPWorker.step``."""
 
-    def __init__(self, next_inputs, block_tables, lookahead: int, max_accept: int, rng: random.Random):
-        self.next_inputs = next_inputs
-        self.block_tables = block_tables
+    def __init__(self, persistent_batch, lookahead: int, max_accept: int, rng: random.Random):
+        self.persistent_batch = persistent_batch
         self.lookahead = lookahead
         self.max_accept = max_accept
         self.rng = rng
@@ -91,14 +90,14 @@ class FakeWorker:
         pass
 
     def step(self, reqs, plan=None, masks=None) -> StepOutput:
-        take_block_tables(self.block_tables, reqs)
-        inp = self.next_inputs.take(reqs)
+        take_block_tables(self.persistent_batch, reqs)
+        inp = self.persistent_batch.take(reqs)
         acc = torch.tensor([self.rng.randint(1, self.max_accept) for _ in reqs])
         ids = torch.tensor(inp.req_ids)[:, None]
         positions = inp.num_computed_tokens.long()[:, None] + 1 + torch.arange(self.lookahead)
         out = (ids * 31 + positions * 7) % VOCAB
         bonus = out[torch.arange(len(reqs)), acc - 1]
-        self.next_inputs.advance(
+        self.persistent_batch.advance(
             StepInput(inp.req_ids, bonus, inp.hidden, inp.num_computed_tokens + acc.int())
         )
         return StepOutput(torch.cat([acc[:, None], out], 1), speculative=True, num_drafted=self.lookahead - 1)
@@ -116,17 +115,19 @@ def fake_engine(cfg: dict, rng: random.Random) -> LLM:
     llm = LLM.__new__(LLM)
     llm.config = config
     width = cdiv(cfg["max_model_len"] + lookahead, cfg["page_size"])  # the graphs' width, as ModelRunner
-    llm.runner = FakeRunner(BlockTables(cfg["max_num_seqs"], width, torch.device("cpu")))
-    llm.next_inputs = NextInputs(0, torch.device("cpu"), torch.float32, cfg["max_num_seqs"])
+    llm.runner = FakeRunner()
+    llm.persistent_batch = PersistentBatch(cfg["max_num_seqs"], width, 0, torch.device("cpu"), torch.float32)
     llm.worker = None
     if lookahead > 1:
-        llm.worker = FakeWorker(llm.next_inputs, llm.runner.block_tables, lookahead, cfg["max_accept"], rng)
+        llm.worker = FakeWorker(llm.persistent_batch, lookahead, cfg["max_accept"], rng)
     allocator = BlockAllocator(cfg["num_blocks"], cfg["page_size"], cfg["prefix_caching"])
-    llm.scheduler = Scheduler(config, allocator, lookahead)
+    llm.scheduler = Scheduler(config, allocator, lookahead, llm._on_release)
     llm.overlap = cfg["overlap"]
     llm.num_steps_run = 0
     llm._inflight = None
     llm._stash = []
+    llm._rank_tables = {}
+    llm._unsent_releases = []
     return llm
 
 
@@ -189,7 +190,7 @@ def run_config(cfg: dict, seed: int) -> dict:
             assert r.request_id not in finished, "a request finished twice"
             finished[r.request_id] = r
         # every running request has exactly its one next input once its prefill was launched
-        rows = llm.next_inputs.rows.req_ids
+        rows = llm.persistent_batch.inputs.req_ids
         assert len(rows) == len(set(rows))
         assert set(rows) == {r.request_id for r in sched.running}, "a row without its request or the reverse"
         # the oldest unfinished request advances within the window
@@ -218,8 +219,8 @@ def run_config(cfg: dict, seed: int) -> dict:
     # every block is back: free, or cached with no owner
     assert allocator.num_free == allocator.num_usable
     assert all(c == 0 for c in allocator.ref_count)
-    assert len(llm.next_inputs) == 0 and not sched.running and not sched.waiting
-    assert not llm.runner.block_tables.rows  # every block-table row is free again
+    assert len(llm.persistent_batch) == 0 and not sched.running and not sched.waiting
+    assert not llm.persistent_batch.row  # every block-table row is free again
     return dict(steps=llm.num_steps_run, preemptions=sched.num_preemptions)
 
 
@@ -282,7 +283,7 @@ def test_preempted_and_reprefilled_in_one_step_keeps_its_next_input():
     llm.scheduler._preempt(req)  # as a decode plan that gave its blocks away would
     llm.scheduler.last_kind = "decode"  # the step below plans a prefill, which takes the request again
     llm.step()
-    assert llm.next_inputs.rows.req_ids == [0]
+    assert llm.persistent_batch.inputs.req_ids == [0]
     done = []
     while not done:
         done = llm.step()

@@ -69,7 +69,7 @@ def oracle(monkeypatch, reference):
 
     def draft(self, reqs, block_table, seq_lens, num_splits=None, num_steps=None, sampling=None):
         S = self.num_steps if num_steps is None else num_steps
-        bonus = self.next_inputs.take(reqs).bonus_tokens
+        bonus = self.persistent_batch.take(reqs).bonus_tokens
         rows = []
         for r, L in zip(reqs, seq_lens.tolist()):
             ref = reference[tuple(r.prompt_token_ids)]
@@ -139,7 +139,7 @@ def test_seeded_request_is_a_function_of_itself(
         acc = accept_lengths(batched)
         assert sum(a > 1 for a in acc) > 0.5 * len(acc) and max(acc) == 1 + MODES[mode]["num_steps"]
         a = llm.runner.allocator
-        assert a.num_free == a.num_usable and len(llm.next_inputs) == 0
+        assert a.num_free == a.num_usable and len(llm.persistent_batch) == 0
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))

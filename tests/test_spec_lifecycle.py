@@ -25,12 +25,12 @@ import nanospec.mtp.draft as draft_mod
 from nanospec.config import EngineConfig
 from nanospec.context import AttnMetadata, attn_metadata
 from nanospec.kernels.attention import decode_attention, draft_attention
-from nanospec.kv_cache import BlockTables
 from nanospec.model_runner import ModelRunner, build_target
 from nanospec.mtp.draft import DraftTree, chain_tree, run_draft
 from nanospec.mtp.verify import accept, compact_accepted_kv, emitted_tokens
 from nanospec.mtp.worker import FrozenKVMTPWorker
-from nanospec.next_inputs import NextInputs, StepInput
+from nanospec.persistent_batch import PersistentBatch, StepInput
+from nanospec.sampling_params import SamplingParams
 from nanospec.scheduler import Batch
 
 V, S = 49152, 5  # vocab; draft steps of the oracle tests
@@ -45,7 +45,7 @@ def oracle(monkeypatch, reference):
 
     def install(wrong_at=None):
         def draft(self, reqs, block_table, seq_lens, num_splits=None, num_steps=None, sampling=None):
-            seed = self.next_inputs.take(reqs)
+            seed = self.persistent_batch.take(reqs)
             assert seed.req_ids == [r.request_id for r in reqs]
             # own, fresh seed per row
             assert seed.bonus_tokens.tolist() == [r.all_token_ids[-1] for r in reqs]
@@ -98,12 +98,12 @@ def test_rule1_all_finish_in_one_verify_leaves_idle_input(
     llm.add_request(pa, greedy(n_len))  # length
     llm.add_request(pb, greedy(20, stop_token_ids=[first_occurrence(rb, n_len - 1)]))  # stop token (EOS-like)
     assert llm.step() == []  # both prefills
-    assert llm.next_inputs.rows.req_ids == [0, 1]
+    assert llm.persistent_batch.inputs.req_ids == [0, 1]
     done = llm.step()  # one verify: both finish in it
     assert sorted((r.request_id, r.finish_reason) for r in done) == [(0, "length"), (1, "stop")]
     assert [r.output_token_ids for r in sorted(done, key=lambda r: r.request_id)] == [ra[:n_len], rb[:n_len]]
     assert not llm.has_unfinished()
-    seeds = llm.next_inputs.rows
+    seeds = llm.persistent_batch.inputs
     assert type(seeds) is StepInput  # never a verify object / tree
     assert len(seeds) == 0 and seeds.req_ids == []
     assert seeds.bonus_tokens.shape == (0,) and seeds.bonus_tokens.dtype == torch.long
@@ -111,13 +111,13 @@ def test_rule1_all_finish_in_one_verify_leaves_idle_input(
     # the next prefill merges into the idle input and generation goes on
     rid = llm.add_request(pc, greedy(12))
     assert llm.step() == []
-    seeds = llm.next_inputs.rows
+    seeds = llm.persistent_batch.inputs
     assert seeds.req_ids == [rid] and seeds.bonus_tokens.shape == (1,) and seeds.hidden.shape == (1, HB)
     out = []
     while llm.has_unfinished():
         out += llm.step()
     assert [r.output_token_ids for r in out] == [rc[:12]]
-    assert len(llm.next_inputs) == 0 and llm.next_inputs.rows.hidden.shape == (0, HB)
+    assert len(llm.persistent_batch) == 0 and llm.persistent_batch.inputs.hidden.shape == (0, HB)
 
 
 # Same bug family (spec_info filter/merge during batch surgery, brief §4 "filter_batch / merge_batch" and the
@@ -126,15 +126,24 @@ def test_rule1_all_finish_in_one_verify_leaves_idle_input(
 # seed wins).
 def test_rule1_next_input_slots_survive_batch_surgery():
     Hb = 8
-    slots = NextInputs(Hb, "cpu", torch.float32, 6)
+    slots = PersistentBatch(6, 4, Hb, "cpu", torch.float32)
 
     def reqs(ids):
-        return [SimpleNamespace(request_id=r, prefill_len=100 + r) for r in ids]
+        params = SamplingParams()
+        return [
+            SimpleNamespace(request_id=r, prefill_len=100 + r, block_table=[], params=params, seed=r)
+            for r in ids
+        ]
 
     def born(ids, bonus=None):  # row of request r: bonus 10*r, hidden filled with r, L = 100 + r
         bonus = [10 * r for r in ids] if bonus is None else bonus
         hidden = torch.tensor([[float(r)] * Hb for r in ids]).reshape(len(ids), Hb)
+        slots.block_tables(reqs(ids))  # the row its first prefill chunk takes
         slots.on_prefill_done(reqs(ids), torch.tensor(bonus, dtype=torch.long), hidden)
+
+    def release(ids, reason):
+        for r in reqs(ids):
+            slots.release(r, reason)
 
     def check(x, ids):
         assert type(x) is StepInput and x.req_ids == list(ids)
@@ -146,14 +155,14 @@ def test_rule1_next_input_slots_survive_batch_surgery():
             100 + r for r in ids
         ]
 
-    check(slots.rows, [])  # idle: real 0-row shapes
+    check(slots.inputs, [])  # idle: real 0-row shapes
     check(slots.take([]), [])
     born([5, 6])
     born([1, 2, 3])
-    check(slots.rows, [5, 6, 1, 2, 3])
+    check(slots.inputs, [5, 6, 1, 2, 3])
     check(slots.take(reqs([6, 2])), [6, 2])  # batch order
-    slots.on_release(reqs([5, 9]), "finished")  # unknown ids skipped
-    check(slots.rows, [6, 1, 2, 3])
+    release([5, 9], "finished")  # unknown ids skipped
+    check(slots.inputs, [6, 1, 2, 3])
     with pytest.raises(RuntimeError, match="no next input"):
         slots.take(reqs([5]))
     # a step replaces its rows only
@@ -164,14 +173,15 @@ def test_rule1_next_input_slots_survive_batch_surgery():
     assert slots.take(reqs([1, 2, 3])).bonus_tokens.tolist() == [11, 20, 31]
     assert slots.take(reqs([1, 2, 3])).num_computed_tokens.tolist() == [105, 102, 107]
     # preempt -> re-prefill: request 2's new seed replaces its old row, no duplicate
-    slots.on_release(reqs([2]), "preempted")
+    release([2], "preempted")
     born([2], bonus=[99])
     assert len(slots) == 4 and slots.take(reqs([2])).bonus_tokens.tolist() == [99]
     born([7, 8])
-    with pytest.raises(AssertionError, match="slots"):
+    with pytest.raises(AssertionError, match="max_num_seqs"):
         born([4])  # more running requests than max_num_seqs
-    slots.on_release(reqs([6, 1, 2, 3, 7, 8]), "finished")
-    check(slots.rows, [])
+    release([6, 1, 2, 3, 7, 8], "finished")
+    assert not slots.row and sorted(slots.free) == list(range(6))
+    check(slots.inputs, [])
 
 
 # =============================================================================================== rule 2
@@ -192,9 +202,9 @@ def test_rule2_construct_then_allocate_then_bind(tiny_llama_dir, asst_dir, targe
     )
     target = build_target(target_cfg, cpu, f32, 128, tiny_llama_dir)
     assert all(layer.self_attn.k_cache is None for layer in target.layers)  # no pool anywhere
-    next_inputs = NextInputs(HB, cpu, f32, 4)
-    worker = FrozenKVMTPWorker(cfg, target, asst_dir, next_inputs, BlockTables(4, 8, cpu))  # no pool needed
-    assert worker.assistant._kv is None and len(next_inputs) == 0
+    persistent_batch = PersistentBatch(4, 8, HB, cpu, f32)
+    worker = FrozenKVMTPWorker(cfg, target, asst_dir, persistent_batch)  # no pool needed
+    assert worker.assistant._kv is None and len(persistent_batch) == 0
     md = AttnMetadata.draft(torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
     with attn_metadata(md), pytest.raises(RuntimeError):  # forward before bind
         worker.assistant(torch.tensor([1]), torch.zeros(1, HB), torch.tensor([0]))
@@ -309,7 +319,7 @@ def test_rule3_draft_writes_no_kv(tiny_llama_dir, asst_dir, record_draft_metadat
         v.clear()
     before = _pool_digest(kv)
     L = torch.tensor([r.num_computed_tokens for r in reqs], dtype=torch.int32)
-    tree = worker.draft(llm.next_inputs.take(reqs), llm.runner.block_tables.take(reqs), L)
+    tree = worker.draft(llm.persistent_batch.take(reqs), llm.persistent_batch.block_tables(reqs), L)
     assert _pool_digest(kv) == before
     assert tree.tokens.shape == (len(reqs), llm.config.num_draft_tokens)
     mds = record_draft_metadata["assistant"]
@@ -324,7 +334,7 @@ def test_rule3_write_slots_make_the_assistant_raise(tiny_llama_dir, asst_dir):
     llm.add_request(PROMPTS[1], greedy(4))
     llm.step()
     a, (r,) = llm.worker.assistant, llm.scheduler.running
-    bt, L = llm.runner.block_tables.take([r]), torch.tensor([r.num_computed_tokens], dtype=torch.int32)
+    bt, L = llm.persistent_batch.block_tables([r]), torch.tensor([r.num_computed_tokens], dtype=torch.int32)
     args = (torch.tensor([r.all_token_ids[-1]]), torch.zeros(1, HB), L.long() - 1)
     kv = llm.runner.kv_pools[0]
     before = _pool_digest(kv)
@@ -373,9 +383,9 @@ def test_rule3_long_prompt_num_steps_1(tiny_llama_dir, asst_dir, record_draft_me
 def test_rule4_zero_row_step_engine(tiny_llama_dir, asst_dir):
     llm = make_llm(tiny_llama_dir, asst_dir, num_steps=3)
     assert llm.step() == [] and not llm.has_unfinished()
-    assert llm.worker.step([]).tokens == [] and llm.runner.decode([], llm.next_inputs).tokens == []
-    assert llm.runner.prefill(Batch("prefill", [])).tokens == []
-    assert len(llm.next_inputs) == 0
+    assert llm.worker.step([]).tokens == [] and llm.runner.decode([], llm.persistent_batch).tokens == []
+    assert llm.runner.prefill(Batch("prefill", []), llm.persistent_batch).tokens == []
+    assert len(llm.persistent_batch) == 0
     llm.add_request(PROMPTS[0], greedy(5))
     out = []
     while llm.has_unfinished():
@@ -390,7 +400,9 @@ def test_rule4_zero_row_draft_and_accept(tiny_llama_dir, asst_dir, topk, n_draft
         tiny_llama_dir, asst_dir, num_steps=3, topk=topk, num_draft_tokens=n_draft if topk > 1 else None
     )
     worker, kv = llm.worker, llm.runner.kv_pools[0]
-    idle = StepInput.idle(HB, "cpu", torch.float32)
+    idle = StepInput(
+        [], torch.zeros(0, dtype=torch.long), torch.zeros(0, HB), torch.zeros(0, dtype=torch.int32)
+    )
     bt0, L0 = torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
     tree = run_draft(worker.assistant, idle, bt0, L0, 3, topk, n_draft)
     assert (
@@ -401,7 +413,7 @@ def test_rule4_zero_row_draft_and_accept(tiny_llama_dir, asst_dir, topk, n_draft
     assert tree.is_chain == (topk == 1)
     if topk > 1:
         assert tree.tree_mask.shape == (0, n_draft, n_draft)
-    assert worker.draft(idle, llm.runner.block_tables.take([]), L0).tokens.shape == (0, n_draft)
+    assert worker.draft(idle, llm.persistent_batch.block_tables([]), L0).tokens.shape == (0, n_draft)
     path, acc, bonus = accept(tree, torch.zeros(0, n_draft, dtype=torch.long), 3)
     assert path.shape[0] == 0 and acc.shape == (0,) and bonus.shape == (0,)
     assert emitted_tokens(tree, path, acc, bonus).shape[0] == 0
@@ -538,7 +550,7 @@ def test_rule6_rows_independent(tiny_llama_dir, asst_dir, reference, oracle):
     firsts = [b["accept_lengths"][0] for b in batched]
     assert len(set(firsts)) == len(firsts)  # rows accepted different counts in the same verify
     assert all(len(set(b["accept_lengths"])) > 1 for b in batched), [b["accept_lengths"] for b in batched]
-    assert len(llm.next_inputs) == 0 and llm.runner.allocator.num_free == llm.runner.allocator.num_usable
+    assert len(llm.persistent_batch) == 0 and llm.runner.allocator.num_free == llm.runner.allocator.num_usable
 
 
 def test_rule6_rows_independent_tree(tiny_llama_dir, asst_dir, reference, monkeypatch):
@@ -550,7 +562,7 @@ def test_rule6_rows_independent_tree(tiny_llama_dir, asst_dir, reference, monkey
         m[i, anc] = True
 
     def draft(self, reqs, block_table, seq_lens, num_splits=None, num_steps=None, sampling=None):
-        seed = self.next_inputs.take(reqs)
+        seed = self.persistent_batch.take(reqs)
         assert seed.bonus_tokens.tolist() == [r.all_token_ids[-1] for r in reqs]
         rows = []
         for r in reqs:
@@ -601,7 +613,7 @@ def test_preemption_with_speculation(tiny_llama_dir, asst_dir, reference, oracle
         assert 1 + sum(o["accept_lengths"]) >= len(o["token_ids"])
     alloc = llm.runner.allocator
     assert alloc.num_free == alloc.num_usable
-    assert len(llm.next_inputs) == 0 and llm.next_inputs.rows.hidden.shape == (0, HB)
+    assert len(llm.persistent_batch) == 0 and llm.persistent_batch.inputs.hidden.shape == (0, HB)
     assert not llm.has_unfinished()
 
 

@@ -80,7 +80,7 @@ def test_greedy_lossless_random_assistant(
         assert 1 + sum(o["accept_lengths"]) >= len(o["token_ids"])
         assert all(1 <= a <= num_steps + 1 for a in o["accept_lengths"])
     al = llm.runner.allocator
-    assert al.num_free == al.num_usable and len(llm.next_inputs) == 0
+    assert al.num_free == al.num_usable and len(llm.persistent_batch) == 0
 
 
 def oracle_draft(reference, prompts, topk, wrong_every, rng_seed=0):

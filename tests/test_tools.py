@@ -43,11 +43,11 @@ def test_example_rejects_bad_options_in_argparse(args, option):
     assert r.returncode == 2 and option in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
-def test_example_help_imports_neither_torch_nor_nanospec():
+def test_example_help_imports_neither_torch_nor_the_engine():
     code = (
         "import runpy, sys\nsys.argv = ['example.py', '--help']\ntry:\n    runpy.run_path('example.py', "
-        "run_name='__main__')\nexcept SystemExit:\n    pass\nprint(sorted(m for m in ('torch', 'nanospec') "
-        "if m in sys.modules))"
+        "run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'nanospec.llm') if m in sys.modules))"
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert "--max-tokens" in r.stdout and r.stdout.strip().endswith("[]")

@@ -201,11 +201,12 @@ def test_tp2_adaptive_draft_length_ranks_agree(models):
 
 def record_messages(llm) -> list:
     """From now on, each call rank 0 sends (``LLM._call``) as (engine step, name, the bytes
-    ``broadcast_object_list`` would send: the pickled (name, args)), at any tensor_parallel_size."""
+    ``broadcast_object_list`` would send: the pickled (name, args, releases since the last call)), at any
+    tensor_parallel_size."""
     sent, call = [], llm._call
 
     def send(name, *args):
-        sent.append((llm.num_steps_run, name, pickle.dumps((name, args))))
+        sent.append((llm.num_steps_run, name, pickle.dumps((name, args, llm._unsent_releases))))
         return call(name, *args)
 
     llm._call = send
@@ -237,14 +238,20 @@ def test_step_message_stays_flat(tmp_path, smollm2_tokenizer):
     assert max(sizes[1:]) - sizes[1] < 64, (sizes[1], sizes[-1])
 
 
-def test_releases_of_a_step_are_one_message(tiny_llama_dir):
-    """Eight requests that finish in the same step are released in one message (and an abort at once)."""
+def test_releases_ride_on_the_next_call(tiny_llama_dir):
+    """Releases cost no message of their own: an abort before the first step travels with its launch, and
+    eight requests that finish in the same step travel together with the next launch (rank 0 freed their
+    rows at once)."""
     llm = make_llm(tiny_llama_dir)
     sent = record_messages(llm)
     ids = [llm.add_request([5 + i, 6, 7], greedy(3)) for i in range(9)]
     assert llm.abort_request(ids[8])
     while llm.has_unfinished():
         llm.step()
-    released = [(step, pickle.loads(blob)[1][0]) for step, name, blob in sent if name == "_release"]
-    reasons = [(step, [reason for _, reason in pairs]) for step, pairs in released]
-    assert reasons == [(0, ["aborted"]), (3, ["finished"] * 8)]
+    assert len(llm.persistent_batch) == 0 and not llm.persistent_batch.row  # freed on rank 0 already
+    llm.add_request([9, 9], greedy(1))
+    llm.step()
+    assert {name for _, name, _ in sent} == {"_launch"}
+    released = [(step, pickle.loads(blob)[2]) for step, _, blob in sent]
+    reasons = [(step, [reason for _, reason in pairs]) for step, pairs in released if pairs]
+    assert reasons == [(1, ["aborted"]), (4, ["finished"] * 8)]

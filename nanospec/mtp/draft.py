@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from ..context import AttnMetadata, attn_metadata
-from ..next_inputs import StepInput
+from ..persistent_batch import StepInput
 
 # The drafter samples at half the request's temperature. A drafter flatter than the target (the usual case:
 # distilled with a KL loss) proposes, under the shared noise, tokens the target rarely picks; sharpening it

@@ -1,11 +1,11 @@
 """Frozen-KV MTP worker: the one owner of the drafter, its CUDA graphs and its draft-length policy.
 
 The lifecycle, hook by hook, in the order ``LLM`` calls them (DESIGN §4 rule in brackets). Each request's
-draft input (bonus token, committed length, seed hidden) lives in ``NextInputs``, which it is born into at the
-end of the request's prefill and dropped from at its release; a step reads and replaces it there. Its block
-table is a row of the model runner's ``BlockTables``, shared with the worker.
+draft input (bonus token, committed length, seed hidden) lives in its row of ``LLM``'s ``PersistentBatch``,
+beside its block table and sampling parameters: born at the end of the request's prefill, dropped at its
+release; a step reads and replaces it there.
 
-1. ``FrozenKVMTPWorker(config, target, assistant_path, next_inputs, block_tables, split_size, trace)``:
+1. ``FrozenKVMTPWorker(config, target, assistant_path, persistent_batch, split_size, trace)``:
    load the assistant (``LLM`` checked its config against the target's first); no KV pool yet.    [rule 2]
 2. ``bind(kv_pools)``: after the target's pool is allocated and bound, attach the assistant's layers to the
    target layers they read.                                                                       [rule 2]
@@ -20,8 +20,8 @@ table is a row of the model runner's ``BlockTables``, shared with the worker.
 5. ``observe(out)`` (at commit): the step's accept lengths and time, for the policy.
 
 ``trace`` (a callable ``(event, fields)``, or None) receives "draft" and "verify" per request and one
-"draft_len" per step ("prefill_done" and "release" come from ``NextInputs``). With None nothing is computed
-for it.
+"draft_len" per step ("prefill_done" and "release" come from ``PersistentBatch``). With None nothing is
+computed for it.
 """
 
 from functools import partial
@@ -33,11 +33,10 @@ from ..context import AttnMetadata, attn_metadata
 from ..cuda_graph import GraphRunner
 from ..kernels.attention import num_kv_splits
 from ..kernels.sampling import mask_logits, sample
-from ..kv_cache import DUMMY_BLOCK, BlockTables, slot_mapping
+from ..kv_cache import DUMMY_BLOCK, slot_mapping
 from ..models.gemma4_assistant import Gemma4Assistant
-from ..next_inputs import NextInputs, StepInput
 from ..outputs import StepOutput, emitted_logprobs
-from ..sampler import sampling_tensors
+from ..persistent_batch import PersistentBatch, StepInput
 from ..transfer import to_device
 from .draft import run_draft
 from .policy import DraftLength, StepTimer
@@ -78,15 +77,13 @@ class FrozenKVMTPWorker:
         config,
         target,
         assistant_path: Path,
-        next_inputs: NextInputs,
-        block_tables: BlockTables,
+        persistent_batch: PersistentBatch,
         split_size: int | None = None,
         trace=None,
     ):
         self.target = target
         self.tp = target.tp  # the assistant is split over the target's ranks
-        self.next_inputs = next_inputs
-        self.block_tables = block_tables
+        self.persistent_batch = persistent_batch
         self.trace = trace
         self.num_steps = config.num_steps
         self.topk = config.topk
@@ -119,7 +116,7 @@ class FrozenKVMTPWorker:
         f32 = torch.float32
         buffers = {
             "bonus": ((1,), i64, 0),
-            "hidden": ((1, self.target.config.hidden_size), self.next_inputs.hidden.dtype, 0),
+            "hidden": ((1, self.target.config.hidden_size), self.persistent_batch.hidden.dtype, 0),
             "block_table": ((1, width), i32, DUMMY_BLOCK),
             "L": ((1,), i32, 0),
             "temperature": ((1,), f32, 0.0),
@@ -151,11 +148,11 @@ class FrozenKVMTPWorker:
             return StepOutput(torch.zeros(0, 2, dtype=torch.long), speculative=True)
         s, estimate = self.plan(reqs) if plan is None else plan
         timer = StepTimer(self.device)
-        inp = self.next_inputs.take(reqs)
+        inp = self.persistent_batch.take(reqs)
         L = inp.num_computed_tokens
-        bt = self.block_tables.take(reqs)
+        bt = self.persistent_batch.block_tables(reqs)
         bound = max(r.num_computed_tokens + r.num_inflight * self.num_draft_tokens for r in reqs)
-        temperature, top_k, top_p, seeds = sampling_tensors(reqs, self.device)
+        temperature, top_k, top_p, seeds = self.persistent_batch.sampling(reqs)
         inputs = {
             "bonus": inp.bonus_tokens,
             "hidden": inp.hidden,
@@ -174,7 +171,7 @@ class FrozenKVMTPWorker:
             node_logits = logits[torch.arange(len(reqs), device=self.device)[:, None], path.clamp(min=0)]
             logprobs = emitted_logprobs(reqs, node_logits, out)
         # a step that drafts nothing (s = 0) verifies the bonus token alone: the draft input stays fresh
-        self.next_inputs.advance(StepInput(inp.req_ids, bonus, hidden, L + acc.int()))
+        self.persistent_batch.advance(StepInput(inp.req_ids, bonus, hidden, L + acc.int()))
         result = StepOutput(
             torch.cat([acc[:, None], out], 1),
             speculative=s > 0,
@@ -318,7 +315,7 @@ class FrozenKVMTPWorker:
         keep_logits=False,
     ):
         """One whole speculative step of ``num_steps`` draft steps (default: all) from draft-input tensors
-        (bonus [B], hidden [B, Hb]) and the rows' sampling tensors (``sampler.sampling_tensors``): the
+        (bonus [B], hidden [B, Hb]) and the rows' sampling tensors (``PersistentBatch.sampling``): the
         ``mtp:{s}`` phase, the same code whether a CUDA graph captures it or it runs eagerly (always eagerly
         with ``masks`` or ``keep_logits``). Returns (tree tokens [B, N], then ``verify``'s outputs, its
         logits None unless ``keep_logits``: a graph keeps only what the host reads)."""

@@ -130,3 +130,57 @@ def load_target(ap, option: str, model: str | None, assistant_option: str, assis
     if assistant == "default" and not is_default_target(cfg, tok):
         ap.error(f"{assistant_option} default is SmolLM2-135M-Instruct's; give a DIR for this {option}")
     return model_dir, cfg, tok
+
+
+def example_options(argv=None, doc: str = "") -> argparse.Namespace:
+    """example.py's options, each checked before torch or a model loads (``--help`` needs neither), then
+    torch's CPU threads picked (``cpu.configure_cpu_threads``). Adds ``engine`` (the ``LLM`` keyword
+    arguments they give; the assistant's options only with an assistant: ``--assistant auto`` is the
+    shipped assistant on the default model, else none) and ``error`` (``ArgumentParser.error``: what the
+    engine rejects is a usage error too)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
+    ap.add_argument("--model", help="HF-format Llama/Qwen3/Gemma 4 dir (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--assistant", default="auto", help="gemma4_assistant dir | default | none | auto")
+    ap.add_argument("--num-steps", type=number(int, 1), help="most draft steps (3 on CPU, 5 on CUDA)")
+    adaptive = dict(action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--adaptive-speculation", **adaptive, help="draft 0..num-steps tokens per step, as pays")
+    ap.add_argument("--max-tokens", type=number(int, 1), default=128, help="new tokens per prompt")
+    ap.add_argument("--temperature", type=number(float, 0), default=0.0, help="0 is greedy")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    add_tensor_parallel_size(ap)
+    ap.add_argument("--trace", action="store_true", help="print the Frozen-KV MTP lifecycle events per step")
+    add_deterministic(ap)
+    args = ap.parse_args(argv)
+    if args.model is not None and not os.path.isdir(args.model):
+        ap.error(f"--model must be an HF-format model dir, got {args.model!r} (no such dir)")
+    if args.assistant not in ("auto", "default", "none") and not os.path.isdir(args.assistant):
+        ap.error(f"--assistant must be auto, default, none or a gemma4_assistant dir, got {args.assistant!r}")
+    import torch
+
+    from ..cpu import configure_cpu_threads
+    from ..mtp.worker import DEFAULT_ASSISTANT
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA device (use cpu or auto)")
+    if args.assistant == "auto":  # the shipped assistant on the default model
+        shipped = args.model is None and (DEFAULT_ASSISTANT / "config.json").exists()
+        args.assistant = "default" if shipped else "none"
+    for flag, given in (("--num-steps", args.num_steps is not None), ("--trace", args.trace)):
+        if args.assistant == "none" and given:
+            ap.error(f"{flag} needs an assistant (--assistant is none, or auto on another --model)")
+    args.engine = dict(
+        device=args.device,
+        max_model_len=args.max_tokens + 256,
+        tensor_parallel_size=args.tensor_parallel_size,
+        deterministic=args.deterministic,
+    )
+    if args.assistant != "none":
+        args.engine |= dict(
+            assistant=args.assistant,
+            num_steps=args.num_steps,
+            adaptive_speculation=args.adaptive_speculation,
+            trace=args.trace or None,
+        )
+    args.error = ap.error
+    configure_cpu_threads()
+    return args
