@@ -284,7 +284,7 @@ class LLM:
             )
         if self.worker is not None:
             self.worker.observe(out)
-        accept = out.accept_lens if out.speculative else None
+        accept = out.accept_lengths if out.num_drafted else None  # a step that drafted
         return self.scheduler.commit(batch, out.tokens, accept, out.num_drafted, logprobs)
 
     def abort_request(self, request_id: int) -> bool:

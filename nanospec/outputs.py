@@ -94,15 +94,14 @@ def logprobs_per_request(logprobs, reqs, tokens: list[list[int]], width: int) ->
 
 @dataclass
 class StepOutput:
-    """What a decode step emits, still on the device: ``rows`` [B, 1 + K] int64 = (accept_len, then that many
-    tokens: the accepted drafts and the bonus token; plain decode: 1 and the sampled token). ``tokens`` and
-    ``accept_lens`` read the step's one host copy (``HostCopy``, queued at launch) on first use;
+    """What a decode step emits, still on the device: ``rows`` [B, 1 + K] int64 = (accept_length, then that
+    many tokens: the accepted drafts and the bonus token; plain decode: 1 and the sampled token). ``tokens``
+    and ``accept_lengths`` read the step's one host copy (``HostCopy``, queued at launch) on first use;
     ``logprobs``: ``emitted_logprobs`` of the step (K rows per request that asked), or None."""
 
     rows: torch.Tensor
-    speculative: bool = False
-    num_steps: int = 0  # draft steps of a speculative step (0: it verified the bonus token alone)
-    num_drafted: int = 0  # draft tokens it verified per request (tree nodes but the root)
+    draft_length: int = 0  # this step's draft steps s (0: plain decode, or a verify of the bonus token alone)
+    num_drafted: int = 0  # draft tokens it verified per request (tree nodes but the root; 0 when s is 0)
     timer: object = None  # the step's StepTimer (speculation), read when the step commits
     sampled: bool = False  # a row of the step sampled (the draft-length policy books it apart)
     logprobs: TokenLogprobs | None = None
@@ -121,7 +120,7 @@ class StepOutput:
         return [row[1 : 1 + row[0]] for row in self._rows()]
 
     @property
-    def accept_lens(self) -> list[int]:
+    def accept_lengths(self) -> list[int]:
         return [row[0] for row in self._rows()]
 
     def token_logprobs(self, reqs: list[Request]) -> list:

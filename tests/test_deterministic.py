@@ -66,15 +66,15 @@ class Recorder:
         logits = model.compute_logits
         model.compute_logits = lambda h: calls.append(logits(h)) or calls[-1]
 
-        def launched(batch, plan=None, released=()):
+        def launched(batch, plan=None):
             start, pos = len(calls), [r.num_computed_tokens for r in batch.reqs]
-            out = launch(batch, plan, released)
+            out = launch(batch, plan)
             rows = torch.cat(calls[start:]) if len(calls) > start else None
             if batch.kind == "prefill":
                 keys = [(batch.reqs[i].request_id, batch.reqs[i].prefill_len - 1) for i in out.new_idx]
             else:
                 n = rows.shape[0] // len(batch.reqs)
-                acc = out.accept_lens if out.speculative else [1] * len(batch.reqs)
+                acc = out.accept_lengths if out.num_drafted else [1] * len(batch.reqs)
                 keys = [
                     (r.request_id, p + j) if j < a else None
                     for r, p, a in zip(batch.reqs, pos, acc)

@@ -19,11 +19,13 @@ def device_oracle(monkeypatch, reference):
     """Chain drafts = the reference continuation after each row's device L; drafts at an L divisible by 3 go
     wrong at depth 2 (a function of the row's state only), so commits of 3 and of 4 tokens both occur."""
 
-    def draft(self, reqs, block_table, seq_lens, num_splits=None, num_steps=None, sampling=None):
+    def draft(
+        self, reqs, block_table, num_computed_tokens, num_splits=None, draft_length=None, sampling=None
+    ):
         inp = self.persistent_batch.take(reqs)
-        S = self.num_steps if num_steps is None else num_steps
+        S = self.num_steps if draft_length is None else draft_length
         rows = []
-        for r, L in zip(reqs, seq_lens.tolist()):
+        for r, L in zip(reqs, num_computed_tokens.tolist()):
             ref, n_out = reference(r.prompt_token_ids), L - len(r.prompt_token_ids) + 1
             d = (ref[n_out : n_out + S] + [0] * S)[:S]
             rows.append(d if L % 3 else d[:2] + [(t + 1) % 49152 for t in d[2:]])

@@ -100,7 +100,7 @@ class FakeWorker:
         self.persistent_batch.advance(
             StepInput(inp.req_ids, bonus, inp.hidden, inp.num_computed_tokens + acc.int())
         )
-        return StepOutput(torch.cat([acc[:, None], out], 1), speculative=True, num_drafted=self.lookahead - 1)
+        return StepOutput(torch.cat([acc[:, None], out], 1), num_drafted=self.lookahead - 1)
 
 
 def fake_engine(cfg: dict, rng: random.Random) -> LLM:

@@ -90,8 +90,10 @@ def oracle_draft(reference, prompts, topk, wrong_every, rng_seed=0):
     g = torch.Generator().manual_seed(rng_seed)
     by_prompt = {tuple(p): r for p, r in zip(prompts, reference)}
 
-    def draft(self, reqs, block_table, seq_lens, num_splits=None, num_steps=None, sampling=None):
-        S, k, B = self.num_steps if num_steps is None else num_steps, self.topk, len(reqs)
+    def draft(
+        self, reqs, block_table, num_computed_tokens, num_splits=None, draft_length=None, sampling=None
+    ):
+        S, k, B = self.num_steps if draft_length is None else draft_length, self.topk, len(reqs)
         truth = []
         for r in reqs:
             ref, n = by_prompt[tuple(r.prompt_token_ids)], len(r.output_token_ids)

@@ -69,10 +69,10 @@ def build_tree(bonus, pool_tokens, pool_scores, pool_parents, pool_depth, num_dr
 
 def run_draft(
     assistant,
-    seed: StepInput,
+    inp: StepInput,
     block_table,
-    seq_lens,
-    num_steps: int,
+    num_computed_tokens,
+    draft_length: int,
     topk: int,
     num_draft_tokens: int,
     position_offset: int = -1,
@@ -80,9 +80,10 @@ def run_draft(
     sampling=None,
     masks=None,
 ) -> DraftTree:
-    """Draft ``num_steps`` tokens (topk 1: a chain) or a tree of N nodes (topk > 1) for every seed row.
+    """Draft ``draft_length`` tokens (topk 1: a chain) or a tree of N nodes (topk > 1) per row of ``inp``.
 
-    block_table [B, W] int32, seq_lens [B] int32: each request's committed target KV rows [0, L), read-only.
+    block_table [B, W] int32, num_computed_tokens [B] int32: each request's committed target KV rows [0, L),
+    read-only.
     Every step sits at RoPE position max(L + position_offset, 0) and sees exactly rows [0, L): nothing is
     appended between steps, so one metadata object serves all of them and no write slot exists.
     topk 1: draft step i samples the token at position L + i from the assistant's logits with the rows'
@@ -97,29 +98,31 @@ def run_draft(
     masked after the tokens drafted so far on its branch (read on the host: one sync per step), and a chain
     drafts a token the grammar forces whatever the drafter proposes.
     """
-    B = seed.hidden.shape[0]
+    B = inp.hidden.shape[0]
     k = topk
-    pos = (seq_lens.long() + position_offset).clamp(min=0)
-    tok = seed.bonus_tokens
-    h = seed.hidden
+    pos = (num_computed_tokens.long() + position_offset).clamp(min=0)
+    tok = inp.bonus_tokens
+    h = inp.hidden
     draft_sampling = None
     if sampling is not None:
         draft_sampling = (sampling[0] * DRAFT_TEMPERATURE_SCALE, *sampling[1:])
-    if k == 1 or num_steps == 0:  # a chain (no draft at all for 0 steps)
+    if k == 1 or draft_length == 0:  # a chain (no draft at all for 0 steps)
         drafts = []
-        with attn_metadata(AttnMetadata.draft(block_table, seq_lens, num_splits=num_splits)):
-            for i in range(1, num_steps + 1):
+        with attn_metadata(AttnMetadata.draft(block_table, num_computed_tokens, num_splits=num_splits)):
+            for i in range(1, draft_length + 1):
                 bitmask = forced = None
                 if masks is not None:
                     bitmask, forced = masks(torch.stack(drafts, 1) if drafts else tok.new_zeros(B, 0))
-                tok, h = assistant.draft_token(tok, h, pos, draft_sampling, seq_lens.long() + i, bitmask)
+                tok, h = assistant.draft_token(
+                    tok, h, pos, draft_sampling, num_computed_tokens.long() + i, bitmask
+                )
                 if forced is not None:
                     tok = torch.where(forced >= 0, forced, tok)
                 drafts.append(tok)
-        return chain_tree(seed.bonus_tokens, torch.stack(drafts, 1) if drafts else tok.new_zeros(B, 0))
+        return chain_tree(inp.bonus_tokens, torch.stack(drafts, 1) if drafts else tok.new_zeros(B, 0))
     dev = h.device
     bitmask = None if masks is None else masks.root(range(B))
-    with attn_metadata(AttnMetadata.draft(block_table, seq_lens, num_splits=num_splits)):
+    with attn_metadata(AttnMetadata.draft(block_table, num_computed_tokens, num_splits=num_splits)):
         # [B, k]: the seed step runs once per request
         scores, tok, h = assistant.propose(tok, h, pos, k, bitmask)
     h = h.repeat_interleave(k, 0)
@@ -130,9 +133,9 @@ def run_draft(
     frontier = torch.arange(k, device=dev).expand(B, k)  # pool index of each frontier node
     base = k
     rows = torch.arange(B, device=dev, dtype=torch.int32).repeat_interleave(k)
-    md = AttnMetadata.draft(block_table, seq_lens, row_to_req=rows, num_splits=num_splits)
+    md = AttnMetadata.draft(block_table, num_computed_tokens, row_to_req=rows, num_splits=num_splits)
     paths = tok[..., None]  # [B, k, step]: each frontier node's drafted tokens (masks only)
-    for step in range(1, num_steps):
+    for step in range(1, draft_length):
         bitmask = None if masks is None else masks(paths.flatten(0, 1))[0]
         with attn_metadata(md):
             child_lp, child_tok, h = assistant.propose(
@@ -154,5 +157,5 @@ def run_draft(
         base += k * k
     depth = torch.cat([torch.full_like(t, d) for t, d in zip(toks, deps)], 1)
     return build_tree(
-        seed.bonus_tokens, torch.cat(toks, 1), torch.cat(scs, 1), torch.cat(pars, 1), depth, num_draft_tokens
+        inp.bonus_tokens, torch.cat(toks, 1), torch.cat(scs, 1), torch.cat(pars, 1), depth, num_draft_tokens
     )

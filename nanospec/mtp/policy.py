@@ -110,7 +110,7 @@ class DraftLength:
         return s, None
 
     def observe(
-        self, s: int, batch_size: int, accept_lens: list[int], seconds: float, sampled: bool = False
+        self, s: int, batch_size: int, accept_lengths: list[int], seconds: float, sampled: bool = False
     ) -> None:
         """Book a committed step: its draft length, batch size, accept lengths, measured seconds, and whether
         a row of it sampled."""
@@ -129,5 +129,5 @@ class DraftLength:
         hits = self.hits[sampled]
         tries = self.tries[sampled]
         for j in range(1, len(hits)):
-            tries[j] = self.decay * tries[j] + sum(a >= j for a in accept_lens) * (j <= s)
-            hits[j] = self.decay * hits[j] + sum(a > j for a in accept_lens) * (j <= s)
+            tries[j] = self.decay * tries[j] + sum(a >= j for a in accept_lengths) * (j <= s)
+            hits[j] = self.decay * hits[j] + sum(a > j for a in accept_lengths) * (j <= s)

@@ -16,7 +16,7 @@ release; a step reads and replaces it there.
    every running request, drafting the plan's s steps from exactly KV rows [0, L), writing nothing [rule 3];
    verify the tree, writing rows [L, L + N); accept per row [rule 6]; the next draft input is each row's
    bonus token and the hidden of its last accepted node, also when s = 0 [rules 1, 7]. An empty batch does
-   nothing [rule 4]. The scheduler then commits ``tokens`` and ``accept_lens`` [rule 5].
+   nothing [rule 4]. The scheduler then commits ``tokens`` and ``accept_lengths`` [rule 5].
 5. ``observe(out)`` (at commit): the step's accept lengths and time, for the policy.
 
 ``trace`` (a callable ``(event, fields)``, or None) receives "draft" and "verify" per request and one
@@ -126,7 +126,7 @@ class FrozenKVMTPWorker:
         }
         phases = {}
         for s in self.policy.candidates:
-            phases[f"mtp:{s}"] = (partial(self.draft_verify, num_steps=s), list(buffers))
+            phases[f"mtp:{s}"] = (partial(self.draft_verify, draft_length=s), list(buffers))
         self.graphs = GraphRunner(phases, buffers, sizes, num_splits, self.device)
         self.graphs.capture()
 
@@ -145,7 +145,7 @@ class FrozenKVMTPWorker:
         masking each draft step and every verify node, the others through their graphs (``_run``, DESIGN
         §5)."""
         if not reqs:  # DESIGN §4 rule 4
-            return StepOutput(torch.zeros(0, 2, dtype=torch.long), speculative=True)
+            return StepOutput(torch.zeros(0, 2, dtype=torch.long))
         s, estimate = self.plan(reqs) if plan is None else plan
         timer = StepTimer(self.device)
         inp = self.persistent_batch.take(reqs)
@@ -165,17 +165,16 @@ class FrozenKVMTPWorker:
         }
         wants_logprobs = any(r.params.logprobs is not None for r in reqs)
         outputs = self._run(s, inputs, num_kv_splits(bound), masks, wants_logprobs)
-        tree_tokens, out, acc, bonus, hidden, path, logits = outputs
+        tree_tokens, out, accept_length, bonus, hidden, path, logits = outputs
         logprobs = None
         if wants_logprobs:  # emitted token j: the target's at node path[j]
             node_logits = logits[torch.arange(len(reqs), device=self.device)[:, None], path.clamp(min=0)]
             logprobs = emitted_logprobs(reqs, node_logits, out)
         # a step that drafts nothing (s = 0) verifies the bonus token alone: the draft input stays fresh
-        self.persistent_batch.advance(StepInput(inp.req_ids, bonus, hidden, L + acc.int()))
+        self.persistent_batch.advance(StepInput(inp.req_ids, bonus, hidden, L + accept_length.int()))
         result = StepOutput(
-            torch.cat([acc[:, None], out], 1),
-            speculative=s > 0,
-            num_steps=s,
+            torch.cat([accept_length[:, None], out], 1),
+            draft_length=s,
             num_drafted=self._num_nodes(s) - 1,
             timer=timer.stop(),
             sampled=_is_sampled(reqs),
@@ -219,27 +218,29 @@ class FrozenKVMTPWorker:
         """A committed step's accept lengths and measured time, for the draft-length policy."""
         if out.timer is not None:
             seconds = out.timer.seconds()
-            self.policy.observe(out.num_steps, len(out.accept_lens), out.accept_lens, seconds, out.sampled)
+            accepted = out.accept_lengths
+            self.policy.observe(out.draft_length, len(accepted), accepted, seconds, out.sampled)
 
     def draft(
         self,
         inp: StepInput,
         block_table,
-        seq_lens,
+        num_computed_tokens,
         num_splits=None,
-        num_steps=None,
+        draft_length=None,
         sampling=None,
         masks=None,
     ):
         """The draft tree of the rows of ``inp`` (their bonus tokens and seed hiddens; reads KV rows [0, L),
-        writes nothing): ``num_steps`` (default: all) steps; ``sampling`` and ``masks`` as ``run_draft``'s.
-        The one draft path, eager or captured (``draft_verify``)."""
-        s = self.num_steps if num_steps is None else num_steps
+        L = ``num_computed_tokens``, writes nothing): ``draft_length`` steps (default: ``num_steps``, all);
+        ``sampling`` and ``masks`` as ``run_draft``'s. The one draft path, eager or captured
+        (``draft_verify``)."""
+        s = self.num_steps if draft_length is None else draft_length
         return run_draft(
             self.assistant,
             inp,
             block_table,
-            seq_lens,
+            num_computed_tokens,
             s,
             self.topk,
             self._num_nodes(s),
@@ -253,7 +254,7 @@ class FrozenKVMTPWorker:
         """Tree nodes verified per request when drafting s steps (a shorter draft is a chain)."""
         return self.num_draft_tokens if s == self.num_steps else s + 1
 
-    def verify(self, tree, block_table, L, sampling, num_steps=None, masks=None):
+    def verify(self, tree, block_table, L, sampling, draft_length=None, masks=None):
         """Target forward over the tree (K/V written to rows [L, L+N)), the target's token at every node,
         accept, compact, next seed hidden.
 
@@ -263,11 +264,11 @@ class FrozenKVMTPWorker:
         token, and the target token at the last accepted node is the bonus token (DESIGN §3, "Verify").
         Pure tensor code with no host sync (graph-capturable): slots come from the block table on device.
         ``sampling`` = (temperature [B] fp32, top_k [B] int32, top_p [B] fp32, seeds [B] int64);
-        ``num_steps``: the tree's depth (default: all steps); ``masks`` (structured output, or None): every
-        node's token is sampled inside the grammar after its path (and the returned logits are masked when a
-        request asked for logprobs).
-        Returns (emitted [B, S+1] tokens padded with -1, accept_len [B], bonus [B], next seed hidden [B, Hb],
-        path [B, S+1] (``accept``'s), logits [B, N, V]).
+        ``draft_length``: the tree's depth (default: ``num_steps``, all); ``masks`` (structured output, or
+        None): every node's token is sampled inside the grammar after its path (and the returned logits are
+        masked when a request asked for logprobs).
+        Returns (emitted [B, S+1] tokens padded with -1, accept_length [B], bonus [B], next seed hidden
+        [B, Hb], path [B, S+1] (``accept``'s), logits [B, N, V]).
         """
         B, N = tree.tokens.shape
         dev = tree.tokens.device
@@ -281,7 +282,7 @@ class FrozenKVMTPWorker:
         with attn_metadata(md):
             hidden = self.target(tree.tokens.flatten(), (L.long()[:, None] + tree.depth).flatten())
         logits = self.target.compute_logits(hidden).view(B, N, -1)
-        s = self.num_steps if num_steps is None else num_steps
+        s = self.num_steps if draft_length is None else draft_length
         positions = (L.long()[:, None] + tree.depth + 1).flatten()
         per_node = [x.repeat_interleave(N) for x in sampling]
         bitmask = None
@@ -291,13 +292,20 @@ class FrozenKVMTPWorker:
                 logits = mask_logits(logits.view(B * N, -1), bitmask).view(B, N, -1)
                 bitmask = None
         target_tokens = sample(logits.view(B * N, -1), *per_node, positions, bitmask=bitmask).view(B, N)
-        path, acc, bonus = accept(tree, target_tokens, s)
-        self.tp.agree(path, acc, bonus)  # rank 0's walk (tensor parallelism: DESIGN §4 rule 8)
+        path, accept_length, bonus = accept(tree, target_tokens, s)
+        self.tp.agree(path, accept_length, bonus)  # rank 0's walk (tensor parallelism: DESIGN §4 rule 8)
         if not tree.is_chain:
-            compact_accepted_kv(self.kv_pools, block_table, L, path, acc, self.page_size)
-        last = path.gather(1, (acc - 1)[:, None]).squeeze(1)
+            compact_accepted_kv(self.kv_pools, block_table, L, path, accept_length, self.page_size)
+        last = path.gather(1, (accept_length - 1)[:, None]).squeeze(1)
         seed_hidden = hidden.view(B, N, -1)[torch.arange(B, device=dev), last]
-        return emitted_tokens(tree, path, acc, bonus), acc, bonus, seed_hidden, path, logits
+        return (
+            emitted_tokens(tree, path, accept_length, bonus),
+            accept_length,
+            bonus,
+            seed_hidden,
+            path,
+            logits,
+        )
 
     def draft_verify(
         self,
@@ -310,16 +318,16 @@ class FrozenKVMTPWorker:
         top_p,
         seeds,
         num_splits=None,
-        num_steps=None,
+        draft_length=None,
         masks=None,
         keep_logits=False,
     ):
-        """One whole speculative step of ``num_steps`` draft steps (default: all) from draft-input tensors
+        """One whole speculative step of ``draft_length`` draft steps (default: ``num_steps``) from tensors
         (bonus [B], hidden [B, Hb]) and the rows' sampling tensors (``PersistentBatch.sampling``): the
         ``mtp:{s}`` phase, the same code whether a CUDA graph captures it or it runs eagerly (always eagerly
         with ``masks`` or ``keep_logits``). Returns (tree tokens [B, N], then ``verify``'s outputs, its
         logits None unless ``keep_logits``: a graph keeps only what the host reads)."""
-        s = self.num_steps if num_steps is None else num_steps
+        s = self.num_steps if draft_length is None else draft_length
         sampling = (temperature, top_k, top_p, seeds)
         tree = self.draft(StepInput([], bonus, hidden), block_table, L, num_splits, s, sampling, masks)
         *outputs, logits = self.verify(tree, block_table, L, sampling, s, masks)
