@@ -2,8 +2,8 @@
 
 Every ``import`` and ``from ... import`` in every .py file counts, at module level or inside a function,
 with relative imports resolved (kernels/ is the package ``nanospec.kernels``). An import is an edge to the
-module whose code it reads and to every package Python runs on the way there: ``from .models.shapes import
-x`` in ``nanospec/parallel.py`` reaches ``nanospec.models.shapes`` and ``nanospec.models`` (its
+module whose code it reads and to every package Python runs on the way there: ``from .models.llama import
+x`` in ``nanospec/parallel.py`` reaches ``nanospec.models.llama`` and ``nanospec.models`` (its
 ``__init__.py``), but not ``nanospec``, which any module of the package is already inside.
 
 Rules:
