@@ -14,8 +14,9 @@ from .kernels.attention import KV_SPLIT_SIZE, num_kv_splits
 from .kernels.matmul import linear_invariant
 from .kernels.sampling import sample
 from .kv_cache import DUMMY_BLOCK, BlockAllocator, cdiv, slot_mapping
+from .logprobs import emitted_logprobs, score_prompts
 from .models import init_random_weights, load_weights, target_class
-from .outputs import PrefillOutput, StepOutput, TokenLogprobs, emitted_logprobs
+from .outputs import PrefillOutput, StepOutput
 from .parallel import SINGLE, TensorParallel, linear
 from .persistent_batch import PersistentBatch, StepInput
 from .request import Request
@@ -291,31 +292,8 @@ class ModelRunner:
             logprobs = emitted_logprobs(reqs, logits[:, None], sampled[:, None], rows_bitmask)
         done_reqs = [batch.reqs[i] for i in done]
         done_hidden = hidden[self._tensor([last[i] for i in done])]
-        scores = self._score_prompts(batch, hidden, last)  # (prompt_logprobs, prompt_logprob_rows)
+        scores = score_prompts(self.model, batch, hidden, last)  # (prompt_logprobs, prompt_logprob_rows)
         return PrefillOutput(len(batch.reqs), done, new, done_reqs, bonus, done_hidden, logprobs, *scores)
-
-    def _score_prompts(self, batch: Batch, hidden: torch.Tensor, last: list[int]) -> tuple:
-        """``SamplingParams.prompt_logprobs``: the logprobs of the prompt tokens this chunk's rows predict
-        (the row at position p scores token p + 1), as ``PrefillOutput``'s (``prompt_logprobs``,
-        ``prompt_logprob_rows``); (None, None) when no request asks. A request recomputed after preemption
-        was scored in its first prefill."""
-        rows = []
-        scored = []
-        for i, (req, n) in enumerate(zip(batch.reqs, batch.num_new)):
-            if req.params.prompt_logprobs is None or req.output_token_ids:
-                continue
-            start = req.num_computed_tokens
-            count = min(start + n, len(req.prompt_token_ids) - 1) - start
-            first_row = last[i] - n + 1
-            rows += range(first_row, first_row + count)
-            scored.append(
-                (i, req.prompt_token_ids[start + 1 : start + 1 + count], req.params.prompt_logprobs)
-            )
-        if not rows:
-            return None, None
-        tokens = self._tensor([t for _, ids, _ in scored for t in ids])
-        logits = self.model.compute_logits(hidden[to_device(rows, torch.int64, self.device)])
-        return TokenLogprobs(logits, tokens, max(k for _, _, k in scored)), scored
 
     # ---- plain decode
     # ------------------------------------------------------------------------------------------------

@@ -6,90 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.sampling import mask_logits
+from .logprobs import TokenLogprobs, logprobs_per_request
 from .request import Request
-from .transfer import to_device
-
-
-class HostCopy:
-    """A device tensor's values for the host, copied without blocking the stream: on CUDA a non-blocking copy
-    into pinned memory and an event, queued when the step is launched, so reading it later (``tolist``) waits
-    for that step only, never for the steps launched after it (overlap scheduling). On CPU the tensor
-    itself."""
-
-    def __init__(self, t: torch.Tensor):
-        self.t = t
-        self.event = None
-        if t.is_cuda:
-            self.t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            self.t.copy_(t, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-
-    def tolist(self) -> list:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.t.tolist()
-
-
-class TokenLogprobs:
-    """Logprobs of R tokens: the log-softmax of the target's raw logits (before temperature, top-k, top-p;
-    vLLM's default) at each token, and its top ``k`` entries, computed on the device, copied to the host.
-
-    logits [R, V]: the rows that decided the tokens; tokens [R] int64.
-    """
-
-    def __init__(self, logits: torch.Tensor, tokens: torch.Tensor, k: int):
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        chosen = lp.gather(1, tokens[:, None]).squeeze(1)
-        top_values, top_ids = lp.topk(k, dim=-1)
-        self.copies = [HostCopy(chosen), HostCopy(top_ids), HostCopy(top_values)]
-
-    def dicts(self, tokens: list[int], ks: list[int]) -> list[dict[int, float]]:
-        """One dict per row: {token id: logprob} of its top ``ks[r]`` in descending order, then its token if
-        it is not among them."""
-        chosen, top_ids, top_values = (c.tolist() for c in self.copies)
-        out = []
-        for c, ids, values, token, k in zip(chosen, top_ids, top_values, tokens, ks):
-            # a token a grammar forbids (logprob -inf) is not among the top ones
-            entry = {i: v for i, v in zip(ids[:k], values[:k]) if v > float("-inf")}
-            entry.setdefault(token, c)
-            out.append(entry)
-        return out
-
-
-def emitted_logprobs(reqs: list[Request], logits: torch.Tensor, tokens: torch.Tensor, bitmask=None):
-    """``TokenLogprobs`` of the tokens a step may emit for the requests that asked
-    (``SamplingParams.logprobs``), or None when none did (nothing computed). logits [B, K, V] decided tokens
-    [B, K] (-1: not emitted); ``bitmask`` [B, K, W] int32 (structured output, or None): the logprobs are
-    those of the masked logits."""
-    wanted = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-    if not wanted:
-        return None
-    idx = to_device(wanted, torch.long, logits.device)
-    k = max(reqs[i].params.logprobs for i in wanted)
-    rows = logits[idx].flatten(0, 1)
-    if bitmask is not None:
-        rows = mask_logits(rows, bitmask[idx].flatten(0, 1))
-    return TokenLogprobs(rows, tokens[idx].clamp(min=0).flatten(), k)
-
-
-def logprobs_per_request(logprobs, reqs, tokens: list[list[int]], width: int) -> list:
-    """Split ``emitted_logprobs``' rows (``width`` per request that asked) over the batch: per request None,
-    or one dict per token it emitted (``tokens[i]``)."""
-    out = [None] * len(reqs)
-    if logprobs is None:
-        return out
-    wanted = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-    row_tokens = []
-    ks = []
-    for i in wanted:
-        row_tokens += (tokens[i] + [0] * width)[:width]  # rows past what a request emitted are not read
-        ks += [reqs[i].params.logprobs] * width
-    dicts = logprobs.dicts(row_tokens, ks)
-    for j, i in enumerate(wanted):
-        out[i] = dicts[j * width : j * width + len(tokens[i])]
-    return out
+from .transfer import HostCopy
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The step path's host-to-device transfers, in one place (DESIGN §5, "Overlap scheduling").
+"""The step path's transfers between host and device, in one place (DESIGN §5, "Overlap scheduling"):
+``to_device`` for everything a step sends, ``HostCopy`` for what the host reads back from a step.
 
 Everything a step sends to the device (the blocks a step adds to the block tables and the rows it gathers,
 next-input row indices, sampling parameters, prefill token ids, positions and row indices) is made by
@@ -23,3 +24,24 @@ def to_device(data, dtype: torch.dtype, device) -> torch.Tensor:
     if torch.device(device).type != "cuda":
         return torch.tensor(data, dtype=dtype, device=device)
     return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+class HostCopy:
+    """A device tensor's values for the host, copied without blocking the stream: on CUDA a non-blocking copy
+    into pinned memory and an event, queued when the step is launched, so reading it later (``tolist``) waits
+    for that step only, never for the steps launched after it (overlap scheduling). On CPU the tensor
+    itself."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+        self.event = None
+        if t.is_cuda:
+            self.t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.t.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def tolist(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.t.tolist()

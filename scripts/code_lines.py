@@ -55,6 +55,7 @@ LAYERS = {
     "nanospec/models/gemma4.py": "the Gemma 4 target, MoE included",
     "nanospec/default_model.py": "the default model's download and conversion",
     "nanospec/cpu.py": "the CPU thread policy",
+    "nanospec/logprobs.py": "logprobs and prompt logprobs",
 }
 LAYER_LIMIT = 300
 

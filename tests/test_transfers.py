@@ -5,9 +5,9 @@ On a CPU a blocking copy cannot be seen, so the CPU test watches the calls inste
 (every request decoding, its block table growing; plain, chain and tree; overlap on) no engine module outside
 ``transfer.py`` creates a tensor from host data (``torch.tensor`` / ``torch.as_tensor``), moves one to a
 device (``Tensor.to(device)``) or indexes with a Python list (an implicit host-to-device copy), and none
-outside ``outputs.py`` (the step's ``HostCopy``) reads device values (``tolist`` / ``item``). On CUDA the same
-steps run under ``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronizing call, except
-the commit's read.
+outside ``transfer.py`` (the step's ``HostCopy``) reads device values (``tolist`` / ``item``). On CUDA the
+same steps run under ``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronizing call,
+except the commit's read.
 """
 
 import pathlib
@@ -18,11 +18,11 @@ import torch
 from helpers import greedy, make_llm
 
 import nanospec
-from nanospec import outputs
+from nanospec import transfer
 
 ENGINE = pathlib.Path(nanospec.__file__).resolve().parent
 ALLOWED_WRITERS = {ENGINE / "transfer.py"}
-ALLOWED_READERS = {ENGINE / "outputs.py"}
+ALLOWED_READERS = {ENGINE / "transfer.py"}
 MODES = {"plain": {}, "chain": dict(num_steps=3), "tree": dict(num_steps=2, topk=2, num_draft_tokens=4)}
 
 
@@ -111,7 +111,7 @@ def test_cuda_steady_steps_never_sync_but_at_commit(tiny_llama_dir, asst_dir, mo
     """50 steady-state steps under sync debug mode "error"; the one sync (``HostCopy.tolist``, reading the
     step being committed) is allowed."""
     llm = _steady_engine(tiny_llama_dir, asst_dir, mode, device="cuda")
-    orig = outputs.HostCopy.tolist
+    orig = transfer.HostCopy.tolist
 
     def commit_read(self):
         torch.cuda.set_sync_debug_mode(0)
@@ -120,7 +120,7 @@ def test_cuda_steady_steps_never_sync_but_at_commit(tiny_llama_dir, asst_dir, mo
         finally:
             torch.cuda.set_sync_debug_mode("error")
 
-    monkeypatch.setattr(outputs.HostCopy, "tolist", commit_read)
+    monkeypatch.setattr(transfer.HostCopy, "tolist", commit_read)
     for p in ([7] * 30, [8] * 20):
         llm.add_request(p, greedy(80))
     while llm.scheduler.waiting:

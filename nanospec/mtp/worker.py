@@ -34,8 +34,9 @@ from ..cuda_graph import GraphRunner
 from ..kernels.attention import num_kv_splits
 from ..kernels.sampling import mask_logits, sample
 from ..kv_cache import DUMMY_BLOCK, slot_mapping
+from ..logprobs import emitted_logprobs
 from ..models.gemma4_assistant import Gemma4Assistant
-from ..outputs import StepOutput, emitted_logprobs
+from ..outputs import StepOutput
 from ..persistent_batch import PersistentBatch, StepInput
 from ..transfer import to_device
 from .draft import run_draft
