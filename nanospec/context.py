@@ -124,12 +124,30 @@ def paged_attention(q, k_cache, v_cache, scale: float, sliding_window: int | Non
     row of every mode in deterministic mode (``split_size``: DESIGN §4 rule 9); else the extend kernel
     (prefill and verify: causal over the paged prefix, or the tree mask)."""
     md = get_attn_metadata()
-    window = dict(sliding_window=sliding_window)
     if md.mode == "decode" or md.split_size is not None:
-        splits = dict(num_splits=md.num_splits, split_size=md.split_size)
-        return decode_attention(q, k_cache, v_cache, md.block_table, md.seq_lens, scale, **window, **splits)
-    rows = (md.cu_seqlens_q, md.seq_lens, scale, md.max_seqlen_q, md.tree_mask)
-    return extend_attention(q, k_cache, v_cache, md.block_table, *rows, **window)
+        return decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            md.block_table,
+            md.seq_lens,
+            scale,
+            sliding_window=sliding_window,
+            num_splits=md.num_splits,
+            split_size=md.split_size,
+        )
+    return extend_attention(
+        q,
+        k_cache,
+        v_cache,
+        md.block_table,
+        md.cu_seqlens_q,
+        md.seq_lens,
+        scale,
+        md.max_seqlen_q,
+        md.tree_mask,
+        sliding_window=sliding_window,
+    )
 
 
 @contextmanager

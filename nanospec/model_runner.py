@@ -292,8 +292,18 @@ class ModelRunner:
             logprobs = emitted_logprobs(reqs, logits[:, None], sampled[:, None], rows_bitmask)
         done_reqs = [batch.reqs[i] for i in done]
         done_hidden = hidden[self._tensor([last[i] for i in done])]
-        scores = score_prompts(self.model, batch, hidden, last)  # (prompt_logprobs, prompt_logprob_rows)
-        return PrefillOutput(len(batch.reqs), done, new, done_reqs, bonus, done_hidden, logprobs, *scores)
+        prompt_logprobs, prompt_logprob_rows = score_prompts(self.model, batch, hidden, last)
+        return PrefillOutput(
+            len(batch.reqs),
+            done,
+            new,
+            done_reqs,
+            bonus,
+            done_hidden,
+            logprobs,
+            prompt_logprobs,
+            prompt_logprob_rows,
+        )
 
     # ---- plain decode
     # ------------------------------------------------------------------------------------------------

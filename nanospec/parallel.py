@@ -261,11 +261,9 @@ def gather_objects(obj) -> list | None:
 def raise_if_dead() -> None:
     """After a failed step: if ranks this engine started have died (a second's grace to exit), close the
     engine and raise RuntimeError naming them; else return (the caller re-raises its own error)."""
-    dead = [
-        f"rank {r} (exit code {p.exitcode})"
-        for r, p in enumerate(_procs, 1)
-        if p.join(1) or p.exitcode is not None
-    ]
+    for p in _procs:
+        p.join(1)  # a second's grace to exit
+    dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(_procs, 1) if p.exitcode is not None]
     if dead:
         close()
         raise RuntimeError(f"tensor parallelism: {', '.join(dead)} died; the engine is closed")

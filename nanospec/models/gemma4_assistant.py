@@ -264,10 +264,11 @@ def check_assistant_config(assistant_config, target_text_config) -> list[int]:
 
 
 class Gemma4Assistant(nn.Module):
-    """The drafter. Lifecycle (DESIGN §4 rule 2): construct (``from_pretrained``) -> ``check_target`` (no pool
-    needed) -> the engine allocates the target pool -> ``bind_target`` -> ``propose`` (or ``forward``) per
-    draft step. Built with ``tp`` (a ``parallel.TensorParallel``: the target's), whose span of the query heads
-    its attention layers keep."""
+    """The drafter. Lifecycle (DESIGN §4 rule 2): ``LLM`` checks its config against the target's
+    (``check_assistant_config``, before any weights load) -> construct (``from_pretrained``) -> the engine
+    allocates the target pool -> ``bind_target`` (its layer map from ``check_target``) -> per draft step
+    ``draft_token`` (a chain) or ``propose`` (a tree); ``forward`` for training. Built with ``tp`` (a
+    ``parallel.TensorParallel``: the target's), whose span of the query heads its attention layers keep."""
 
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
@@ -341,16 +342,15 @@ class Gemma4Assistant(nn.Module):
         return check_assistant_config(self.config, target_config)
 
     def bind_target(self, target, kv: bool = True) -> None:
-        """Attach the target's embedding, per-layer RoPE tables (``target.rope_for(layer_type)`` for a Gemma 4
-        target, else ``target.cos_sin``) and (if configured) LM head; with ``kv`` also, per assistant layer,
+        """Attach the target's embedding, per-layer RoPE tables (``target.rope_for(layer_type)``) and (if
+        configured) LM head; with ``kv`` also, per assistant layer,
         the (k_cache, v_cache, sliding_window) of its mapped target layer.
 
         Call with ``kv=True`` only after the target pool is allocated and bound (DESIGN §4 rule 2); raises
         RuntimeError otherwise. ``kv=False`` serves the trainer, which passes its own ``attn_fn``.
         """
         layer_map = self.check_target(target.config)
-        rope_for = getattr(target, "rope_for", None)
-        ropes = [rope_for(lt) if rope_for else target.cos_sin for lt in self.text_config.layer_types]
+        ropes = [target.rope_for(layer_type) for layer_type in self.text_config.layer_types]
         if any(r is None for r in ropes):
             raise RuntimeError(
                 "assistant: the target's RoPE table is not initialised (call init_buffers first)"
@@ -374,7 +374,7 @@ class Gemma4Assistant(nn.Module):
                     "pool before bind_target (construct -> allocate -> bind)"
                 )
             kvs.append((attn.k_cache, attn.v_cache))
-            windows.append(getattr(attn, "sliding_window", None))
+            windows.append(attn.sliding_window)
         self._kv = kvs
         self._windows = windows
 
@@ -473,14 +473,18 @@ class Gemma4Assistant(nn.Module):
         rows' ``sampling`` = (temperature, top_k, top_p, seeds [R]) at ``token_positions [R]`` int64 (the
         target's noise there); ``sampling`` None: the argmax. The centroid head samples among its candidates
         only (nothing of size V is built). ``bitmask`` [R, W] int32 (structured output): the tokens each row
-        may draft (a centroid row whose candidates it all forbids drafts unmasked: that draft is rejected)."""
+        may draft (a row the grammar leaves no candidate, possible with the centroid head, drafts unmasked:
+        the verify, which samples inside the grammar, rejects that draft)."""
         if self.masked_embedding is None:
             logits, h_next = self(tokens, h_prev, positions)
             ids = None
         else:
             hn, h_next = self.body(tokens, h_prev, positions)
             logits, ids = self._candidates(hn)
-        logits = mask_logits(logits, bitmask, ids)
+        if bitmask is not None:
+            masked = mask_logits(logits, bitmask, ids)
+            no_candidate = masked.amax(-1, keepdim=True) == float("-inf")
+            logits = torch.where(no_candidate, logits, masked)
         if sampling is not None:
             return sample(logits, *sampling, token_positions, ids), h_next
         best = logits.argmax(-1)
