@@ -11,7 +11,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from . import cpu, default_model, loader, parallel
+from . import cpu, default_model, loader, parallel, trace
 from .config import EngineConfig
 from .model_runner import ModelRunner
 from .models.assistant_io import read_config
@@ -22,11 +22,6 @@ from .request import Request
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .structured import Grammars, StepMasks
-
-
-def _print_event(step: int, event: str, fields: dict) -> None:
-    """``trace=True``: one line per lifecycle event."""
-    print(f"[step {step}] {event:<12} " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
 
 
 def _eos_ids(model_dir, hf_config, tokenizer) -> set[int]:
@@ -80,8 +75,8 @@ class LLM:
         self.num_steps_run = 0
         emit = None
         if assistant is not None and c.trace:
-            trace = c.trace if callable(c.trace) else _print_event
-            emit = lambda event, fields: trace(self.num_steps_run, event, fields)  # noqa: E731
+            printer = c.trace if callable(c.trace) else trace.print_event
+            emit = lambda event, fields: printer(self.num_steps_run, event, fields)  # noqa: E731
         # every running request's row; the drafter's seed hidden in it only under speculation
         hidden_size = runner.model.config.hidden_size if assistant is not None else 0
         width = runner.graph_shape()[2]

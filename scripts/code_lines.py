@@ -56,6 +56,7 @@ LAYERS = {
     "nanospec/default_model.py": "the default model's download and conversion",
     "nanospec/cpu.py": "the CPU thread policy",
     "nanospec/logprobs.py": "logprobs and prompt logprobs",
+    "nanospec/trace.py": "the lifecycle trace",
 }
 LAYER_LIMIT = 300
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from .. import trace
 from ..context import AttnMetadata, attn_metadata
 from ..cuda_graph import GraphRunner
 from ..kernels.attention import num_kv_splits
@@ -188,8 +189,7 @@ class FrozenKVMTPWorker:
                 "expected_accept": round(self.policy.expected_accept(s, _is_sampled(reqs)), 3),
                 "tok_per_s": None if estimate is None else round(estimate, 1),
             }
-            self.trace("draft_len", fields)
-            self._trace_step(reqs, L.tolist(), tree_tokens.tolist(), result)
+            trace.speculative_step(self.trace, reqs, fields, L.tolist(), tree_tokens.tolist(), result.tokens)
         return result
 
     def _run(self, s: int, inputs: dict, num_splits: int, masks=None, logprobs: bool = False) -> tuple:
@@ -333,22 +333,6 @@ class FrozenKVMTPWorker:
         tree = self.draft(StepInput([], bonus, hidden), block_table, L, num_splits, s, sampling, masks)
         *outputs, logits = self.verify(tree, block_table, L, sampling, s, masks)
         return (tree.tokens, *outputs, logits if keep_logits else None)
-
-    def _trace_step(self, reqs, lens, tree_tokens, result) -> None:
-        for r, L, toks, emitted in zip(reqs, lens, tree_tokens, result.tokens):
-            n = len(emitted)
-            self.trace("draft", {"req": r.request_id, "L": L, "tokens": toks[1:]})
-            self.trace(
-                "verify",
-                {
-                    "req": r.request_id,
-                    "kv_rows": (L, L + len(toks)),
-                    "accepted": emitted[:-1],
-                    "bonus": emitted[-1],
-                    "accept_length": n,
-                    "committed_L": L + n,
-                },
-            )
 
 
 def _is_sampled(reqs) -> bool:
