@@ -57,6 +57,7 @@ import time
 from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -81,9 +82,10 @@ def nanovllm_workload(num_seqs=256, max_input_len=1024, max_output_len=1024, see
     max_tokens. Lengths are randint(100, max) as there; a max below 100 lowers the 100 to it (small CPU runs).
     Returns ``(prompts: list of token-id lists, max_tokens: list[int])``."""
     random.seed(seed)
-    rand, lo_in, lo_out = random.randint, min(100, max_input_len), min(100, max_output_len)
+    rand = random.randint
+    lo_in = min(100, max_input_len)
     prompts = [[rand(0, 10000) for _ in range(rand(lo_in, max_input_len))] for _ in range(num_seqs)]
-    return prompts, [rand(lo_out, max_output_len) for _ in range(num_seqs)]
+    return prompts, [rand(min(100, max_output_len), max_output_len) for _ in range(num_seqs)]
 
 
 def sharegpt_workload(tokenizer, num_seqs=None, max_input_len=1024, max_output_len=1024, seed=0, min_len=4):
@@ -94,17 +96,17 @@ def sharegpt_workload(tokenizer, num_seqs=None, max_input_len=1024, max_output_l
     max_tokens)`` as nanovllm_workload."""
     from .datasets import load_sharegpt
 
-    convs, prompts, max_tokens = load_sharegpt("eval"), [], []
+    convs = load_sharegpt("eval")
     random.Random(seed).shuffle(convs)  # the same order as shuffling indices
-    for conv in (c for c in convs if len(prompts) != num_seqs):
-        if len(conv) < 2 or conv[1]["role"] != "assistant":
-            continue
-        ids, answer = chat_ids(tokenizer, conv[0]["content"]), chat_ids(tokenizer, conv[1]["content"], False)
-        ref_len = len(answer)
+    requests = []  # (prompt, max_tokens)
+    for conv in (c for c in convs if len(c) >= 2 and c[1]["role"] == "assistant"):
+        if len(requests) == num_seqs:
+            break
+        ids = chat_ids(tokenizer, conv[0]["content"])
+        ref_len = len(chat_ids(tokenizer, conv[1]["content"], False))
         if min_len <= len(ids) <= max_input_len and ref_len >= min_len:
-            prompts.append(ids)
-            max_tokens.append(min(ref_len, max_output_len))
-    return prompts, max_tokens
+            requests.append((ids, min(ref_len, max_output_len)))
+    return [p for p, _ in requests], [m for _, m in requests]
 
 
 def chat_ids(tokenizer, text: str, template: bool = True) -> list[int]:
@@ -119,20 +121,20 @@ def chat_ids(tokenizer, text: str, template: bool = True) -> list[int]:
 
 def workload(args, tokenizer) -> tuple[list[list[int]], list[SamplingParams]]:
     """The prompts (token-id lists) and SamplingParams (seed ``args.seed`` + i) of ``args.workload``."""
-    rand, sizes = random.Random(args.seed).randint, (args.num_seqs, args.max_input_len, args.max_output_len)
+    rand = random.Random(args.seed).randint
+    sizes = (args.num_seqs, args.max_input_len, args.max_output_len)
+    max_tokens = None  # stall, chat, structured: --max-output-len each
     if args.workload == "stall":  # 7 decoders, then the long prompt
         prompts = [[rand(0, 10000) for _ in range(n)] for n in [16] * 7 + [args.stall_len]]
-        max_tokens = [args.max_output_len] * 8
     elif args.workload == "nanovllm" or args.shape and args.workload == "shared-prefix":
         prompts, max_tokens = nanovllm_workload(*sizes, args.seed)
     elif args.workload == "chat":
         texts = json.loads((ASSETS / "chat_prompts.json").read_text())[: args.num_seqs]
-        prompts, max_tokens = [chat_ids(tokenizer, t) for t in texts], [args.max_output_len] * len(texts)
+        prompts = [chat_ids(tokenizer, t) for t in texts]
     elif args.workload == "structured":  # the 5 tasks in turn, each with its JSON schema
         tasks = json.loads((ASSETS / "structured_prompts.json").read_text())
         tasks = [tasks[i % len(tasks)] for i in range(args.num_seqs)]
         prompts = [chat_ids(tokenizer, t["prompt"]) for t in tasks]
-        max_tokens = [args.max_output_len] * len(tasks)
         schemas = [dict(json=t["schema"]) for t in tasks]
     else:
         prompts, max_tokens = sharegpt_workload(tokenizer, *sizes, args.seed)
@@ -141,6 +143,7 @@ def workload(args, tokenizer) -> tuple[list[list[int]], list[SamplingParams]]:
         prefix = [rand(0, 10000) for _ in range(args.prefix_len)] if args.shape else text[: args.prefix_len]
         prompts = [prefix + p for p in prompts]
     sp = dict(temperature=args.temperature, ignore_eos=args.ignore_eos)
+    max_tokens = max_tokens or [args.max_output_len] * len(prompts)
     schemas = schemas if args.workload == "structured" else [None] * len(prompts)
     return prompts, [
         SamplingParams(max_tokens=m, seed=args.seed + i, structured_outputs=so, **sp)
@@ -169,9 +172,9 @@ def acceptance_stats(accept_lengths, num_steps):
     """accept_lengths: per-request lists (accepted drafts + 1 per verify step). Returns (mean accept length,
     [fraction of verify steps accepting >= i drafts for i = 1..num_steps], number of verify steps); None where
     there is no verify step."""
-    n = len(flat := [a for req in accept_lengths for a in req])
-    rates = [sum(a >= i + 1 for a in flat) / n if n else None for i in range(1, num_steps + 1)]
-    return (sum(flat) / n if n else None), rates, n
+    flat = [a for req in accept_lengths for a in req]
+    rates = [sum(a >= i + 1 for a in flat) / len(flat) if flat else None for i in range(1, num_steps + 1)]
+    return (sum(flat) / len(flat) if flat else None), rates, len(flat)
 
 
 def write_shape_dir(shape, out: Path, num_layers=None) -> Path:
@@ -198,11 +201,10 @@ def write_random_assistant(model_dir, out, seed=0, shape=None) -> Path:
     from ..models.gemma4_assistant import Gemma4Assistant
     from .train import init_assistant
 
-    config = (
-        gemma4_configs(shape)[1]
-        if shape in GEMMA4
-        else assistant_config_for(loader.load_config(model_dir), 2, use_target_lm_head=True)
-    )
+    if shape in GEMMA4:
+        config = gemma4_configs(shape)[1]
+    else:
+        config = assistant_config_for(loader.load_config(model_dir), 2, use_target_lm_head=True)
     return save_assistant(init_assistant(Gemma4Assistant(config), seed), out)
 
 
@@ -212,10 +214,8 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def timed(obj, name: str, device, log: list) -> None:
-    """Wrap method ``name`` of the instance ``obj`` (set on the instance; the class is untouched): each call
-    appends its wall time in ms, the GPU synced before and after, to ``log``."""
-    fn = getattr(obj, name)
+def timed(fn, device, log: list):
+    """``fn`` wrapped: each call appends its wall time in ms, the GPU synced before and after, to ``log``."""
 
     def call(*args, **kwargs):
         sync(device)
@@ -225,28 +225,29 @@ def timed(obj, name: str, device, log: list) -> None:
         log.append(1000 * (time.perf_counter() - t0))
         return out
 
-    setattr(obj, name, call)
+    return call
 
 
 def stall(llm, prompts, params) -> tuple[list[dict], float]:
     """Drive ``llm.add_request`` / ``step``: every request but the last at once, the last once each of them
     has a token. Returns (outputs in request order, the largest wall time in s between two steps that gave one
     of the first requests tokens)."""
-    decoders, done, pending, gap = [], [], [(prompts[-1], params[-1])], 0.0
+    reqs = []  # in request order: the decoders, then the last request once added
     for p, sp in zip(prompts[:-1], params[:-1]):
-        request_id = llm.add_request(p, sp)
-        decoders.append(llm.get_request(request_id))
+        reqs.append(llm.get_request(llm.add_request(p, sp)))
     # per decoder: its tokens so far, and when the step that gave the last ones ended
-    seen = [(0, None)] * len(decoders)
+    seen = [(0, None)] * len(reqs)
+    gap = 0.0
     while llm.has_unfinished():
-        done += llm.step()
+        llm.step()
         now = time.perf_counter()
-        for i, r in enumerate(decoders):
+        for i, r in enumerate(reqs[: len(seen)]):
             if len(r.output_token_ids) > seen[i][0]:
-                gap, seen[i] = max(gap, now - (seen[i][1] or now)), (len(r.output_token_ids), now)
-        if pending and all(r.output_token_ids for r in decoders):
-            llm.add_request(*pending.pop())
-    return [llm.output_dict(r) for r in sorted(done, key=lambda r: r.request_id)], gap
+                gap = max(gap, now - (seen[i][1] or now))
+                seen[i] = (len(r.output_token_ids), now)
+        if len(reqs) < len(prompts) and all(r.output_token_ids for r in reqs):
+            reqs.append(llm.get_request(llm.add_request(prompts[-1], params[-1])))
+    return [llm.output_dict(r) for r in reqs], gap
 
 
 def measure(args, model_dir, assistant, prompts, params, label="", phases=False, **option) -> dict:
@@ -261,21 +262,25 @@ def measure(args, model_dir, assistant, prompts, params, label="", phases=False,
     llm.generate(warm, SamplingParams(**warmup), use_tqdm=False)
     if args.workload in ("chat", "structured"):  # a pass at other seeds: the batch sizes it will meet
         llm.generate(prompts, [replace(sp, seed=sp.seed + 10**6) for sp in params], use_tqdm=False)
-    device, cfg, gap = llm.runner.device, llm.config, None
+    device = llm.runner.device
+    cfg = llm.config
+    gap = None
     counts = dict(llm.worker.policy.counts) if llm.worker else {}
-    mask_ms, steps_before, rows = [], llm.num_steps_run, StepMasks.rows
-    timed(StepMasks, "rows", device, mask_ms)  # the host's mask time (structured output)
-    sync(device)
-    t0 = time.perf_counter()
-    if args.workload == "stall":
-        outputs, gap = stall(llm, prompts, params)
-    elif args.batch_1:
-        outputs = [o for p, sp in zip(prompts, params) for o in llm.generate([p], [sp], use_tqdm=False)]
-    else:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-    sync(device)
-    elapsed, total = time.perf_counter() - t0, sum(len(o["token_ids"]) for o in outputs)
-    StepMasks.rows = rows
+    mask_ms = []
+    steps_before = llm.num_steps_run
+    # the host's mask time (structured output); every StepMasks' rows until the block ends
+    with mock.patch.object(StepMasks, "rows", timed(StepMasks.rows, device, mask_ms)):
+        sync(device)
+        t0 = time.perf_counter()
+        if args.workload == "stall":
+            outputs, gap = stall(llm, prompts, params)
+        elif args.batch_1:
+            outputs = [o for p, sp in zip(prompts, params) for o in llm.generate([p], [sp], use_tqdm=False)]
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        sync(device)
+        elapsed = time.perf_counter() - t0
+    total = sum(len(o["token_ids"]) for o in outputs)
     acc = acceptance_stats([o.get("accept_lengths", []) for o in outputs], cfg.num_steps or 0)
     res = dict(device=str(device), dtype=str(cfg.torch_dtype()).replace("torch.", ""), total_tokens=total)
     res.update(time_s=elapsed, throughput_tok_s=total / elapsed, **{k: getattr(cfg, k) for k in SPEC})
@@ -291,9 +296,9 @@ def measure(args, model_dir, assistant, prompts, params, label="", phases=False,
         res["draft_len_counts"] = {str(s): n - counts.get(s, 0) for s, n in now}
     if phases:
         logs = {name: [] for name in ("draft", "verify", "step", "decode")}
-        for name, log in logs.items():
-            if (obj := llm.runner if name == "decode" else llm.worker) is not None:
-                timed(obj, name, device, log)
+        for name, obj in zip(logs, [llm.worker] * 3 + [llm.runner]):  # the worker's phases, the runner's
+            if obj is not None:
+                setattr(obj, name, timed(getattr(obj, name), device, logs[name]))  # on the instance
         for i in range(min(4, len(prompts))):
             llm.generate(prompts[i : i + 1], params[i : i + 1], use_tqdm=False)
         res.update({f"{k}_ms": sum(v) / len(v) if v else None for k, v in logs.items()})
@@ -308,36 +313,42 @@ def measure(args, model_dir, assistant, prompts, params, label="", phases=False,
     return res
 
 
-def run_hf(model_dir, random_init, prompts, params, device, dtype, batch_size, eos_ids):
+def run_hf(model_dir, random_init, prompts, params, batch_size, figures):
     """HF transformers ``generate`` over ``prompts`` (token-id lists) with the ``params`` (SamplingParams)
-    nanospec ran, in left-padded batches of ``batch_size`` (1: per request). Counts per request the tokens
-    nanospec would emit (<= its max_tokens, cut after the first id in ``eos_ids`` unless ignore_eos). Returns
-    (tokens, seconds)."""
+    nanospec ran, in left-padded batches of ``batch_size`` (1: per request), on the device and dtype of
+    nanospec's ``figures`` (``measure``'s). Counts per request the tokens nanospec would emit (<= its
+    max_tokens, cut after the first of the figures' ``eos_token_ids`` unless ignore_eos). Returns (tokens,
+    seconds)."""
     from transformers import AutoConfig, AutoModelForCausalLM, logging
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
+    device = figures["device"]
+    dtype = getattr(torch, figures["dtype"])
     load = AutoModelForCausalLM.from_config if random_init else AutoModelForCausalLM.from_pretrained
     model = load(AutoConfig.from_pretrained(model_dir) if random_init else model_dir).to(device, dtype).eval()
     temp = params[0].temperature  # one temperature for the whole workload
     sampling = dict(do_sample=temp > 0) | (dict(temperature=temp, top_k=0, top_p=1.0) if temp > 0 else {})
 
     def gen(ps, sps):  # tokens nanospec would count for this batch
-        n, mx, ignore_eos = max(map(len, ps)), max(sp.max_tokens for sp in sps), sps[0].ignore_eos
+        n = max(map(len, ps))
+        mx = max(sp.max_tokens for sp in sps)
+        ignore_eos = sps[0].ignore_eos
         ids = torch.tensor([[0] * (n - len(p)) + p for p in ps], device=device)
         mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in ps], device=device)
         kw = dict(max_new_tokens=mx, min_new_tokens=mx if ignore_eos else None, pad_token_id=0, **sampling)
         with torch.inference_mode():
             rows = model.generate(input_ids=ids, attention_mask=mask, **kw)[:, n:].tolist()
-        rows, eos = [row[: sp.max_tokens] for row, sp in zip(rows, sps)], set() if ignore_eos else eos_ids
+        rows = [row[: sp.max_tokens] for row, sp in zip(rows, sps)]
+        eos = set() if ignore_eos else set(figures["eos_token_ids"])
         return sum(next((i + 1 for i, t in enumerate(r) if t in eos), len(r)) for r in rows)
 
     gen([prompts[0][:16]], [SamplingParams(max_tokens=min(8, params[0].max_tokens))])  # warmup
+    batches = range(0, len(prompts), batch_size)  # the first request of each
     torch.manual_seed(0)
     sync(device)
-    t0, total = time.perf_counter(), 0
-    for i in range(0, len(prompts), batch_size):
-        total += gen(prompts[i : i + batch_size], params[i : i + batch_size])
+    t0 = time.perf_counter()
+    total = sum(gen(prompts[i : i + batch_size], params[i : i + batch_size]) for i in batches)
     sync(device)
     return total, time.perf_counter() - t0
 
@@ -411,7 +422,9 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
     if args.serve or args.base_url:  # the same runs over HTTP: vLLM's serving figures
         from .serve_bench import measure as meas
     if args.compare:
-        opt, spec, rounds = args.compare, args.compare == "assistant", []
+        opt = args.compare
+        spec = opt == "assistant"
+        rounds = []
         for on in (True, False) * 2:
             kw = dict(label=f"[{opt} {'on' if on else 'off'}] ", phases=spec) | ({} if spec else {opt: on})
             asst = None if spec and not on else assistant
@@ -432,9 +445,9 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
     else:
         res.update(meas(args, model_dir, assistant, prompts, params))
     if args.compare_hf:
-        n, bs = min(args.hf_num_seqs or len(prompts), len(prompts)), 1 if args.batch_1 else args.hf_batch_size
-        dev, dtype, eos = torch.device(res["device"]), getattr(torch, res["dtype"]), set(res["eos_token_ids"])
-        hf_tok, hf_t = run_hf(model_dir, bool(args.shape), prompts[:n], params[:n], dev, dtype, bs, eos)
+        n = min(args.hf_num_seqs or len(prompts), len(prompts))
+        bs = 1 if args.batch_1 else args.hf_batch_size
+        hf_tok, hf_t = run_hf(model_dir, bool(args.shape), prompts[:n], params[:n], bs, res)
         res.update(hf_num_seqs=n, hf_batch_size=bs, hf_total_tokens=hf_tok, hf_time_s=hf_t)
         res.update(hf_throughput_tok_s=hf_tok / hf_t, hf_ratio=res["throughput_tok_s"] / (hf_tok / hf_t))
         note = f" (reduced workload: first {n} of {len(prompts)} requests)" if n < len(prompts) else ""

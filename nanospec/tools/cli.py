@@ -133,11 +133,10 @@ def load_target(ap, option: str, model: str | None, assistant_option: str, assis
 
 
 def example_options(argv=None, doc: str = "") -> argparse.Namespace:
-    """example.py's options, each checked before torch or a model loads (``--help`` needs neither), then
-    torch's CPU threads picked (``cpu.configure_cpu_threads``). Adds ``engine`` (the ``LLM`` keyword
-    arguments they give; the assistant's options only with an assistant: ``--assistant auto`` is the
-    shipped assistant on the default model, else none) and ``error`` (``ArgumentParser.error``: what the
-    engine rejects is a usage error too)."""
+    """example.py's options, each checked before a model loads (``--help`` imports no torch), then torch's
+    CPU threads picked (``cpu.configure_cpu_threads``). Adds ``engine`` (the ``LLM`` keyword arguments they
+    give; ``--assistant auto`` is the shipped assistant on the default model, else none) and ``error``
+    (``ArgumentParser.error``: what ``LLM`` rejects, before any weights load, is a usage error too)."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
     ap.add_argument("--model", help="HF-format Llama/Qwen3/Gemma 4 dir (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--assistant", default="auto", help="gemma4_assistant dir | default | none | auto")
@@ -155,32 +154,22 @@ def example_options(argv=None, doc: str = "") -> argparse.Namespace:
         ap.error(f"--model must be an HF-format model dir, got {args.model!r} (no such dir)")
     if args.assistant not in ("auto", "default", "none") and not os.path.isdir(args.assistant):
         ap.error(f"--assistant must be auto, default, none or a gemma4_assistant dir, got {args.assistant!r}")
-    import torch
-
     from ..cpu import configure_cpu_threads
     from ..mtp.worker import DEFAULT_ASSISTANT
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: torch sees no CUDA device (use cpu or auto)")
     if args.assistant == "auto":  # the shipped assistant on the default model
         shipped = args.model is None and (DEFAULT_ASSISTANT / "config.json").exists()
         args.assistant = "default" if shipped else "none"
-    for flag, given in (("--num-steps", args.num_steps is not None), ("--trace", args.trace)):
-        if args.assistant == "none" and given:
-            ap.error(f"{flag} needs an assistant (--assistant is none, or auto on another --model)")
-    args.engine = dict(
+    args.engine = dict(  # the engine names what does not fit (--num-steps without an assistant, ...)
         device=args.device,
         max_model_len=args.max_tokens + 256,
         tensor_parallel_size=args.tensor_parallel_size,
         deterministic=args.deterministic,
+        assistant=None if args.assistant == "none" else args.assistant,
+        num_steps=args.num_steps,
+        adaptive_speculation=args.adaptive_speculation,
+        trace=args.trace or None,
     )
-    if args.assistant != "none":
-        args.engine |= dict(
-            assistant=args.assistant,
-            num_steps=args.num_steps,
-            adaptive_speculation=args.adaptive_speculation,
-            trace=args.trace or None,
-        )
     args.error = ap.error
     configure_cpu_threads()
     return args

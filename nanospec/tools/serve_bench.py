@@ -31,7 +31,8 @@ def launch(argv: list[str], timeout: float = 3600, **popen):
     URL); RuntimeError if it exits, or is killed after ``timeout`` s, before listening."""
     cmd = [sys.executable, "-m", "nanospec.serve", *argv, "--host", "127.0.0.1", "--port", "0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, **popen)
-    (watchdog := threading.Timer(timeout, proc.kill)).start()
+    watchdog = threading.Timer(timeout, proc.kill)
+    watchdog.start()
     for line in proc.stdout:  # its start-up output, passed on, up to the URL (nothing follows on stdout)
         if url := line.partition(" listening on ")[2].strip():
             watchdog.cancel()
@@ -55,15 +56,17 @@ async def one_request(client, body: dict, slots=None) -> dict:
     """One streamed completion (once one of ``slots`` is free): TTFT, ITLs and E2E in s, output tokens
     (RuntimeError on an error)."""
     async with slots or asyncio.Semaphore():
-        stamps, tokens, t0 = [], 0, time.perf_counter()
+        stamps = []
+        tokens = 0
+        t0 = time.perf_counter()
         async with client.stream("POST", "/v1/completions", json=body) as r:
             r.raise_for_status()
             async for line in r.aiter_lines():
-                data, now = json.loads(line[6:]) if line.startswith("data: {") else {}, time.perf_counter()
+                data = json.loads(line[6:]) if line.startswith("data: {") else {}
                 if "error" in data:
                     raise RuntimeError(data["error"]["message"])
                 if data.get("choices"):  # as vLLM's client: TTFT at the first chunk with choices, then gaps
-                    stamps.append(now)
+                    stamps.append(time.perf_counter())
                 tokens = (data.get("usage") or {}).get("completion_tokens", tokens)
         e2e = time.perf_counter() - t0
         return dict(ttft=stamps[0] - t0, itl=np.diff(stamps).tolist(), e2e=e2e, tokens=tokens)
@@ -73,13 +76,17 @@ async def run_load(base_url, prompts, params, request_rate=None, max_concurrency
     """Send every request (token ids, SamplingParams) after a warm-up one; returns (results, duration s)."""
     import httpx
 
-    headers, limits = {"Authorization": f"Bearer {api_key}"}, httpx.Limits(max_connections=None)
+    headers = {"Authorization": f"Bearer {api_key}"}
+    limits = httpx.Limits(max_connections=None)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=None, limits=limits) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        base, keys = dict(model=model, stream=True, stream_options={"include_usage": True}), SAMPLING_KEYS
-        bodies = [base | {k: getattr(sp, k) for k in keys} | {"prompt": p} for p, sp in zip(prompts, params)]
+        base = dict(model=model, stream=True, stream_options={"include_usage": True})
+        sampling = [{k: getattr(sp, k) for k in SAMPLING_KEYS} for sp in params]
+        bodies = [base | s | {"prompt": p} for p, s in zip(prompts, sampling)]
         await one_request(client, bodies[0] | {"max_tokens": min(8, params[0].max_tokens)})
-        slots, rng, tasks = asyncio.Semaphore(max_concurrency or len(bodies)), random.Random(seed), []
+        slots = asyncio.Semaphore(max_concurrency or len(bodies))
+        rng = random.Random(seed)
+        tasks = []
         t0 = time.perf_counter()
         for body in bodies:  # Poisson arrivals: exponential gaps (vLLM's burstiness 1)
             tasks.append(asyncio.ensure_future(one_request(client, body, slots)))
@@ -111,13 +118,15 @@ def measure(args, model_dir, assistant, prompts, params, label="", phases=False,
     argv = [str(model_dir), "--assistant", assistant or "none", *["--load-format=dummy"] * bool(args.shape)]
     for k, v in given.items():  # a bool as --name / --no-name; None: the server's default
         flag = f"--{'no-' * (v is False)}{k.replace('_', '-')}"
-        argv += [] if v is None else [flag] if isinstance(v, bool) else [flag, str(v)]
+        if v is not None:
+            argv += [flag] if isinstance(v, bool) else [flag, str(v)]
     proc, url = launch(argv) if args.base_url is None else (None, args.base_url)
     load = dict(request_rate=args.request_rate, max_concurrency=args.max_concurrency, seed=args.seed)
     load["api_key"] = os.environ.get("NANOSPEC_API_KEY")  # the bearer key, as for nanospec-serve
     try:
         results, duration = asyncio.run(run_load(url, prompts, params, **load))
     finally:
-        _ = proc and stop(proc)
+        if proc:
+            stop(proc)
     res = summarize(results, duration, label)
     return res | dict(throughput_tok_s=res["output_throughput"], total_tokens=res["total_output_tokens"])
