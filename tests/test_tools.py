@@ -30,6 +30,7 @@ def run_example(*args):
     [
         (["--max-tokens", "0"], "--max-tokens"),
         (["--max-tokens", "x"], "--max-tokens"),
+        (["--max-tokens", "100000000"], "--max-tokens"),
         (["--temperature", "-1"], "--temperature"),
         (["--temperature", "nan"], "--temperature"),
         (["--num-steps", "0"], "--num-steps"),

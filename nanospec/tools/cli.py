@@ -21,17 +21,18 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return action.help if unset else super()._get_help_string(action)
 
 
-def number(typ=float, lo: float = 0, gt: float | None = None):
-    """argparse ``type``: a finite ``typ`` that is >= ``lo`` (or > ``gt`` when given); else an argparse error
-    naming the option, e.g. ``argument --lr: must be a float > 0, got 'nan'``."""
+def number(typ=float, lo: float = 0, gt: float | None = None, hi: float = math.inf):
+    """argparse ``type``: a finite ``typ`` that is >= ``lo`` (or > ``gt`` when given) and <= ``hi``; else an
+    argparse error naming the option, e.g. ``argument --lr: must be a float > 0, got 'nan'``."""
     bound = f"{'an int' if typ is int else 'a float'} " + (f">= {lo:g}" if gt is None else f"> {gt:g}")
+    bound += "" if hi == math.inf else f" and <= {hi:g}"
 
     def parse(text: str):
         try:
             v = typ(text)
         except ValueError:
             v = math.nan
-        if not math.isfinite(v) or (v < lo if gt is None else v <= gt):
+        if not math.isfinite(v) or v > hi or (v < lo if gt is None else v <= gt):
             raise argparse.ArgumentTypeError(f"must be {bound}, got {text!r}")
         return v
 
@@ -141,9 +142,8 @@ def example_options(argv=None, doc: str = "") -> argparse.Namespace:
     ap.add_argument("--model", help="HF-format Llama/Qwen3/Gemma 4 dir (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--assistant", default="auto", help="gemma4_assistant dir | default | none | auto")
     ap.add_argument("--num-steps", type=number(int, 1), help="most draft steps (3 on CPU, 5 on CUDA)")
-    adaptive = dict(action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--adaptive-speculation", **adaptive, help="draft 0..num-steps tokens per step, as pays")
-    ap.add_argument("--max-tokens", type=number(int, 1), default=128, help="new tokens per prompt")
+    ap.add_argument("--adaptive-speculation", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--max-tokens", type=number(int, 1, hi=4096), default=128, help="new tokens per prompt")
     ap.add_argument("--temperature", type=number(float, 0), default=0.0, help="0 is greedy")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     add_tensor_parallel_size(ap)
