@@ -91,7 +91,7 @@ def test_steady_steps_send_through_the_transfer_owner_only(tiny_llama_dir, asst_
     watch.active = False
     assert all(len(r.output_token_ids) < 40 for r in llm.scheduler.running)  # all 8 steps were decode steps
     assert watch.calls == []
-    # the steps wrote the blocks they added into the device rows of the block tables (BlockTables.take)
+    # the steps wrote the blocks they added into their rows (PersistentBatch.block_tables)
     assert sum(len(r.block_table) for r in llm.scheduler.running) > blocks
 
 
