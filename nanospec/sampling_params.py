@@ -1,6 +1,5 @@
 """Per-request sampling options (vLLM / nano-vllm names)."""
 
-import math
 from dataclasses import dataclass
 
 from .structured import StructuredOutputsParams
@@ -38,9 +37,10 @@ class SamplingParams:
                 raise TypeError(f"SamplingParams.{name} must be {kind}, got {v!r}")
             return v
 
-        if not (math.isfinite(num("temperature", (int, float))) and self.temperature >= 0):
+        # beyond [1e-6, 1e6], logits / temperature leave fp32's range (the sampling kernels divide in fp32)
+        if not (num("temperature", (int, float)) == 0 or 1e-6 <= self.temperature <= 1e6):
             raise ValueError(
-                f"SamplingParams.temperature must be finite and >= 0 (0 = greedy), got {self.temperature}"
+                f"SamplingParams.temperature must be 0 (greedy) or in [1e-06, 1e+06], got {self.temperature}"
             )
         if not 0 < num("top_p", (int, float)) <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")

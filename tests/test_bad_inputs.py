@@ -31,6 +31,8 @@ def _untouched(llm):
         (dict(temperature="hot"), "temperature"),
         (dict(temperature=float("nan")), "temperature"),
         (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature=1e-38), "temperature"),
+        (dict(temperature=3.5e38), "temperature"),
         (dict(top_p=float("nan")), "top_p"),
         (dict(ignore_eos="no"), "ignore_eos"),
         (dict(seed=-1), "seed"),

@@ -234,7 +234,7 @@ def test_n_choices_with_seeds(servers, ref):
 
 
 BAD = [  # (body fields, the field the 400 names, a piece of its message)
-    (dict(temperature=-1), "temperature", "must be finite and >= 0"),
+    (dict(temperature=-1), "temperature", "must be 0 (greedy) or in"),
     (dict(top_p=0), "top_p", "must be in (0, 1]"),
     (dict(top_k=-2), "top_k", "-1 (off) or in [1, 2**31)"),
     (dict(top_k=2**70), "top_k", "-1 (off) or in [1, 2**31)"),  # an int32 on the device
