@@ -14,8 +14,8 @@ from transformers import GenerationConfig
 from . import cpu, default_model, loader, parallel, trace
 from .config import EngineConfig
 from .model_runner import ModelRunner
+from .models.assistant_config import check_assistant_config
 from .models.assistant_io import read_config
-from .models.gemma4_assistant import check_assistant_config
 from .mtp.worker import FrozenKVMTPWorker, resolve_assistant
 from .persistent_batch import PersistentBatch
 from .request import Request

@@ -21,7 +21,8 @@ from nanospec.context import AttnMetadata, attn_metadata
 from nanospec.kernels.rope import rope_cos_sin
 from nanospec.model_runner import build_target
 from nanospec.models import assistant_io
-from nanospec.models.gemma4_assistant import Gemma4Assistant, check_assistant_config
+from nanospec.models.assistant_config import check_assistant_config
+from nanospec.models.gemma4_assistant import Gemma4Assistant
 
 V, HB, HKV, D, THETA, PAGE = 96, 64, 2, 16, 10000.0, 4
 

@@ -400,7 +400,8 @@ def test_gemma4_shapes_are_the_real_ones():
     import torch
 
     from nanospec.models import target_class
-    from nanospec.models.gemma4_assistant import Gemma4Assistant, check_assistant_config
+    from nanospec.models.assistant_config import check_assistant_config
+    from nanospec.models.gemma4_assistant import Gemma4Assistant
 
     S, F = "sliding_attention", "full_attention"
     want = {  # hidden, layers, Q heads, KV heads sliding / full, MLP, window, PLE, KV-shared, k_eq_v, max pos

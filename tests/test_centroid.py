@@ -12,7 +12,8 @@ from transformers import Gemma4AssistantForCausalLM
 from nanospec import LLM, SamplingParams
 from nanospec.kernels.centroid import centroid_logits_ref, centroid_logits_triton
 from nanospec.loader import load_config
-from nanospec.models.gemma4_assistant import Gemma4Assistant, check_assistant_config
+from nanospec.models.assistant_config import check_assistant_config
+from nanospec.models.gemma4_assistant import Gemma4Assistant
 from nanospec.tools.checkpoints import assistant_config_for, save_assistant
 
 

@@ -32,17 +32,14 @@ import torch
 from torch import nn
 
 from ..context import get_attn_metadata
-from ..kernels.activation import gelu_and_mul, silu_and_mul
 from ..kernels.attention import draft_attention
 from ..kernels.centroid import centroid_logits
-from ..kernels.rope import apply_rope, rope_cos_sin
+from ..kernels.rope import apply_rope
 from ..kernels.sampling import mask_logits, sample
-from ..loader import layer_geometry
 from ..parallel import SINGLE, ColumnLinear, Linear, RowLinear, linear
 from . import assistant_io
+from .assistant_config import ACTIVATIONS, bad, check_assistant_alone, check_assistant_config, target_layers
 from .llama import RMSNorm
-
-_ACTS = {"gelu_pytorch_tanh": gelu_and_mul, "silu": silu_and_mul}
 
 
 class Gemma4RMSNorm(RMSNorm):
@@ -82,7 +79,7 @@ class MLP(nn.Module):
         i = tc.intermediate_size
         self.gate_up_proj = Linear(tc.hidden_size, 2 * i, False, [i, i])  # packed gate_proj | up_proj
         self.down_proj = Linear(i, tc.hidden_size, bias=False)
-        self.act_and_mul = _ACTS[tc.hidden_activation]
+        self.act_and_mul = ACTIVATIONS[tc.hidden_activation]
 
     def forward(self, x):
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
@@ -129,138 +126,6 @@ class Gemma4Model(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(DecoderLayer(tc, i, tp) for i in range(tc.num_hidden_layers))
         self.norm = Gemma4RMSNorm(tc.hidden_size, tc.rms_norm_eps)
-
-
-def _bad(field, msg):
-    raise ValueError(f"assistant: {field} {msg}")
-
-
-def check_assistant_alone(config) -> None:
-    """Checks of an HF ``Gemma4AssistantConfig`` alone, no target needed (``check_assistant_config`` adds
-    the target's): every layer a plain KV-shared layer (no per-layer input, MoE or double-wide MLP), no
-    attention logit softcap, a supported activation, ``use_target_lm_head`` only with hidden_size ==
-    backbone_hidden_size, a centroid head's count dividing the vocabulary and top-k in [1, num_centroids].
-    Returns None; raises ValueError naming the field."""
-    tc = config.get_text_config()
-    for field, ok in (
-        ("hidden_size_per_layer_input", not tc.hidden_size_per_layer_input),
-        ("enable_moe_block", not tc.enable_moe_block),
-        ("use_double_wide_mlp", not tc.use_double_wide_mlp),
-        ("num_kv_shared_layers", tc.num_kv_shared_layers == tc.num_hidden_layers),
-    ):
-        if not ok:
-            _bad(
-                field,
-                f"= {getattr(tc, field)!r} is not supported (every layer must be a plain KV-shared layer)",
-            )
-    if getattr(tc, "attn_logit_softcapping", None):
-        _bad("attn_logit_softcapping", "is set; attention logit softcapping is not supported")
-    if tc.hidden_activation not in _ACTS:
-        _bad("hidden_activation", f"{tc.hidden_activation!r} is not one of {sorted(_ACTS)}")
-    if getattr(config, "use_target_lm_head", False) and tc.hidden_size != config.backbone_hidden_size:
-        _bad(
-            "use_target_lm_head",
-            f"needs hidden_size == backbone_hidden_size (the target LM head is "
-            f"[V, {config.backbone_hidden_size}]), got hidden_size {tc.hidden_size}",
-        )
-    if getattr(config, "use_ordered_embeddings", False):
-        C = config.num_centroids
-        K = config.centroid_intermediate_top_k
-        if not (isinstance(C, int) and C >= 1 and tc.vocab_size % C == 0):
-            _bad("num_centroids", f"= {C!r} must be a positive divisor of vocab_size {tc.vocab_size}")
-        if not (isinstance(K, int) and 1 <= K <= C):
-            _bad("centroid_intermediate_top_k", f"= {K!r} must be in [1, num_centroids = {C}]")
-
-
-def layer_rope_parameters(c, layer_type: str) -> dict:
-    """The RoPE parameters (a new dict: rope_type, rope_theta, ...) of ``layer_type`` ("sliding_attention"
-    or "full_attention") in HF config ``c``: Gemma 4 holds one dict per layer type, Llama/Qwen3 one for all
-    (or only ``rope_theta``, default 10000). Raises nothing."""
-    rp = dict(getattr(c, "rope_parameters", None) or {})
-    if isinstance(rp.get(layer_type), dict):
-        rp = dict(rp[layer_type])
-    return rp or {"rope_type": "default", "rope_theta": getattr(c, "rope_theta", 10000.0)}
-
-
-def _layer_map(layer_types, target_kv_types) -> list[int]:
-    """Per assistant layer type, the last target KV-owning layer of that type; ValueError if there is none."""
-    for i, lt in enumerate(layer_types):
-        if lt not in target_kv_types:
-            _bad(
-                f"layer_types[{i}]",
-                f"= {lt!r} has no KV-owning target layer of that type (target KV layer "
-                f"types: {sorted(set(target_kv_types))})",
-            )
-    return [len(target_kv_types) - 1 - list(target_kv_types)[::-1].index(lt) for lt in layer_types]
-
-
-def check_assistant_config(assistant_config, target_text_config) -> list[int]:
-    """Check that an assistant fits a target from their HF configs alone (run it before any weights load).
-
-    ``target_text_config``: a Llama/Qwen3 config (every layer full attention and KV-owning) or a Gemma 4 text
-    config (``layer_types``, ``sliding_window``, ``per_layer_config`` head_dim / num_key_value_heads,
-    ``num_kv_shared_layers``, ``rope_parameters`` per layer type); a multimodal config is reduced to its text
-    config. Each assistant layer reads the last KV-owning target layer of its type (Gemma 4 with KV sharing:
-    the last non-shared one, as HF ``kv_sharing_modes`` "store"). Checked: vocab_size, backbone_hidden_size,
-    the layer map, that layer's head_dim (global_head_dim for full layers) and KV heads, query heads divisible
-    by them, RoPE per layer type equal to the target's, the sliding window, the centroid head and the
-    activation.
-
-    Returns the layer map (target layer index per assistant layer). Raises ValueError naming the field.
-    """
-    check_assistant_alone(assistant_config)
-    ac = assistant_config.get_text_config()
-    t = target_text_config
-    t = t.get_text_config() if hasattr(t, "get_text_config") else t
-    if ac.vocab_size != t.vocab_size:
-        _bad("vocab_size", f"{ac.vocab_size} != target vocab_size {t.vocab_size}")
-    if assistant_config.backbone_hidden_size != t.hidden_size:
-        _bad(
-            "backbone_hidden_size",
-            f"{assistant_config.backbone_hidden_size} != target hidden_size {t.hidden_size}",
-        )
-    types = list(getattr(t, "layer_types", None) or ["full_attention"] * t.num_hidden_layers)
-    layer_map = _layer_map(ac.layer_types, types[: len(types) - (getattr(t, "num_kv_shared_layers", 0) or 0)])
-    for i, (lt, j) in enumerate(zip(ac.layer_types, layer_map)):
-        hd, kv = layer_geometry(ac, i)
-        t_hd, t_kv = layer_geometry(t, j)
-        full = lt == "full_attention"
-        if hd != t_hd:
-            _bad(
-                "global_head_dim" if full else "head_dim",
-                f"{hd} of layer {i} != head_dim {t_hd} of target layer {j}",
-            )
-        if kv != t_kv:
-            _bad(
-                "num_global_key_value_heads" if full and ac.attention_k_eq_v else "num_key_value_heads",
-                f"{kv} of layer {i} != {t_kv} KV heads of target layer {j}",
-            )
-        if ac.num_attention_heads % t_kv:
-            _bad(
-                "num_attention_heads",
-                f"{ac.num_attention_heads} is not a multiple of the {t_kv} KV heads of target layer {j}",
-            )
-        mine = layer_rope_parameters(ac, lt)
-        theirs = layer_rope_parameters(t, lt)
-        if mine.get("rope_theta") != theirs.get("rope_theta"):
-            _bad(
-                f"rope_parameters[{lt!r}].rope_theta",
-                f"{mine.get('rope_theta')} != target rope_theta {theirs.get('rope_theta')}",
-            )
-        try:  # one position past 0 compares every frequency (cos/sin of f); rtol only: f may be tiny
-            same = torch.allclose(
-                rope_cos_sin(hd, 2, mine["rope_theta"], mine),
-                rope_cos_sin(hd, 2, theirs["rope_theta"], theirs),
-                rtol=1e-5,
-                atol=1e-12,
-            )
-        except (ValueError, KeyError) as e:
-            _bad(f"rope_parameters[{lt!r}]", f"unsupported: {e}")
-        if not same:
-            _bad(f"rope_parameters[{lt!r}]", f"{mine} do not match the target's RoPE {theirs}")
-        if lt == "sliding_attention" and ac.sliding_window != t.sliding_window:
-            _bad("sliding_window", f"{ac.sliding_window} != target sliding_window {t.sliding_window}")
-    return layer_map
 
 
 class Gemma4Assistant(nn.Module):
@@ -310,11 +175,11 @@ class Gemma4Assistant(nn.Module):
         not a permutation of range(V) or the assistant has no centroid head."""
         me = self.masked_embedding
         if me is None:
-            _bad("use_ordered_embeddings", "is false: there is no token_ordering to set")
+            bad("use_ordered_embeddings", "is false: there is no token_ordering to set")
         order = order.to(me.token_ordering.device, torch.long)
         V = self.vocab_size
         if order.shape != (V,) or not torch.equal(order.sort().values, torch.arange(V, device=order.device)):
-            _bad(
+            bad(
                 "masked_embedding.token_ordering",
                 f"must be a permutation of range({V}); got one of shape {tuple(order.shape)} that is not",
             )
@@ -334,7 +199,7 @@ class Gemma4Assistant(nn.Module):
     # ---- target compatibility ------------------------------------------------------------------------
     def layer_map(self, target_kv_layer_types) -> list[int]:
         """Target layer read by each assistant layer: the last target layer of the same layer type."""
-        return _layer_map(self.text_config.layer_types, list(target_kv_layer_types))
+        return target_layers(self.text_config.layer_types, list(target_kv_layer_types))
 
     def check_target(self, target_config) -> list[int]:
         """``check_assistant_config(self.config, target_config)``: returns the layer map, ValueError naming
@@ -510,7 +375,7 @@ class Gemma4Assistant(nn.Module):
             else self.config.centroid_intermediate_top_k * (self.vocab_size // self.config.num_centroids)
         )
         if not 1 <= k <= limit:
-            _bad("propose k", f"must be in [1, {limit}], got {k}")
+            bad("propose k", f"must be in [1, {limit}], got {k}")
         if me is None:
             logits, h_next = self(tokens, h_prev, positions)
             top_lp, top_tok = torch.log_softmax(mask_logits(logits, bitmask), -1).topk(k, dim=-1)

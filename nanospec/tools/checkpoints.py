@@ -11,8 +11,8 @@ import pathlib
 import torch
 
 from ..loader import layer_geometry
+from ..models.assistant_config import check_assistant_alone, layer_rope_parameters
 from ..models.assistant_io import hf_tensors
-from ..models.gemma4_assistant import check_assistant_alone, layer_rope_parameters
 
 S = "sliding_attention"
 F = "full_attention"
