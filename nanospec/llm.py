@@ -1,11 +1,9 @@
 """LLM: the user-facing engine (vLLM / nano-vllm style): add_request / step / generate."""
 
 import itertools
-import os
 import random
 import sys
 import time
-from operator import attrgetter
 
 import torch
 from tqdm.auto import tqdm
@@ -13,6 +11,7 @@ from transformers import GenerationConfig
 
 from . import cpu, default_model, loader, parallel, trace
 from .config import EngineConfig
+from .logprobs import prefill_logprobs, step_logprobs
 from .model_runner import ModelRunner
 from .models.assistant_config import check_assistant_config
 from .models.assistant_io import read_config
@@ -66,10 +65,11 @@ class LLM:
             self.close()
             raise
         if tp.rank > 0:  # a rank of a tensor-parallel engine: rank 0's calls, then exit
-            self._serve()
+            self.ranks.serve(self, self.persistent_batch.release)
 
     def _build(self, c, hf_config, model_dir, assistant, tp) -> None:
         self.runner = runner = ModelRunner(c, hf_config, model_dir, tp)
+        self.ranks = parallel.Ranks(tp)
         self.grammars = Grammars(self.tokenizer, runner.vocab_size, self.eos_token_ids)
         self.worker = None
         self.num_steps_run = 0
@@ -103,8 +103,6 @@ class LLM:
         self.scheduler = Scheduler(c, allocator, runner.lookahead, self._on_release)
         self.overlap = c.overlap_schedule if c.overlap_schedule is not None else runner.device.type == "cuda"
         self._inflight = None  # (batch, output) launched but not yet committed
-        self._rank_tables: dict[int, list[int]] = {}  # ranks > 0: their copy of the block tables
-        self._unsent_releases: list[tuple[Request, str]] = []  # for ranks > 0, with rank 0's next call
         self._next_id = 0
         self._seeds = random.Random(c.seed)  # seeds for requests that bring none
         self._stash: list[Request] = []  # finished add_request() requests seen by generate(), kept for step()
@@ -188,15 +186,14 @@ class LLM:
         plan = None
         if batch.kind == "decode" and self.worker is not None:
             plan = self.worker.plan(batch.reqs)  # rank 0 picks s: every rank drafts the same (§4 rule 8)
-        out = self._call("_launch", batch, plan)
+        out = self.ranks.call(self._launch, batch, plan)
         self.scheduler.on_launch(batch)
         return batch, out
 
     def _launch(self, batch, plan=None):
         """Queue a step's device work (no host sync): prefill, or one decode / speculative step (``plan``:
         the draft length and its estimate, ``DraftLength.choose``)."""
-        if self.runner.tp.rank > 0:
-            self._restore_block_tables(batch)
+        self.ranks.restore_block_tables(batch)
         masks = None
         if any(r.matcher is not None for r in batch.reqs):
             masks = StepMasks(batch.reqs, self.runner.vocab_size, self.eos_token_ids, self.runner.device)
@@ -211,50 +208,15 @@ class LLM:
 
     def _on_release(self, req: Request, reason: str) -> None:
         """The scheduler's one release of a request (finished, aborted, preempted), after it freed the KV
-        blocks: this rank frees the request's next input and block-table row now; ranks > 0 free theirs
-        before they run rank 0's next call, which carries them (one message per step, DESIGN §9)."""
-        self._release([(req, reason)])
-        self._unsent_releases.append((req, reason))  # sent (and emptied) by the next _call, at any size
-
-    def _release(self, released: list) -> None:
-        for req, reason in released:
-            self.persistent_batch.release(req, reason)
-            self._rank_tables.pop(req.request_id, None)
-
-    def _restore_block_tables(self, batch) -> None:
-        """Ranks > 0: each request of ``batch`` gets its whole block table. A step message carries of a
-        running request's table only the blocks its step added (``Batch.new_blocks``); the rest is this
-        rank's copy, ``_rank_tables`` (request id -> block ids, dropped at release: DESIGN §9)."""
-        for i, req in enumerate(batch.reqs):
-            if batch.kind == "decode":
-                req.block_table = self._rank_tables[req.request_id] + batch.new_blocks[i]
-            self._rank_tables[req.request_id] = req.block_table
-
-    # ---- tensor parallelism (nanospec/parallel.py): rank 0 sends each call, every rank runs it ------------
-    def _call(self, name: str, *args):
-        """Run the method at dotted path ``name`` on every rank, rank 0 first sending it; a rank's death
-        becomes a RuntimeError naming it (``parallel.raise_if_dead``)."""
-        try:
-            parallel.broadcast((name, args, self._unsent_releases))
-            self._unsent_releases = []
-            return attrgetter(name)(self)(*args)
-        except Exception:
-            parallel.raise_if_dead()
-            raise
-
-    def _serve(self) -> None:
-        """Ranks > 0: rank 0's calls in its order until it closes (a None message), each after the releases
-        rank 0 made since its last call, then exit."""
-        while (msg := parallel.broadcast()) is not None:
-            name, args, released = msg
-            self._release(released)
-            attrgetter(name)(self)(*args)
-        os._exit(0)  # nothing of this rank outlives the group: skip the interpreter's teardown
+        blocks: this rank frees the request's row now; ranks > 0 free theirs before they run rank 0's next
+        call, which carries them (``parallel.Ranks``: one message per step, DESIGN §9)."""
+        self.persistent_batch.release(req, reason)
+        self.ranks.release(req, reason)
 
     def collective_rpc(self, fn, *args) -> list:
         """``fn(llm, *args)`` on every rank (``fn`` picklable: a module-level function); the results in rank
         order."""
-        return self._call("_rpc", fn, args)
+        return self.ranks.call(self._rpc, fn, args)
 
     def _rpc(self, fn, args):
         return parallel.gather_objects(fn(self, *args))
@@ -271,15 +233,15 @@ class LLM:
         self.close()
 
     def _commit(self, batch, out) -> list[Request]:
-        logprobs = out.token_logprobs(batch.reqs)
         if batch.kind == "prefill":
-            prompt_logprobs = out.prompt_token_logprobs()
+            logprobs, prompt_logprobs = prefill_logprobs(batch.reqs, out)
             return self.scheduler.commit(
                 batch, out.tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs
             )
         if self.worker is not None:
             self.worker.observe(out)
         accept = out.accept_lengths if out.num_drafted else None  # a step that drafted
+        logprobs = step_logprobs(batch.reqs, out)
         return self.scheduler.commit(batch, out.tokens, accept, out.num_drafted, logprobs)
 
     def abort_request(self, request_id: int) -> bool:

@@ -70,6 +70,33 @@ def logprobs_per_request(logprobs, reqs, tokens: list[list[int]], width: int) ->
     return out
 
 
+def step_logprobs(reqs: list[Request], out) -> list:
+    """A decode or speculative step's (``out``: its ``transfer.StepOutput``): per request None, or one dict
+    per token it emitted."""
+    return logprobs_per_request(out.logprobs, reqs, out.tokens, out.rows.shape[1] - 1)
+
+
+def prefill_logprobs(reqs: list[Request], out) -> tuple[list, list]:
+    """A prefill step's (``out``: its ``transfer.PrefillOutput``), per request of the batch: (None, or the
+    dict of the first token it emits; None, or one dict per prompt token this chunk scored)."""
+    new = [reqs[i] for i in out.new_idx]
+    firsts = logprobs_per_request(out.logprobs, new, [t for t in out.tokens if t], 1)
+    logprobs = [None] * out.num_reqs
+    for i, entry in zip(out.new_idx, firsts):
+        logprobs[i] = entry
+    prompt_logprobs = [None] * out.num_reqs
+    if out.prompt_logprobs is None:
+        return logprobs, prompt_logprobs
+    tokens = [t for _, ids, _ in out.prompt_logprob_rows for t in ids]
+    ks = [k for _, ids, k in out.prompt_logprob_rows for _ in ids]
+    dicts = out.prompt_logprobs.dicts(tokens, ks)
+    start = 0
+    for i, ids, _ in out.prompt_logprob_rows:
+        prompt_logprobs[i] = dicts[start : start + len(ids)]
+        start += len(ids)
+    return logprobs, prompt_logprobs
+
+
 def score_prompts(model, batch, hidden: torch.Tensor, last: list[int]) -> tuple:
     """``SamplingParams.prompt_logprobs``: the logprobs of the prompt tokens a prefill ``batch``'s rows
     predict (the row at position p scores token p + 1; ``hidden`` [T, H]: the target's hidden of every row,

@@ -12,17 +12,15 @@ from .context import AttnMetadata, attn_metadata
 from .cuda_graph import GraphRunner, graph_batch_sizes
 from .kernels.attention import KV_SPLIT_SIZE, num_kv_splits
 from .kernels.matmul import linear_invariant
-from .kernels.sampling import sample
+from .kernels.sampling import mask_logits, sample
 from .kv_cache import DUMMY_BLOCK, BlockAllocator, cdiv, slot_mapping
 from .logprobs import emitted_logprobs, score_prompts
 from .models import init_random_weights, load_weights, target_class
-from .outputs import PrefillOutput, StepOutput
 from .parallel import SINGLE, TensorParallel, linear
 from .persistent_batch import PersistentBatch, StepInput
 from .request import Request
-from .sampler import sample_tokens
 from .scheduler import Batch
-from .transfer import to_device
+from .transfer import PrefillOutput, StepOutput, to_device
 
 
 def build_target(cfg, device, dtype, max_position: int, model_dir=None, seed=0, tp=SINGLE, gemm=linear):
@@ -57,6 +55,21 @@ def memory_plan(total: int, used: int, peak: int, step_logits: int, config) -> d
     graph_pool = 0 if config.enforce_eager else activations
     kv_cache = int(total * config.gpu_memory_utilization) - used - activations - graph_pool
     return dict(total=total, used=used, activations=activations, graph_pool=graph_pool, kv_cache=kv_cache)
+
+
+def sample_tokens(
+    reqs: list[Request], logits: torch.Tensor, positions: torch.Tensor, persistent_batch, bitmask=None
+) -> torch.Tensor:
+    """The token each row produces [B] int64, from logits [B, V]: ``kernels.sampling.sample``'s
+    position-keyed Gumbel argmax, a function of the request's seed, the token's absolute position and the
+    target's logits at that row, whatever step, batch or draft produced the row (DESIGN §5, "Seeds").
+    ``positions`` [B] int64: the absolute positions of those tokens; the requests' sampling parameters come
+    from their rows in ``persistent_batch`` (``PersistentBatch.sampling``); ``bitmask`` [B, W] int32
+    (structured output): the tokens each row may produce, or None. A batch of greedy rows only takes the
+    argmax (no parameters)."""
+    if all(r.params.greedy for r in reqs):
+        return mask_logits(logits, bitmask).argmax(-1)
+    return sample(logits, *persistent_batch.sampling(reqs), positions, bitmask=bitmask)
 
 
 class ModelRunner:

@@ -10,9 +10,9 @@ Models build these from the ``TensorParallel`` (rank, size) they are given and n
 
 Process model: rank 0 is the caller's process and owns the scheduler; it sends each step (and each release
 of a request's inputs) to the other ranks over a CPU (gloo) group, and every rank runs the same calls in the
-same order (``LLM._call``). Tokens are decided on rank 0 and broadcast (``agree``), so every rank ends a step
+same order (``Ranks.call``). Tokens are decided on rank 0 and broadcast (``agree``), so every rank ends a step
 with the same inputs for the next one. A running request travels without its block table: the other ranks
-keep it and append the blocks each plan adds (``LLM._restore_block_tables``). The group comes from ``env://``
+keep it and append the blocks each plan adds (``Ranks.restore_block_tables``). The group comes from ``env://``
 settings (torchrun) or, when the engine starts its own ranks, from a temporary file (no port to race for; the
 ranks' sockets on loopback).
 """
@@ -233,6 +233,58 @@ def start(config, engine: type, model_dir: str, kwargs: dict) -> TensorParallel:
     _cpu = dist.new_group(backend="gloo", timeout=timedelta(days=30))
     size = n
     return TensorParallel(r, n)
+
+
+class Ranks:
+    """The engine's process model, the seam ``LLM`` calls through (DESIGN §9): rank 0 sends each call with
+    the requests it released since its last call (``call``); ranks > 0 run the calls in the order they arrive
+    (``serve``) and keep their copy of the running requests' block tables (``restore_block_tables``). At size
+    1 a call runs here and nothing is sent."""
+
+    def __init__(self, tp: TensorParallel):
+        self.tp = tp
+        self.unsent_releases: list = []  # (request, reason) released on rank 0 since its last call
+        self.block_tables: dict[int, list[int]] = {}  # ranks > 0: request id -> its block ids
+
+    def call(self, method, *args):
+        """``method(*args)`` (a bound method of the engine) on every rank, rank 0 first sending its function
+        (picklable by its qualified name: no dispatch on names) and the releases since its last call; a rank's
+        death becomes a RuntimeError naming it (``raise_if_dead``)."""
+        try:
+            if self.tp.size > 1:
+                broadcast((method.__func__, args, self.unsent_releases))
+            self.unsent_releases = []
+            return method(*args)
+        except Exception:
+            raise_if_dead()
+            raise
+
+    def release(self, req, reason: str) -> None:
+        """Rank 0 released ``req`` (finished / aborted / preempted): the other ranks release it with the next
+        call (one message per step)."""
+        self.unsent_releases.append((req, reason))
+
+    def serve(self, engine, release) -> None:
+        """Ranks > 0: run rank 0's calls on ``engine`` in its order until it closes (a None message), each
+        after ``release(request, reason)`` of the requests rank 0 released since its last call; then exit."""
+        while (msg := broadcast()) is not None:
+            fn, args, released = msg
+            for req, reason in released:
+                release(req, reason)
+                self.block_tables.pop(req.request_id, None)
+            fn(engine, *args)
+        os._exit(0)  # nothing of this rank outlives the group: skip the interpreter's teardown
+
+    def restore_block_tables(self, batch) -> None:
+        """Ranks > 0: each request of ``batch`` gets its whole block table. A step message carries of a
+        running request's table only the blocks its step added (``Batch.new_blocks``); the rest is this
+        rank's copy (dropped at release). Rank 0 has every table already."""
+        if self.tp.rank == 0:
+            return
+        for i, req in enumerate(batch.reqs):
+            if batch.kind == "decode":
+                req.block_table = self.block_tables[req.request_id] + batch.new_blocks[i]
+            self.block_tables[req.request_id] = req.block_table
 
 
 def _rank_main(r: int, n: int, rdzv: str, engine: type, model_dir: str, kwargs: dict) -> None:

@@ -12,7 +12,7 @@ from helpers import PROMPTS, greedy, install_drafter, make_llm
 from transformers import AutoModelForCausalLM
 
 from nanospec.mtp.draft import chain_tree
-from nanospec.mtp.policy import DraftLength
+from nanospec.mtp.worker import DraftLength
 
 CHAIN = {"num_steps": 3}
 TREE = {"num_steps": 2, "topk": 2, "num_draft_tokens": 4}

@@ -24,10 +24,10 @@ def test_nanospec_kernels_is_the_repo_folder():
     assert [pathlib.Path(p).resolve() for p in nanospec.kernels.__path__] == [REPO / "kernels"]
     assert pathlib.Path(attention.__file__).resolve().parent == REPO / "kernels"
     # the engine imports the same module objects (one backend switch for everyone)
-    from nanospec import sampler
+    from nanospec import model_runner
     from nanospec.kernels import sampling
 
-    assert sampler.sample is sampling.sample
+    assert model_runner.sample is sampling.sample
 
 
 def test_kernels_folder_is_no_regular_package():

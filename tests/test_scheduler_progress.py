@@ -18,12 +18,12 @@ import torch
 from nanospec.config import EngineConfig
 from nanospec.kv_cache import DUMMY_BLOCK, BlockAllocator, cdiv
 from nanospec.llm import LLM
-from nanospec.outputs import PrefillOutput, StepOutput
-from nanospec.parallel import SINGLE
+from nanospec.parallel import SINGLE, Ranks
 from nanospec.persistent_batch import PersistentBatch, StepInput
 from nanospec.request import Request
 from nanospec.sampling_params import SamplingParams
 from nanospec.scheduler import Scheduler
+from nanospec.transfer import PrefillOutput, StepOutput
 
 VOCAB = 50
 # The oldest unfinished request advances (a prefill chunk or a committed token) within this many steps
@@ -126,8 +126,7 @@ def fake_engine(cfg: dict, rng: random.Random) -> LLM:
     llm.num_steps_run = 0
     llm._inflight = None
     llm._stash = []
-    llm._rank_tables = {}
-    llm._unsent_releases = []
+    llm.ranks = Ranks(SINGLE)
     return llm
 
 

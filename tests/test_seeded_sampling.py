@@ -16,7 +16,7 @@ from helpers import PROMPTS, install_drafter, make_llm
 
 from nanospec import SamplingParams
 from nanospec.mtp.draft import DraftTree, chain_tree
-from nanospec.mtp.policy import DraftLength
+from nanospec.mtp.worker import DraftLength
 
 MODES = {"chain": {"num_steps": 3}, "tree": {"num_steps": 2, "topk": 2, "num_draft_tokens": 5}}
 SCHEDULES = {"chain": [0, 3, 1, 2], "tree": [0, 2, 2]}

@@ -26,8 +26,7 @@ from nanospec.config import EngineConfig
 from nanospec.context import AttnMetadata, attn_metadata
 from nanospec.kernels.attention import decode_attention, draft_attention
 from nanospec.model_runner import ModelRunner, build_target
-from nanospec.mtp.draft import DraftTree, chain_tree, run_draft
-from nanospec.mtp.verify import accept, compact_accepted_kv, emitted_tokens
+from nanospec.mtp.draft import DraftTree, accept, chain_tree, compact_accepted_kv, emitted_tokens, run_draft
 from nanospec.mtp.worker import FrozenKVMTPWorker
 from nanospec.persistent_batch import PersistentBatch, StepInput
 from nanospec.sampling_params import SamplingParams

@@ -200,16 +200,17 @@ def test_tp2_adaptive_draft_length_ranks_agree(models):
 
 
 def record_messages(llm) -> list:
-    """From now on, each call rank 0 sends (``LLM._call``) as (engine step, name, the bytes
-    ``broadcast_object_list`` would send: the pickled (name, args, releases since the last call)), at any
+    """From now on, each call rank 0 sends (``parallel.Ranks.call``) as (engine step, method name, the bytes
+    ``broadcast_object_list`` would send: the pickled (function, args, releases since the last call)), at any
     tensor_parallel_size."""
-    sent, call = [], llm._call
+    sent, call = [], llm.ranks.call
 
-    def send(name, *args):
-        sent.append((llm.num_steps_run, name, pickle.dumps((name, args, llm._unsent_releases))))
-        return call(name, *args)
+    def send(method, *args):
+        message = (method.__func__, args, llm.ranks.unsent_releases)
+        sent.append((llm.num_steps_run, method.__name__, pickle.dumps(message)))
+        return call(method, *args)
 
-    llm._call = send
+    llm.ranks.call = send
     return sent
 
 

@@ -97,11 +97,11 @@ def test_steady_steps_send_through_the_transfer_owner_only(tiny_llama_dir, asst_
 
 def test_the_watch_sees_a_blocking_copy(tiny_llama_dir, monkeypatch):
     """The watch itself can fail: an engine module's ``torch.tensor(...).to(device)`` is reported."""
-    from nanospec import sampler
+    from nanospec import model_runner
 
     watch = Watch(monkeypatch)
     watch.active = True
-    exec(compile("torch.tensor([1]).to('cpu')", sampler.__file__, "exec"), {"torch": torch})
+    exec(compile("torch.tensor([1]).to('cpu')", model_runner.__file__, "exec"), {"torch": torch})
     assert len(watch.calls) == 2
 
 
