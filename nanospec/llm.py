@@ -15,7 +15,7 @@ from .logprobs import prefill_logprobs, step_logprobs
 from .model_runner import ModelRunner
 from .models.assistant_config import check_assistant_config
 from .models.assistant_io import read_config
-from .mtp.worker import FrozenKVMTPWorker, resolve_assistant
+from .mtp.worker import FrozenKVMTPWorker
 from .persistent_batch import PersistentBatch
 from .request import Request
 from .sampling_params import SamplingParams
@@ -54,7 +54,7 @@ class LLM:
         assistant = assistant_config = None
         if c.speculative:  # a bad or mismatched assistant fails from the configs, before any weights load
             is_default = default_model.is_default_target(hf_config, self.tokenizer)
-            assistant = resolve_assistant(c.assistant, is_default)
+            assistant = default_model.resolve_assistant(c.assistant, is_default)
             assistant_config = read_config(assistant)
             check_assistant_config(assistant_config, hf_config)
         parallel.check_sizes(c, hf_config, assistant_config)
@@ -98,7 +98,7 @@ class LLM:
             runner.capture_graphs()
         else:
             self.worker.capture_graphs(*runner.graph_shape())
-        if memory() > before:  # planned in the KV budget (model_runner.memory_plan): what capture took
+        if memory() > before:  # planned in the KV budget (memory.memory_plan): what capture took
             print(f"nanospec: CUDA graphs took {(memory() - before) / 2**30:.2f} GiB", file=sys.stderr)
         self.scheduler = Scheduler(c, allocator, runner.lookahead, self._on_release)
         self.overlap = c.overlap_schedule if c.overlap_schedule is not None else runner.device.type == "cuda"

@@ -1,15 +1,15 @@
-"""The target side of the engine: builds the target, allocates its paged KV pools, turns scheduled batches
-into tensors and runs prefill / decode forwards (eagerly or through CUDA graphs, decided by
-``GraphRunner.run``)."""
+"""The target side of the engine: builds the target, allocates its paged KV pools (sized by ``memory``),
+turns scheduled batches into tensors, runs prefill / decode forwards and samples each row's token; and the
+CUDA graphs per batch-size bucket that plain decode and the speculative step replay (``GraphRunner.run``, the
+one place that decides graph or eager)."""
 
-import sys
+from collections.abc import Callable
 
 import torch
 
-from . import loader
+from . import loader, memory
 from .config import EngineConfig
 from .context import AttnMetadata, attn_metadata
-from .cuda_graph import GraphRunner, graph_batch_sizes
 from .kernels.attention import KV_SPLIT_SIZE, num_kv_splits
 from .kernels.matmul import linear_invariant
 from .kernels.sampling import mask_logits, sample
@@ -40,21 +40,6 @@ def build_target(cfg, device, dtype, max_position: int, model_dir=None, seed=0, 
     model.eval().requires_grad_(False)
     model.init_buffers(device)
     return model
-
-
-def memory_plan(total: int, used: int, peak: int, step_logits: int, config) -> dict[str, int]:
-    """Bytes of a GPU of ``total`` bytes, ``used`` of them taken (weights, the CUDA context): what the
-    engine reserves besides its weights and what is left for the KV cache, within
-    ``config.gpu_memory_utilization``. ``peak``: the activations of the largest prefill chunk and of the
-    largest decode or verify step with its logits and sampling (on CUDA profiled, ``_profile_peak``; without
-    a GPU estimated, ``scripts/memory_plan.py``); ``step_logits``: that step's logits alone
-    (``ModelRunner.step_logits_bytes``), a floor under the peak. Eager steps take the larger of the two; the
-    CUDA graphs' one memory pool, which holds the largest captured step's activations (an ``mtp:{s}`` or
-    ``decode`` step), is reserved as much again, an upper bound (their static outputs are a few MB)."""
-    activations = max(peak, step_logits)
-    graph_pool = 0 if config.enforce_eager else activations
-    kv_cache = int(total * config.gpu_memory_utilization) - used - activations - graph_pool
-    return dict(total=total, used=used, activations=activations, graph_pool=graph_pool, kv_cache=kv_cache)
 
 
 def sample_tokens(
@@ -103,50 +88,12 @@ class ModelRunner:
 
     # ---- KV pools
     # --------------------------------------------------------------------------------------------------
-    def kv_bytes_per_block(self) -> int:
-        """Bytes of one block over every KV-owning layer (KV-shared layers own none)."""
-        per_layer = [2 * self.config.page_size * h * d for h, d in filter(None, self.model.kv_geometry)]
-        return sum(per_layer) * torch.finfo(self.dtype).bits // 8
-
-    def num_kv_blocks(self) -> int:
-        """Pool size from the memory budget (GPU: ``gpu_memory_utilization`` after weights and a profiled
-        activation peak; CPU: ``cpu_kv_cache_gb``), capped at what ``max_num_seqs`` full requests need."""
-        c = self.config
-        per_block = self.kv_bytes_per_block()
-        per_req = cdiv(c.max_model_len + self.lookahead, c.page_size)
-        if c.num_kv_blocks is not None:
-            n = c.num_kv_blocks
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
-            plan = memory_plan(total, total - free, peak, self.step_logits_bytes(), c)
-            n = min(int(plan["kv_cache"] // per_block), c.max_num_seqs * per_req + 1)
-            figures = ", ".join(f"{name} {value / 2**30:.2f}" for name, value in plan.items())
-            print(f"nanospec: memory plan (GiB): {figures}", file=sys.stderr, flush=True)
-        else:
-            n = min(int(c.cpu_kv_cache_gb * 2**30 // per_block), c.max_num_seqs * per_req + 1)
-        # every rank's pool has as many blocks (they share the block tables): the smallest any rank offers
-        n = int(self.tp.all_reduce(torch.tensor([n], device=self.device), torch.distributed.ReduceOp.MIN))
-        if n - 1 < per_req:
-            raise ValueError(
-                f"the KV budget holds {max(n - 1, 0)} blocks of {c.page_size} tokens, but one "
-                f"request of max_model_len={c.max_model_len} needs {per_req}: lower "
-                "max_model_len or raise gpu_memory_utilization, cpu_kv_cache_gb, num_kv_blocks"
-            )
-        return n
-
-    def step_logits_bytes(self) -> int:
-        """Bytes of the largest decode or verify step's logits: ``max_num_seqs`` x (``num_draft_tokens`` or
-        1) rows of the vocabulary, the LM head's output in the model dtype and its fp32 copy."""
-        rows = self.config.max_num_seqs * self.lookahead
-        return rows * self.vocab_size * (torch.finfo(self.dtype).bits // 8 + 4)
-
     def allocate_kv_cache(self) -> BlockAllocator:
         """Size, allocate and bind the pools (after profiling the largest steps on CUDA); returns the block
         allocator."""
         if self.device.type == "cuda":
-            self._profile_peak()
-        n = self.num_kv_blocks()
+            memory.profile_peak(self)
+        n = memory.num_kv_blocks(self)
         self.bind_pools(n)
         self.allocator = BlockAllocator(n, self.config.page_size, self.config.enable_prefix_caching)
         return self.allocator
@@ -172,47 +119,6 @@ class ModelRunner:
         caches = [None if g is None else tuple(next(layers[g])) for g in geometry]  # (k_cache, v_cache)
         self.kv_pools = list(pools.values())
         self.model.bind_kv_cache(caches)
-
-    @torch.inference_mode()
-    def _profile_peak(self) -> None:
-        """The largest steps the engine will run, over a scratch pool, so the KV budget leaves room for their
-        activations (vLLM profiles its sampler the same way): a prefill of the largest chunk, then a step of
-        ``max_num_seqs`` requests of ``lookahead`` tokens each (a verify, or a decode), its logits and sampled
-        tokens. Only the target is bound to the scratch pool; the drafter, whose activations are far smaller
-        (``topk`` rows per request at its own width), binds after the real allocation."""
-        c = self.config
-        dev = self.device
-        T = min(c.max_num_batched_tokens, c.max_model_len)
-        B = c.max_num_seqs
-        N = self.lookahead
-        blocks = cdiv(max(T, N), c.page_size) + 1
-        self.bind_pools(blocks)
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(dev)
-        table = torch.arange(1, blocks, dtype=torch.int32, device=dev)
-        md = AttnMetadata.prefill(
-            table[None],
-            torch.tensor([T], dtype=torch.int32, device=dev),
-            torch.arange(c.page_size, c.page_size + T, device=dev),
-            torch.tensor([0, T], dtype=torch.int32, device=dev),
-            T,
-            self.split_size,
-        )
-        with attn_metadata(md):
-            ids = torch.zeros(T, dtype=torch.long, device=dev)
-            self.model.compute_logits(self.model(ids, torch.arange(T, device=dev))[-1:])
-        # every request reads and writes the same scratch blocks: only the shapes count here
-        L = torch.zeros(B, dtype=torch.int32, device=dev)
-        positions = torch.arange(N, device=dev).repeat(B)
-        md = AttnMetadata.verify(table.repeat(B, 1), L, c.page_size + positions, N, None, self.split_size)
-        with attn_metadata(md):
-            hidden = self.model(torch.zeros(B * N, dtype=torch.long, device=dev), positions)
-        logits = self.model.compute_logits(hidden)
-        greedy = torch.zeros(B * N, device=dev)
-        sample(logits, greedy, greedy.int(), greedy + 1, positions, positions)
-        self.kv_pools = []
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
 
     # ---- graphs
     # ----------------------------------------------------------------------------------------------------
@@ -348,3 +254,184 @@ class ModelRunner:
         rows_bitmask = None if bitmask is None else bitmask[:, None]
         logprobs = emitted_logprobs(reqs, logits[:, None], toks[:, None], rows_bitmask)
         return StepOutput(rows, logprobs=logprobs)
+
+
+# ---- CUDA graphs per batch-size bucket: plain decode here, the whole speculative step in mtp/worker.py
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Buckets: 1, 2, 4, 8, then steps of 16 up to max_num_seqs (and max_num_seqs itself)."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16)) + [max_num_seqs]
+    return sorted(set(sizes))
+
+
+def select_bucket(batch_size: int, sizes: list[int]) -> int | None:
+    """Smallest bucket holding ``batch_size`` rows; None means eager fallback (too big, or an empty batch)."""
+    if batch_size <= 0:
+        return None
+    return next((s for s in sizes if s >= batch_size), None)
+
+
+class StaticBuffers:
+    """Named static tensors of ``max_rows`` rows (times ``shape[0]`` for per-token buffers).
+
+    ``fill(name, live)`` copies the live rows to the front and writes the buffer's pad value into the rest, so
+    a captured graph always sees a fully defined batch.
+    """
+
+    def __init__(self, device, max_rows: int, specs: dict[str, tuple[tuple[int, ...], torch.dtype, float]]):
+        self.pads = {}
+        for name, (shape, dtype, pad) in specs.items():
+            buf = torch.full((max_rows * shape[0], *shape[1:]), pad, dtype=dtype, device=device)
+            setattr(self, name, buf)
+            self.pads[name] = pad
+
+    def fill(self, name: str, live: torch.Tensor) -> None:
+        buf = getattr(self, name)
+        n = live.shape[0]
+        if live.dim() == buf.dim() and live.shape[1:] != buf.shape[1:]:  # narrower rows (block tables)
+            buf[:n].fill_(self.pads[name])
+            buf[:n, : live.shape[1]].copy_(live)
+        else:
+            buf[:n].copy_(live)
+        buf[n:].fill_(self.pads[name])
+
+
+class StaticOutputs:
+    """The static outputs of every captured phase and bucket: per output position one tensor of the largest
+    bucket's rows, each trailing dim the largest any phase returns there. A graph copies its outputs into
+    views of them (``write``), so a capture keeps one set of outputs alive, not one per phase and bucket.
+    A position where a phase returns None (a tensor only an eager call returns) stays None."""
+
+    def __init__(self, samples: list[tuple], rows: int):
+        self.buffers = []
+        for column in zip(*samples):
+            kept = [x for x in column if x is not None]
+            if not kept:
+                self.buffers.append(None)
+                continue
+            trailing = [max(dims) for dims in zip(*(x.shape[1:] for x in kept))]
+            self.buffers.append(torch.empty(rows, *trailing, dtype=kept[0].dtype, device=kept[0].device))
+
+    def write(self, outputs: tuple, bs: int) -> tuple:
+        """Copy ``outputs`` (one phase's, ``bs`` rows) into their views; returns the views."""
+        views = []
+        for buf, x in zip(self.buffers, outputs):
+            if x is None:
+                views.append(None)
+                continue
+            view = buf[(slice(0, bs), *(slice(0, d) for d in x.shape[1:]))]
+            view.copy_(x)
+            views.append(view)
+        return tuple(views)
+
+
+def as_tuple(out) -> tuple:
+    return out if isinstance(out, tuple) else (out,)
+
+
+class BucketGraphs:
+    """``fn(bs)`` (reading static buffers, returning a tensor or a tuple of tensors and Nones) captured as one
+    CUDA graph per bucket.
+
+    ``capture(pool, outputs)`` warms every kernel specialization with an eager call first (a JIT compile
+    inside capture invalidates it), then captures largest-first into the memory ``pool`` that every phase
+    shares, the graph writing its outputs into views of the shared ``StaticOutputs``. ``run(bs)`` replays the
+    bucket's graph and returns those views; with no graph for ``bs`` it calls ``fn(bs)`` eagerly.
+    """
+
+    def __init__(self, fn: Callable[[int], object], sizes: list[int]):
+        self.fn = fn
+        self.sizes = sizes
+        self.graphs = {}
+        self.views = {}
+
+    def capture(self, pool, outputs: StaticOutputs) -> None:
+        for bs in sorted(self.sizes, reverse=True):
+            self.fn(bs)  # warm-up: compile every kernel variant outside the capture
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self.views[bs] = outputs.write(as_tuple(self.fn(bs)), bs)
+            self.graphs[bs] = g
+
+    def run(self, bs: int):
+        if bs in self.graphs:
+            self.graphs[bs].replay()
+            return self.views[bs]
+        return self.fn(bs)
+
+
+class GraphRunner:
+    """Phases run through bucketed graphs or eagerly: the one place that decides (``run``).
+
+    CUDA graphs per batch-size bucket for the hot phases: plain decode and the whole speculative step.
+
+    Each phase is a pure tensor function of named inputs (no host syncs). ``GraphRunner.run`` is the one
+    place that decides graph or eager. A batch of constrained rows with their masks runs eagerly (the
+    speculative step runs such rows apart from the others, which keep their graph: DESIGN §5). A batch
+    that fits a bucket is copied into the first rows of static buffers and the bucket's graph replays
+    (padding rows point at the reserved dummy block 0, so their K/V writes land there and they read one
+    dummy key: they never touch a live request's KV); a batch larger than every bucket, or a phase with no
+    buckets (CPU, ``enforce_eager``), runs the same function eagerly on the live tensors. On CPU, tests
+    give buckets explicitly: the function then runs eagerly on the padded static buffers, exactly what a
+    graph would replay.
+
+    ``phases``: name -> (fn, input names); ``fn(num_splits=..., **inputs)`` is pure tensor code. ``buffers``
+    declares every static input: name -> (per-row shape, dtype, pad value). Block tables are
+    ``ceil((max_model_len + lookahead) / page_size)`` wide so a live table always fits; the split-KV count is
+    fixed (``num_splits``, from max_model_len) so captured graphs never sync. ``sizes`` empty = always eager.
+    """
+
+    def __init__(
+        self,
+        phases: dict[str, tuple[Callable, list[str]]],
+        buffers: dict,
+        sizes: list[int],
+        num_splits: int,
+        device,
+    ):
+        self.phases = phases
+        self.sizes = sizes
+        self.num_splits = num_splits
+        self.buffer_specs = buffers
+        self.buf = StaticBuffers(device, sizes[-1], buffers) if sizes else None
+        self.graphs = {
+            name: BucketGraphs(lambda bs, name=name: self._static_call(name, bs), sizes) for name in phases
+        }
+        self.outputs: StaticOutputs | None = None
+
+    def _static_call(self, phase: str, bs: int):
+        fn, names = self.phases[phase]
+        return fn(num_splits=self.num_splits, **{k: getattr(self.buf, k)[:bs] for k in names})
+
+    def capture(self) -> None:
+        """Capture every phase for every bucket into one memory pool, their outputs into one set of static
+        outputs (CUDA only: elsewhere, and with ``enforce_eager``, there are no buckets and nothing to
+        capture). Each phase first runs eagerly at the largest bucket, which sizes the static outputs."""
+        if not self.sizes:
+            return
+        largest = self.sizes[-1]
+        samples = [as_tuple(self._static_call(name, largest)) for name in self.phases]
+        self.outputs = StaticOutputs(samples, largest)
+        del samples
+        pool = torch.cuda.graph_pool_handle()
+        for g in self.graphs.values():
+            g.capture(pool, self.outputs)
+        torch.cuda.synchronize()
+
+    def run(self, phase: str, inputs: dict[str, torch.Tensor], num_splits: int | None, eager=None):
+        """The phase's outputs for the live batch (padding rows dropped): the same function on the same named
+        tensors, eager or replayed. ``num_splits`` serves only the eager call (a graph has its own fixed
+        split count). ``eager``: further arguments that only an eager call takes (structured output's masks,
+        which the host computes between draft steps; the logits that logprobs read), or None. A replay
+        returns views of the shared static outputs: read them before the next replay of any phase."""
+        bs = next(iter(inputs.values())).shape[0]
+        bucket = None if eager else select_bucket(bs, self.sizes)
+        if bucket is None:
+            return self.phases[phase][0](num_splits=num_splits, **(eager or {}), **inputs)
+        for name, t in inputs.items():
+            self.buf.fill(name, t)
+        out = self.graphs[phase].run(bucket)
+        if isinstance(out, torch.Tensor):
+            return out[:bs]
+        out = tuple(None if x is None else x[:bs] for x in out)
+        return out[0] if len(out) == 1 else out

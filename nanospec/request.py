@@ -133,7 +133,8 @@ class Request:
         grow with the output (DESIGN §9): no tokenizer, block hashes, logprobs or accept / draft lengths;
         while the request waits to prefill, its tokens and whole block table; once it runs, no tokens (a
         decode step reads none) and no block table (each rank keeps its own copy,
-        ``parallel.Ranks.block_tables``; the step's plan carries the blocks it added, ``Batch.new_blocks``)."""
+        ``parallel.Ranks.block_tables``; the step's plan carries the blocks it added,
+        ``Batch.new_blocks``)."""
         drop = dict(_tokenizer=None, matcher=None, block_hashes=[], accept_lengths=[], draft_token_counts=[])
         drop |= dict(logprobs=None, prompt_logprobs=None)  # the ranks read params.logprobs only
         if self.status is not Status.WAITING:

@@ -1,6 +1,7 @@
 """Code lines per budget (CONTRIBUTING.md): lines holding code; not blank, not only a comment, not docstring.
 
-python scripts/code_lines.py          # every budget and every file over 400 code lines; exit 1 if one is over
+python scripts/code_lines.py          # every budget, a request's path and every file over 400 code lines;
+                                      # exit 1 if one is over
 
 A budget the core issue lowers prints its goal beside the limit enforced until then.
 python scripts/code_lines.py --files  # also every file, largest first
@@ -80,6 +81,14 @@ def budgets() -> dict:
     }
 
 
+def request_path() -> list[pathlib.Path]:
+    """The engine files one request passes through, in README's reading order ("Read the code in this
+    order": its rows naming a ``nanospec/`` file)."""
+    text = (REPO / "README.md").read_text().split("## Read the code in this order")[1].split("\n\n## ")[0]
+    rows = [line.split("|")[1].strip(" `") for line in text.splitlines() if line.startswith("| `nanospec/")]
+    return [REPO / row for row in rows]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--files", action="store_true", help="list every file's code lines too")
@@ -98,6 +107,9 @@ def main(argv=None) -> int:
         n = counted[REPO / name]
         over |= n > LAYER_LIMIT
         print(f"{n:6d} / {LAYER_LIMIT:5d}    {name}: {concern}{'  OVER' if n > LAYER_LIMIT else ''}")
+    path = request_path()
+    path_lines = sum(counted[p] for p in path)
+    print(f"{path_lines:6d}  a request's path: {len(path)} files (README's reading order; goal 12 / 1800)")
     files = sorted(counted.items(), key=lambda item: -item[1])
     for path, n in files:
         if args.files or n > FILE_LIMIT:

@@ -443,7 +443,7 @@ def _graph_buckets(llm):
     """Give ``llm``'s graph runners the buckets a GPU captures (``graph_batch_sizes(max_num_seqs)``): on a CPU
     each phase then runs eagerly on the padded static buffers, with the split count fixed from
     ``max_model_len``, exactly what the captured graph replays."""
-    from nanospec.cuda_graph import GraphRunner, graph_batch_sizes
+    from nanospec.model_runner import GraphRunner, graph_batch_sizes
 
     sizes = graph_batch_sizes(llm.config.max_num_seqs)
     for owner in (llm.runner, llm.worker):
@@ -474,7 +474,7 @@ def run_workloads(workloads=WORKLOADS, recorder=None, tmp=None, prompt_lens=PROM
         d, cfg = dirs[target]
         kw = {}
         if asst == "shipped":
-            from nanospec.mtp.worker import DEFAULT_ASSISTANT
+            from nanospec.default_model import DEFAULT_ASSISTANT
 
             kw = dict(assistant=str(DEFAULT_ASSISTANT))
         elif asst:

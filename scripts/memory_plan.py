@@ -4,7 +4,7 @@ the activations of the largest step, the CUDA graphs' memory pool and static buf
     python scripts/memory_plan.py                                  # the default model and its assistant
     python scripts/memory_plan.py --shape gemma4-e2b --max-num-seqs 256 --num-steps 5 --gpu-memory-gib 80
 
-The arithmetic is the engine's (``model_runner.memory_plan``): on CUDA the engine prints the same figures at
+The arithmetic is the engine's (``memory.memory_plan``): on CUDA the engine prints the same figures at
 start, with what it measured ("nanospec: memory plan (GiB): ..."). Here two of them are estimates: the CUDA
 context and allocator slack (``--runtime-gib``), and a max-chunk prefill's activations (per token: the hidden
 state several times over, the MLP's intermediate, the attention's query, key and value rows), which the
@@ -41,12 +41,12 @@ def parameter_bytes(module: torch.nn.Module) -> int:
 
 def plan(args) -> dict:
     """Every figure of the plan, in bytes (and the KV cache's tokens)."""
+    from nanospec.default_model import DEFAULT_ASSISTANT
     from nanospec.kernels.matmul import linear
     from nanospec.kv_cache import cdiv
-    from nanospec.model_runner import memory_plan
+    from nanospec.memory import memory_plan
     from nanospec.models import target_class
     from nanospec.models.gemma4_assistant import Gemma4Assistant
-    from nanospec.mtp.worker import DEFAULT_ASSISTANT
     from nanospec.parallel import SINGLE
 
     dtype = getattr(torch, args.dtype)
@@ -69,7 +69,7 @@ def plan(args) -> dict:
     kv_heads, head_dim = max(filter(None, target.kv_geometry), key=lambda g: g[0] * g[1])
     qkv = (text_config.num_attention_heads + 2 * kv_heads) * head_dim
     per_token = (6 * hidden + 3 * text_config.intermediate_size + qkv) * elem
-    # the two steps the engine profiles on CUDA (ModelRunner._profile_peak): the largest prefill chunk, then
+    # the two steps the engine profiles on CUDA (memory.profile_peak): the largest prefill chunk, then
     # max_num_seqs requests of num_draft_tokens tokens with every row's logits
     prefill_peak = min(args.max_num_batched_tokens, args.max_model_len) * per_token + vocab * (elem + 4)
     step_logits = args.max_num_seqs * num_draft_tokens * vocab * (elem + 4)

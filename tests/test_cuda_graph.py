@@ -13,8 +13,8 @@ import torch
 from helpers import prepare_decode
 
 from nanospec import LLM, SamplingParams
-from nanospec.cuda_graph import GraphRunner, StaticBuffers, graph_batch_sizes, select_bucket
 from nanospec.kv_cache import DUMMY_BLOCK
+from nanospec.model_runner import GraphRunner, StaticBuffers, graph_batch_sizes, select_bucket
 
 
 def test_bucket_sizes_and_choice():

@@ -186,7 +186,7 @@ def test_default_model_bf16_spec_on_equals_off_any_batch(smollm2_dir, smollm2_to
     runs differ; ``scripts/deterministic_check.py`` counts how often, on 32 held-out ShareGPT prompts.)"""
     from helpers import chat_texts
 
-    from nanospec.mtp.worker import DEFAULT_ASSISTANT
+    from nanospec.default_model import DEFAULT_ASSISTANT
 
     if not (DEFAULT_ASSISTANT / "config.json").exists():
         pytest.skip("no shipped assistant")

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from nanospec.mtp.worker import DEFAULT_ASSISTANT
+from nanospec.default_model import DEFAULT_ASSISTANT
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

@@ -1,5 +1,5 @@
 """The GPU memory plan, without a GPU: the arithmetic the engine runs on CUDA before it sizes the KV cache
-(``model_runner.memory_plan``) and ``scripts/memory_plan.py``, which prints it for a model and a GPU size."""
+(``memory.memory_plan``) and ``scripts/memory_plan.py``, which prints it for a model and a GPU size."""
 
 import pathlib
 import sys
@@ -10,8 +10,8 @@ from conftest import save_assistant
 from helpers import make_llm
 from transformers import AutoConfig
 
-from nanospec import model_runner
-from nanospec.model_runner import memory_plan
+from nanospec import memory
+from nanospec.memory import memory_plan
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
 import memory_plan as script  # noqa: E402
@@ -87,10 +87,8 @@ def test_profile_runs_the_largest_steps(tiny_llama_dir, tmp_path, assistant):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(model, "forward", lambda ids, pos: forwards.append(len(ids)) or forward(ids, pos))
         mp.setattr(model, "compute_logits", lambda h: logits_rows.append(len(h)) or compute_logits(h))
-        sample = model_runner.sample
-        mp.setattr(
-            model_runner, "sample", lambda logits, *a: sampled.append(len(logits)) or sample(logits, *a)
-        )
-        runner._profile_peak()
+        sample = memory.sample
+        mp.setattr(memory, "sample", lambda logits, *a: sampled.append(len(logits)) or sample(logits, *a))
+        memory.profile_peak(runner)
     assert forwards == [40, 7 * N] and logits_rows == [1, 7 * N] and sampled == [7 * N]
-    assert runner.kv_pools == []
+    assert sum(pool.numel() for pool in runner.kv_pools) == 0  # the scratch pool is gone

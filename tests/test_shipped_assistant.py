@@ -8,7 +8,7 @@ import pytest
 from helpers import chat_texts
 
 from nanospec import LLM, SamplingParams
-from nanospec.mtp.worker import DEFAULT_ASSISTANT
+from nanospec.default_model import DEFAULT_ASSISTANT
 
 ASSETS = DEFAULT_ASSISTANT.parent
 

@@ -170,7 +170,7 @@ def test_unconstrained_rows_keep_their_graphs(smollm2_dir, chain, monkeypatch):
     engine's (no buckets), with drafts accepted."""
     from test_cuda_graph import with_buckets
 
-    from nanospec.cuda_graph import BucketGraphs
+    from nanospec.model_runner import BucketGraphs
 
     graphed = engine(smollm2_dir, "default", num_steps=3)
     with_buckets(graphed, [1, 2, 4, 8])

@@ -38,41 +38,15 @@ import torch
 
 from .. import trace
 from ..context import AttnMetadata, attn_metadata
-from ..cuda_graph import GraphRunner
 from ..kernels.attention import num_kv_splits
 from ..kernels.sampling import mask_logits, sample
 from ..kv_cache import DUMMY_BLOCK, slot_mapping
 from ..logprobs import emitted_logprobs
+from ..model_runner import GraphRunner
 from ..models.gemma4_assistant import Gemma4Assistant
 from ..persistent_batch import PersistentBatch, StepInput
 from ..transfer import StepOutput, to_device
 from .draft import accept, compact_accepted_kv, emitted_tokens, run_draft
-
-DEFAULT_ASSISTANT = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-instruct-assistant"
-
-
-def resolve_assistant(assistant: str, target_is_default: bool) -> Path:
-    """``"default"`` -> the shipped assistant of SmolLM2-135M-Instruct; anything else is a dir path.
-
-    Raises ValueError when "default" is asked for another target, when it is not shipped, or when the dir
-    does not exist.
-    """
-    if assistant == "default":
-        if not target_is_default:
-            raise ValueError(
-                "assistant='default' only exists for SmolLM2-135M-Instruct; pass assistant=DIR "
-                "(an HF gemma4_assistant checkpoint) for this target"
-            )
-        if not (DEFAULT_ASSISTANT / "config.json").exists():
-            raise ValueError(
-                f"assistant='default': no trained assistant is shipped at {DEFAULT_ASSISTANT}; "
-                "train one with `nanospec-train` and pass assistant=DIR"
-            )
-        return DEFAULT_ASSISTANT
-    path = Path(assistant)
-    if not assistant or not path.is_dir():
-        raise ValueError(f"assistant must be 'default', None or an existing dir, got {assistant!r}")
-    return path
 
 
 class FrozenKVMTPWorker:
@@ -115,7 +89,7 @@ class FrozenKVMTPWorker:
 
     def capture_graphs(self, sizes: list[int], num_splits: int, width: int) -> None:
         """The ``mtp:{s}`` phases for every draft length the policy may choose, with their static inputs
-        (``cuda_graph.GraphRunner``: bucket ``sizes``, empty for eager; block tables ``width`` blocks wide).
+        (``model_runner.GraphRunner``: bucket ``sizes``, empty for eager; block tables ``width`` blocks wide).
         Padding rows are greedy: no sampling work."""
         i64 = torch.long
         i32 = torch.int32

@@ -29,7 +29,7 @@ KEY_ENV = "NANOSPEC_API_KEY"
 def parse_args(argv=None):
     """``nanospec-serve``'s options; the engine's go through ``EngineConfig``'s own checks here, before any
     weights load. Returns (parser, args, LLM keyword arguments)."""
-    from ..mtp.worker import DEFAULT_ASSISTANT
+    from ..default_model import DEFAULT_ASSISTANT
 
     ap, a = parser("nanospec-serve", __doc__)
     a("model", nargs="?", help="HF-format model dir (default: SmolLM2-135M-Instruct)")

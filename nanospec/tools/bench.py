@@ -62,7 +62,7 @@ from unittest import mock
 import torch
 
 from .. import LLM, SamplingParams, cpu, loader
-from ..mtp.worker import DEFAULT_ASSISTANT
+from ..default_model import DEFAULT_ASSISTANT
 from ..structured import StepMasks
 from . import cli
 from .checkpoints import GEMMA4, QWEN3_0_6B, assistant_config_for, gemma4_configs, save_assistant

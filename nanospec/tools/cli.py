@@ -104,8 +104,8 @@ def load_assistant(ap: argparse.ArgumentParser, option: str, value: str, layers:
     so a bad one costs no model or data work; ``ap.error`` if it does not load or (``layers`` given) has
     another layer count. Returns (assistant, dir). 'default' is resolved whatever the target; ``load_target``
     checks that the target is the default one."""
+    from ..default_model import resolve_assistant
     from ..models.gemma4_assistant import Gemma4Assistant
-    from ..mtp.worker import resolve_assistant
 
     message = f"{option} must be 'default' or an HF gemma4_assistant checkpoint dir, got {value!r}: "
     d = or_error(ap, message, resolve_assistant, value, target_is_default=True)
@@ -155,7 +155,7 @@ def example_options(argv=None, doc: str = "") -> argparse.Namespace:
     if args.assistant not in ("auto", "default", "none") and not os.path.isdir(args.assistant):
         ap.error(f"--assistant must be auto, default, none or a gemma4_assistant dir, got {args.assistant!r}")
     from ..cpu import configure_cpu_threads
-    from ..mtp.worker import DEFAULT_ASSISTANT
+    from ..default_model import DEFAULT_ASSISTANT
 
     if args.assistant == "auto":  # the shipped assistant on the default model
         shipped = args.model is None and (DEFAULT_ASSISTANT / "config.json").exists()
