@@ -223,13 +223,13 @@ def test_check_target_mismatch(world, kw, field):
     t = world["target"]
     a = Gemma4Assistant(assistant_config(**kw))
     with pytest.raises(ValueError, match=field):
-        a.check_target(t.config)
+        check_assistant_config(a.config, t.config)
 
 
 def test_check_target_accepts_equivalent_rope(world):
     t = world["target"]
     full = {"rope_type": "proportional", "partial_rotary_factor": 1.0, "rope_theta": THETA}
-    Gemma4Assistant(assistant_config(full_rope=full)).check_target(t.config)
+    check_assistant_config(Gemma4Assistant(assistant_config(full_rope=full)).config, t.config)
 
 
 def test_bind_before_pool_is_an_error(world):
@@ -449,7 +449,7 @@ def test_gemma4_parity_sliding_full_two_steps(gemma_world, tmp_path, centroids):
     target, lens = gemma_world["target"], gemma_world["lens"]
     hf_a, a = gemma_assistant(tmp_path, centroids)
     a.bind_target(target)
-    assert a.check_target(target.config) == [3, 3, 1]
+    assert check_assistant_config(a.config, target.config) == [3, 3, 1]
     rows = [0, 1, 1, 2]
     md = AttnMetadata(
         "draft",

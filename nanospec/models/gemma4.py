@@ -26,15 +26,10 @@ from ..kernels.moe import fused_moe, moe_route
 from ..kernels.norm import rms_norm
 from ..kernels.rope import apply_rope, rope_cos_sin, rope_store_kv
 from ..parallel import SINGLE, ColumnLinear, Experts, Linear, RowLinear, VocabEmbedding, linear
-from .llama import RMSNorm
+from .llama import MLP, gemma_rms_norm
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 _ROPE_TYPES = ("default", "proportional")
-
-
-def _norm(dim: int, eps: float) -> RMSNorm:
-    """HF ``Gemma4RMSNorm``: ``x * rsqrt(mean(x²) + eps) * w`` in fp32, then cast."""
-    return RMSNorm(dim, eps, fp32_weight=True)
 
 
 def _in_dtype(x: float, dtype: torch.dtype) -> float:
@@ -128,9 +123,9 @@ class Gemma4Attention(nn.Module):
         self.qkv_proj = ColumnLinear(tp, tc.hidden_size, parts, tc.attention_bias, gemm)
         self.num_heads = tp.span(tc.num_attention_heads)[1]
         self.num_kv_heads = tp.span(lc.num_key_value_heads)[1]
-        self.q_norm = _norm(self.head_dim, self.eps)
+        self.q_norm = gemma_rms_norm(self.head_dim, self.eps)
         if not self.is_kv_shared:
-            self.k_norm = _norm(self.head_dim, self.eps)
+            self.k_norm = gemma_rms_norm(self.head_dim, self.eps)
         self.o_proj = RowLinear(tp, *q, tc.hidden_size, tc.attention_bias, gemm)
         self.k_cache = self.v_cache = None  # pool views (the owner's on KV-shared layers): bind_kv_cache
 
@@ -150,18 +145,6 @@ class Gemma4Attention(nn.Module):
             )
         o = paged_attention(q, self.k_cache, self.v_cache, 1.0, self.sliding_window)
         return self.o_proj(o.reshape(T, -1))
-
-
-class Gemma4MLP(nn.Module):
-    """HF ``Gemma4TextMLP``: ``down(gelu_tanh(gate(x)) * up(x))`` with gate|up packed."""
-
-    def __init__(self, hidden: int, intermediate: int, tp, gemm):
-        super().__init__()
-        self.gate_up_proj = ColumnLinear(tp, hidden, [(intermediate, 1), (intermediate, 1)], gemm=gemm)
-        self.down_proj = RowLinear(tp, intermediate, 1, hidden, gemm=gemm)
-
-    def forward(self, x):
-        return self.down_proj(gelu_and_mul(self.gate_up_proj(x)))
 
 
 class Gemma4Router(nn.Module):
@@ -193,25 +176,25 @@ class Gemma4DecoderLayer(nn.Module):
         eps = tc.rms_norm_eps
         self.self_attn = Gemma4Attention(tc, layer_idx, owner, tp, gemm)
         wide = tc.use_double_wide_mlp and owner != layer_idx
-        self.mlp = Gemma4MLP(H, tc.intermediate_size * (2 if wide else 1), tp, gemm)
-        self.input_layernorm = _norm(H, eps)
-        self.post_attention_layernorm = _norm(H, eps)
-        self.pre_feedforward_layernorm = _norm(H, eps)
-        self.post_feedforward_layernorm = _norm(H, eps)
+        self.mlp = MLP(H, tc.intermediate_size * (2 if wide else 1), tp, gemm, gelu_and_mul)
+        self.input_layernorm = gemma_rms_norm(H, eps)
+        self.post_attention_layernorm = gemma_rms_norm(H, eps)
+        self.pre_feedforward_layernorm = gemma_rms_norm(H, eps)
+        self.post_feedforward_layernorm = gemma_rms_norm(H, eps)
         # A buffer in HF; a frozen parameter here so that loading checks it like every other tensor.
         self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
         self.ple_dim = tc.hidden_size_per_layer_input
         if self.ple_dim:
             self.per_layer_input_gate = Linear(H, self.ple_dim, False, gemm=gemm)
             self.per_layer_projection = Linear(self.ple_dim, H, False, gemm=gemm)
-            self.post_per_layer_input_norm = _norm(H, eps)
+            self.post_per_layer_input_norm = gemma_rms_norm(H, eps)
         self.enable_moe = tc.enable_moe_block
         if self.enable_moe:
             self.router = Gemma4Router(tc, gemm)
             self.experts = Experts(tp, tc.num_experts, H, tc.moe_intermediate_size)
-            self.pre_feedforward_layernorm_2 = _norm(H, eps)
-            self.post_feedforward_layernorm_1 = _norm(H, eps)
-            self.post_feedforward_layernorm_2 = _norm(H, eps)
+            self.pre_feedforward_layernorm_2 = gemma_rms_norm(H, eps)
+            self.post_feedforward_layernorm_1 = gemma_rms_norm(H, eps)
+            self.post_feedforward_layernorm_2 = gemma_rms_norm(H, eps)
 
     def moe(self, h, residual):
         """The MoE layer's feed-forward before ``post_feedforward_layernorm``, as HF: ``post_feedforward_
@@ -274,10 +257,10 @@ class Gemma4ForCausalLM(nn.Module):
         if self.ple_dim:
             self.embed_tokens_per_layer = VocabEmbedding(tp, cfg.vocab_size_per_layer_input, L * self.ple_dim)
             self.per_layer_model_projection = Linear(H, L * self.ple_dim, False, gemm=gemm)
-            self.per_layer_projection_norm = _norm(self.ple_dim, cfg.rms_norm_eps)
+            self.per_layer_projection_norm = gemma_rms_norm(self.ple_dim, cfg.rms_norm_eps)
         layers = [Gemma4DecoderLayer(cfg, i, o, tp, gemm) for i, o in enumerate(self.kv_owner)]
         self.layers = nn.ModuleList(layers)
-        self.norm = _norm(H, cfg.rms_norm_eps)
+        self.norm = gemma_rms_norm(H, cfg.rms_norm_eps)
         self.tied = bool(cfg.tie_word_embeddings)
         if not self.tied:
             self.lm_head = ColumnLinear(tp, H, [(V, 1)], gemm=gemm)

@@ -39,15 +39,7 @@ from ..kernels.sampling import mask_logits, sample
 from ..parallel import SINGLE, ColumnLinear, Linear, RowLinear, linear
 from . import assistant_io
 from .assistant_config import ACTIVATIONS, bad, check_assistant_alone, check_assistant_config, target_layers
-from .llama import RMSNorm
-
-
-class Gemma4RMSNorm(RMSNorm):
-    """HF ``Gemma4RMSNorm``: weight-only, ``x * rsqrt(mean(x²) + eps) * w`` with the weight applied in fp32
-    before the cast."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__(dim, eps, fp32_weight=True)
+from .llama import MLP, gemma_rms_norm
 
 
 class QOnlyAttention(nn.Module):
@@ -60,10 +52,9 @@ class QOnlyAttention(nn.Module):
         # this rank's span of the heads: the query heads of the KV heads it holds of the target layer read
         self.num_heads = tp.span(H)[1]
         self.head_dim = d
-        self.layer_type = tc.layer_types[layer_idx]
         bias = bool(getattr(tc, "attention_bias", False))
         self.q_proj = ColumnLinear(tp, tc.hidden_size, [(H, d)], bias)
-        self.q_norm = Gemma4RMSNorm(self.head_dim, tc.rms_norm_eps)
+        self.q_norm = gemma_rms_norm(self.head_dim, tc.rms_norm_eps)
         self.o_proj = RowLinear(tp, H, d, tc.hidden_size, bias)
 
     def forward(self, x, positions, cos_sin, attn):
@@ -73,29 +64,18 @@ class QOnlyAttention(nn.Module):
         return self.o_proj(attn(q).reshape(R, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, tc):
-        super().__init__()
-        i = tc.intermediate_size
-        self.gate_up_proj = Linear(tc.hidden_size, 2 * i, False, [i, i])  # packed gate_proj | up_proj
-        self.down_proj = Linear(i, tc.hidden_size, bias=False)
-        self.act_and_mul = ACTIVATIONS[tc.hidden_activation]
-
-    def forward(self, x):
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, tc, layer_idx: int, tp):
         super().__init__()
         H = tc.hidden_size
         eps = tc.rms_norm_eps
         self.self_attn = QOnlyAttention(tc, layer_idx, tp)
-        self.mlp = MLP(tc)
-        self.input_layernorm = Gemma4RMSNorm(H, eps)
-        self.post_attention_layernorm = Gemma4RMSNorm(H, eps)
-        self.pre_feedforward_layernorm = Gemma4RMSNorm(H, eps)
-        self.post_feedforward_layernorm = Gemma4RMSNorm(H, eps)
+        # replicated (SINGLE): every rank runs the whole MLP of its rows
+        self.mlp = MLP(H, tc.intermediate_size, SINGLE, linear, ACTIVATIONS[tc.hidden_activation])
+        self.input_layernorm = gemma_rms_norm(H, eps)
+        self.post_attention_layernorm = gemma_rms_norm(H, eps)
+        self.pre_feedforward_layernorm = gemma_rms_norm(H, eps)
+        self.post_feedforward_layernorm = gemma_rms_norm(H, eps)
         # A buffer in HF; a frozen parameter here so that loading checks it like every other tensor.
         self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
 
@@ -125,17 +105,16 @@ class Gemma4Model(nn.Module):
     def __init__(self, tc, tp):
         super().__init__()
         self.layers = nn.ModuleList(DecoderLayer(tc, i, tp) for i in range(tc.num_hidden_layers))
-        self.norm = Gemma4RMSNorm(tc.hidden_size, tc.rms_norm_eps)
+        self.norm = gemma_rms_norm(tc.hidden_size, tc.rms_norm_eps)
 
 
 class Gemma4Assistant(nn.Module):
     """The drafter. Lifecycle (DESIGN §4 rule 2): ``LLM`` checks its config against the target's
     (``check_assistant_config``, before any weights load) -> construct (``from_pretrained``) -> the engine
-    allocates the target pool -> ``bind_target`` (its layer map from ``check_target``) -> per draft step
-    ``draft_token`` (a chain) or ``propose`` (a tree); ``forward`` for training. Built with ``tp`` (a
-    ``parallel.TensorParallel``: the target's), whose span of the query heads its attention layers keep."""
-
-    packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    allocates the target pool -> ``bind_target`` (its layer map from ``check_assistant_config``) -> per
+    draft step ``draft_token`` (a chain) or ``propose`` (a tree); ``forward`` for training. Built with
+    ``tp`` (a ``parallel.TensorParallel``: the target's), whose span of the query heads its attention
+    layers keep."""
 
     def __init__(self, config, tp=SINGLE):
         super().__init__()
@@ -201,11 +180,6 @@ class Gemma4Assistant(nn.Module):
         """Target layer read by each assistant layer: the last target layer of the same layer type."""
         return target_layers(self.text_config.layer_types, list(target_kv_layer_types))
 
-    def check_target(self, target_config) -> list[int]:
-        """``check_assistant_config(self.config, target_config)``: returns the layer map, ValueError naming
-        the field."""
-        return check_assistant_config(self.config, target_config)
-
     def bind_target(self, target, kv: bool = True) -> None:
         """Attach the target's embedding, per-layer RoPE tables (``target.rope_for(layer_type)``) and (if
         configured) LM head; with ``kv`` also, per assistant layer,
@@ -214,7 +188,7 @@ class Gemma4Assistant(nn.Module):
         Call with ``kv=True`` only after the target pool is allocated and bound (DESIGN §4 rule 2); raises
         RuntimeError otherwise. ``kv=False`` serves the trainer, which passes its own ``attn_fn``.
         """
-        layer_map = self.check_target(target.config)
+        layer_map = check_assistant_config(self.config, target.config)
         ropes = [target.rope_for(layer_type) for layer_type in self.text_config.layer_types]
         if any(r is None for r in ropes):
             raise RuntimeError(

@@ -29,6 +29,12 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, residual, self.fp32_weight)
 
 
+def gemma_rms_norm(dim: int, eps: float) -> RMSNorm:
+    """HF ``Gemma4RMSNorm`` (Gemma 4 and its drafter): ``x * rsqrt(mean(x²) + eps) * w`` with the weight
+    applied in fp32, then cast (no ``1 + w``)."""
+    return RMSNorm(dim, eps, fp32_weight=True)
+
+
 class Attention(nn.Module):
     """GQA self-attention: fused qkv GEMM, optional q/k norm, RoPE fused with the paged KV store, then
     prefill/verify (extend) or decode attention from the current ``AttnMetadata``."""
@@ -67,22 +73,25 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg, tp, gemm):
+    """``down(act(gate(x)) * up(x))`` with gate | up packed, column- then row-parallel over ``tp`` (one
+    all-reduce). ``act_and_mul``: SiLU (Llama, Qwen3) or tanh GELU (Gemma 4 and its drafter, HF
+    ``Gemma4TextMLP``)."""
+
+    def __init__(self, hidden: int, intermediate: int, tp, gemm, act_and_mul=silu_and_mul, bias=False):
         super().__init__()
-        i = cfg.intermediate_size
-        bias = getattr(cfg, "mlp_bias", False)
-        self.gate_up_proj = ColumnLinear(tp, cfg.hidden_size, [(i, 1), (i, 1)], bias, gemm)
-        self.down_proj = RowLinear(tp, i, 1, cfg.hidden_size, bias, gemm)
+        self.gate_up_proj = ColumnLinear(tp, hidden, [(intermediate, 1), (intermediate, 1)], bias, gemm)
+        self.down_proj = RowLinear(tp, intermediate, 1, hidden, bias, gemm)
+        self.act_and_mul = act_and_mul
 
     def forward(self, x):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, tp, gemm):
         super().__init__()
         self.self_attn = Attention(cfg, tp, gemm)
-        self.mlp = MLP(cfg, tp, gemm)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp, gemm, bias=getattr(cfg, "mlp_bias", False))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -99,9 +108,9 @@ class LlamaForCausalLM(nn.Module):
     """The target model. ``forward(input_ids [T], positions [T]) -> hidden [T, H]`` (post final norm, the
     Frozen-KV MTP seed hidden); ``compute_logits(hidden) -> [T, V]`` fp32. Every layer owns its KV
     (``kv_layer_types`` lists each layer's attention type for the drafter's layer map; ``kv_geometry`` its
-    (num_kv_heads, head_dim); ``kv_owner`` is the identity), and the embedding is unscaled (``embed_scale``
-    1). Built as rank ``tp.rank`` of ``tp.size`` (``parallel.TensorParallel``; ``SINGLE``: unsplit), every
-    GEMM through ``gemm``."""
+    (num_kv_heads, head_dim); ``kv_owner`` is the identity), and the embedding is unscaled
+    (``embed_scale`` 1). Built as rank ``tp.rank`` of ``tp.size`` (``parallel.TensorParallel``;
+    ``SINGLE``: unsplit), every GEMM through ``gemm``."""
 
     strip_prefix = ("model.",)  # HF nests everything but lm_head under "model."
     unused_weights = ()
