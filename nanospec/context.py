@@ -46,13 +46,7 @@ class AttnMetadata:
 
     @classmethod
     def prefill(
-        cls,
-        block_table,
-        seq_lens,
-        slot_mapping,
-        cu_seqlens_q,
-        max_seqlen_q: int,
-        split_size: int | None = None,
+        cls, block_table, seq_lens, slot_mapping, cu_seqlens_q, max_seqlen_q, split_size=None
     ) -> "AttnMetadata":
         """Chunks of new tokens per request (``cu_seqlens_q``) over each request's cached prefix, causal.
 
@@ -79,13 +73,7 @@ class AttnMetadata:
 
     @classmethod
     def verify(
-        cls,
-        block_table,
-        num_computed_tokens,
-        slot_mapping,
-        num_tokens: int,
-        tree_mask=None,
-        split_size: int | None = None,
+        cls, block_table, num_computed_tokens, slot_mapping, num_tokens, tree_mask=None, split_size=None
     ) -> "AttnMetadata":
         """``num_tokens`` tree tokens per request after ``num_computed_tokens`` [B] int32 cached rows; the
         tree mask (None for a chain) says which tree tokens each one sees. A chain with ``split_size`` has

@@ -381,14 +381,7 @@ class GraphRunner:
     fixed (``num_splits``, from max_model_len) so captured graphs never sync. ``sizes`` empty = always eager.
     """
 
-    def __init__(
-        self,
-        phases: dict[str, tuple[Callable, list[str]]],
-        buffers: dict,
-        sizes: list[int],
-        num_splits: int,
-        device,
-    ):
+    def __init__(self, phases, buffers, sizes, num_splits, device):
         self.phases = phases
         self.sizes = sizes
         self.num_splits = num_splits

@@ -11,7 +11,6 @@ import torch
 
 from ..context import AttnMetadata, attn_metadata
 from ..kv_cache import slot_mapping
-from ..persistent_batch import StepInput
 
 # The drafter samples at half the request's temperature. A drafter flatter than the target (the usual case:
 # distilled with a KL loss) proposes, under the shared noise, tokens the target rarely picks; sharpening it
@@ -75,13 +74,13 @@ def build_tree(bonus, pool_tokens, pool_scores, pool_parents, pool_depth, num_dr
 
 def run_draft(
     assistant,
-    inp: StepInput,
+    inp,
     block_table,
     num_computed_tokens,
-    draft_length: int,
-    topk: int,
-    num_draft_tokens: int,
-    position_offset: int = -1,
+    draft_length,
+    topk,
+    num_draft_tokens,
+    position_offset=-1,
     num_splits=None,
     sampling=None,
     masks=None,

@@ -32,7 +32,6 @@ computed for it.
 import time
 from collections import Counter
 from functools import partial
-from pathlib import Path
 
 import torch
 
@@ -44,7 +43,7 @@ from ..kv_cache import DUMMY_BLOCK, slot_mapping
 from ..logprobs import emitted_logprobs
 from ..model_runner import GraphRunner
 from ..models.gemma4_assistant import Gemma4Assistant
-from ..persistent_batch import PersistentBatch, StepInput
+from ..persistent_batch import StepInput
 from ..transfer import StepOutput, to_device
 from .draft import accept, compact_accepted_kv, emitted_tokens, run_draft
 
@@ -52,15 +51,7 @@ from .draft import accept, compact_accepted_kv, emitted_tokens, run_draft
 class FrozenKVMTPWorker:
     """Speculation for one target (the hooks and their order: see the module docstring)."""
 
-    def __init__(
-        self,
-        config,
-        target,
-        assistant_path: Path,
-        persistent_batch: PersistentBatch,
-        split_size: int | None = None,
-        trace=None,
-    ):
+    def __init__(self, config, target, assistant_path, persistent_batch, split_size=None, trace=None):
         self.target = target
         self.tp = target.tp  # the assistant is split over the target's ranks
         self.persistent_batch = persistent_batch
@@ -202,7 +193,7 @@ class FrozenKVMTPWorker:
 
     def draft(
         self,
-        inp: StepInput,
+        inp,
         block_table,
         num_computed_tokens,
         num_splits=None,
@@ -364,14 +355,7 @@ class DraftLength:
     """
 
     def __init__(
-        self,
-        candidates: list[int],
-        adaptive: bool = True,
-        decay: float = 0.95,
-        alpha: float = 0.02,
-        probe_every: int = 16,
-        beta: float = 0.25,
-        clip: float = 1.2,
+        self, candidates, adaptive=True, decay=0.95, alpha=0.02, probe_every=16, beta=0.25, clip=1.2
     ):
         self.candidates = candidates
         self.adaptive = adaptive
