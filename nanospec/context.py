@@ -63,9 +63,7 @@ class AttnMetadata:
         return cls("prefill", block_table[req], (pos + 1).int(), slot_mapping, split_size=split_size)
 
     @classmethod
-    def decode(
-        cls, block_table, seq_lens, slot_mapping, num_splits: int | None = None, split_size: int | None = None
-    ) -> "AttnMetadata":
+    def decode(cls, block_table, seq_lens, slot_mapping, num_splits=None, split_size=None) -> "AttnMetadata":
         """One new token per request at position ``seq_lens - 1``."""
         return cls(
             "decode", block_table, seq_lens, slot_mapping, num_splits=num_splits, split_size=split_size
@@ -89,9 +87,7 @@ class AttnMetadata:
         return cls("verify", block_table, seq_lens, slot_mapping, cu, num_tokens, tree_mask)
 
     @classmethod
-    def draft(
-        cls, block_table, num_computed_tokens, row_to_req=None, num_splits: int | None = None
-    ) -> "AttnMetadata":
+    def draft(cls, block_table, num_computed_tokens, row_to_req=None, num_splits=None) -> "AttnMetadata":
         """Frozen-KV draft queries over exactly rows [0, L) of each request; no write slots exist."""
         return cls("draft", block_table, num_computed_tokens, row_to_req=row_to_req, num_splits=num_splits)
 

@@ -176,6 +176,26 @@ class StepMasks:
         """Indices of the batch's rows whose request has a constraint."""
         return [b for b, matcher in enumerate(self.matchers) if matcher is not None]
 
+    def run_apart(self, run, inputs: dict) -> tuple:
+        """One speculative step whose constrained rows run apart from the others, eagerly with their masks,
+        so one constrained request does not take the batch off its CUDA graphs (DESIGN §5). ``inputs``: name
+        -> [B, ...] tensor; ``run(part, eager)`` runs the step over the rows of ``part`` (``eager``: None, or
+        the arguments only an eager call takes: these rows' masks). Returns its outputs in batch order."""
+        constrained = self.constrained_rows()
+        if len(constrained) in (0, len(self.matchers)):
+            return run(inputs, dict(masks=self) if constrained else None)
+        free = sorted(set(range(len(self.matchers))) - set(constrained))
+        rows = to_device(free + constrained, torch.long, self.device)  # one transfer for both parts
+        parts = []
+        for index, eager in (
+            (rows[: len(free)], None),
+            (rows[len(free) :], dict(masks=self.select(constrained))),
+        ):
+            part = {k: t.index_select(0, index) for k, t in inputs.items()}
+            parts.append(run(part, eager))
+        order = rows.argsort()
+        return tuple(None if a is None else torch.cat([a, b]).index_select(0, order) for a, b in zip(*parts))
+
     def select(self, rows: list[int]) -> "StepMasks":
         """The masks of these rows of the batch, as a batch of their own (``logprobs`` stays the batch's)."""
         part = copy.copy(self)

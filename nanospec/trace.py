@@ -11,12 +11,17 @@ def print_event(step: int, event: str, fields: dict) -> None:
     print(f"[step {step}] {event:<12} " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
 
 
-def speculative_step(trace, reqs, fields: dict, lens: list[int], tree_tokens: list, emitted: list) -> None:
-    """The events of one speculative step: "draft_len" (``fields``: the draft length s, the batch size, the
-    policy's expected accept length and throughput estimate), then per request "draft" (its committed length L
-    and the tokens drafted after its bonus token, ``tree_tokens[i][1:]``) and "verify" (the KV rows the verify
-    wrote, the drafts accepted, the bonus token, the accept length and the new committed length)."""
-    trace("draft_len", fields)
+def speculative_step(trace, reqs, s: int, expected: float, estimate, lens, tree_tokens, emitted) -> None:
+    """The events of one speculative step: "draft_len" (the draft length ``s``, the batch size, the policy's
+    ``expected`` accept length and its throughput ``estimate`` in tokens/s, or None), then per request
+    "draft" (its committed length L, ``lens[i]``, and the tokens drafted after its bonus token,
+    ``tree_tokens[i][1:]``) and "verify" (the KV rows the verify wrote, the drafts accepted, the bonus token,
+    the accept length and the new committed length; ``emitted[i]``: the tokens it emitted)."""
+    tok_per_s = None if estimate is None else round(estimate, 1)
+    trace(
+        "draft_len",
+        {"s": s, "batch": len(reqs), "expected_accept": round(expected, 3), "tok_per_s": tok_per_s},
+    )
     for r, L, tokens, out in zip(reqs, lens, tree_tokens, emitted):
         trace("draft", {"req": r.request_id, "L": L, "tokens": tokens[1:]})
         verify = {

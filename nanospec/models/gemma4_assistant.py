@@ -189,13 +189,8 @@ class Gemma4Assistant(nn.Module):
         RuntimeError otherwise. ``kv=False`` serves the trainer, which passes its own ``attn_fn``.
         """
         layer_map = check_assistant_config(self.config, target.config)
-        ropes = [target.rope_for(layer_type) for layer_type in self.text_config.layer_types]
-        if any(r is None for r in ropes):
-            raise RuntimeError(
-                "assistant: the target's RoPE table is not initialised (call init_buffers first)"
-            )
         self._embed = target.embed
-        self._rope = ropes
+        self._rope = [target.rope_for(layer_type) for layer_type in self.text_config.layer_types]
         # detached: a Parameter assigned here would register as the assistant's own (trained, saved) weight;
         # a vocabulary-parallel target head is gathered whole once (the drafter's head is replicated)
         head = None if self.lm_head is not None else self.tp.gather(target.lm_head_weight.detach())

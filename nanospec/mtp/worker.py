@@ -44,7 +44,7 @@ from ..logprobs import emitted_logprobs
 from ..model_runner import GraphRunner
 from ..models.gemma4_assistant import Gemma4Assistant
 from ..persistent_batch import StepInput
-from ..transfer import StepOutput, to_device
+from ..transfer import StepOutput
 from .draft import accept, compact_accepted_kv, emitted_tokens, run_draft
 
 
@@ -152,13 +152,9 @@ class FrozenKVMTPWorker:
             logprobs=logprobs,
         )
         if self.trace is not None:
-            fields = {
-                "s": s,
-                "batch": len(reqs),
-                "expected_accept": round(self.policy.expected_accept(s, _is_sampled(reqs)), 3),
-                "tok_per_s": None if estimate is None else round(estimate, 1),
-            }
-            trace.speculative_step(self.trace, reqs, fields, L.tolist(), tree_tokens.tolist(), result.tokens)
+            expected = self.policy.expected_accept(s, _is_sampled(reqs))
+            tokens = tree_tokens.tolist()
+            trace.speculative_step(self.trace, reqs, s, expected, estimate, L.tolist(), tokens, result.tokens)
         return result
 
     def _run(self, s: int, inputs: dict, num_splits: int, masks=None, logprobs: bool = False) -> tuple:
@@ -169,20 +165,9 @@ class FrozenKVMTPWorker:
         phase = f"mtp:{s}"
         if logprobs:
             return self.graphs.run(phase, inputs, num_splits, dict(masks=masks, keep_logits=True))
-        constrained = [] if masks is None else masks.constrained_rows()
-        if not constrained:
+        if masks is None:
             return self.graphs.run(phase, inputs, num_splits)
-        if len(constrained) == len(inputs["L"]):
-            return self.graphs.run(phase, inputs, num_splits, dict(masks=masks))
-        free = sorted(set(range(len(inputs["L"]))) - set(constrained))
-        rows = to_device(free + constrained, torch.long, self.device)  # one transfer for both parts
-        constrained_masks = dict(masks=masks.select(constrained))
-        parts = []
-        for index, eager in ((rows[: len(free)], None), (rows[len(free) :], constrained_masks)):
-            part = {k: t.index_select(0, index) for k, t in inputs.items()}
-            parts.append(self.graphs.run(phase, part, num_splits, eager))
-        order = rows.argsort()
-        return tuple(None if a is None else torch.cat([a, b]).index_select(0, order) for a, b in zip(*parts))
+        return masks.run_apart(lambda part, eager: self.graphs.run(phase, part, num_splits, eager), inputs)
 
     def observe(self, out: StepOutput) -> None:
         """A committed step's accept lengths and measured time, for the draft-length policy."""
