@@ -76,17 +76,7 @@ class SamplingParams:
                 f"SamplingParams.cache_salt must be a non-empty str or None, got {self.cache_salt!r}"
             )
 
-        if isinstance(self.structured_outputs, dict):
-            unknown = set(self.structured_outputs) - set(StructuredOutputsParams.__dataclass_fields__)
-            if unknown:
-                raise ValueError(f"SamplingParams.structured_outputs: unknown field(s) {sorted(unknown)}")
-            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
-        so = self.structured_outputs
-        if so is not None and not isinstance(so, StructuredOutputsParams):
-            raise TypeError(
-                "SamplingParams.structured_outputs must be StructuredOutputsParams, a dict or None, "
-                f"got {so!r}"
-            )
+        self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:

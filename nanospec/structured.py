@@ -82,6 +82,22 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
 
+    @classmethod
+    def of(cls, value) -> "StructuredOutputsParams | None":
+        """``SamplingParams.structured_outputs`` as a user gives it (a ``StructuredOutputsParams``, a dict of
+        its fields, or None), checked: ValueError naming an unknown field, TypeError for another kind."""
+        if isinstance(value, dict):
+            unknown = set(value) - set(cls.__dataclass_fields__)
+            if unknown:
+                raise ValueError(f"SamplingParams.structured_outputs: unknown field(s) {sorted(unknown)}")
+            value = cls(**value)
+        if value is not None and not isinstance(value, cls):
+            raise TypeError(
+                "SamplingParams.structured_outputs must be StructuredOutputsParams, a dict or None, "
+                f"got {value!r}"
+            )
+        return value
+
     def __post_init__(self):
         where = "SamplingParams.structured_outputs"
         names = ("json", "json_object", "regex", "choice", "grammar")
