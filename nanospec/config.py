@@ -1,4 +1,5 @@
-"""Engine options and their validation: every user option is checked here, before any work starts."""
+"""Engine options and their validation: every user option is checked here, before any work starts; and a
+layer's attention geometry as an HF config gives it (``layer_geometry``)."""
 
 from dataclasses import dataclass, fields
 
@@ -160,3 +161,11 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+
+def layer_geometry(hf_config, i: int) -> tuple[int, int]:
+    """(head_dim, num_key_value_heads) of layer ``i`` of an HF text config (Gemma 4: its
+    ``per_layer_config``; Llama / Qwen3: the config's own, head_dim defaulting to hidden / heads)."""
+    layer = hf_config.per_layer_config[i] if hasattr(hf_config, "per_layer_config") else hf_config
+    head_dim = getattr(layer, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return head_dim, getattr(layer, "num_key_value_heads", None) or hf_config.num_attention_heads

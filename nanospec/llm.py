@@ -14,7 +14,6 @@ from .config import EngineConfig
 from .logprobs import prefill_logprobs, step_logprobs
 from .model_runner import ModelRunner
 from .models.assistant_config import check_assistant_config
-from .models.assistant_io import read_config
 from .mtp.worker import FrozenKVMTPWorker
 from .persistent_batch import PersistentBatch
 from .request import Request
@@ -55,7 +54,7 @@ class LLM:
         if c.speculative:  # a bad or mismatched assistant fails from the configs, before any weights load
             is_default = default_model.is_default_target(hf_config, self.tokenizer)
             assistant = default_model.resolve_assistant(c.assistant, is_default)
-            assistant_config = read_config(assistant)
+            assistant_config = loader.read_assistant_config(assistant)
             check_assistant_config(assistant_config, hf_config)
         parallel.check_sizes(c, hf_config, assistant_config)
         tp = parallel.start(c, LLM, str(model_dir), kwargs)

@@ -1,27 +1,34 @@
-"""Model resolution and loading: HF-format dirs (config, tokenizer, safetensors). No model hub is ever
-contacted; the default model (``model=None``) comes from ``default_model``."""
+"""Loading, a layer beside the core (it runs once, before the first request): HF-format dirs (config,
+tokenizer, safetensors), the target's checkpoint tensors by HF name (``load_weights``) and the Frozen-KV MTP
+drafter's checkpoints (``load_assistant``). No model hub is ever contacted; the default model
+(``model=None``) comes from ``default_model``.
+
+The drafter's checkpoints (HF ``gemma4_assistant`` dirs: config.json + *.safetensors) follow HF
+``Gemma4AssistantForCausalLM``'s names; its packed ``gate_up_proj`` is split back into ``gate_proj`` /
+``up_proj``. With ``use_ordered_embeddings`` the drafter keeps its LM-head rows in cluster order (row j holds
+token ``token_ordering[j]``, see ``Gemma4Assistant.set_token_ordering``); checkpoints hold them in token
+order, as HF does, so loading reorders them once and ``hf_tensors`` puts them back (the tensors
+``nanospec.tools.checkpoints.save_assistant`` writes)."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import pathlib
+from collections.abc import Iterable
 from typing import Iterator
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
-from . import default_model
+from . import default_model, parallel
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "gemma4_text", "gemma4")  # gemma4: Gemma4ForConditionalGeneration
-
-
-def layer_geometry(hf_config: PretrainedConfig, i: int) -> tuple[int, int]:
-    """(head_dim, num_key_value_heads) of layer ``i`` of an HF text config (Gemma 4: its
-    ``per_layer_config``; Llama / Qwen3: the config's own, head_dim defaulting to hidden / heads)."""
-    layer = hf_config.per_layer_config[i] if hasattr(hf_config, "per_layer_config") else hf_config
-    head_dim = getattr(layer, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    return head_dim, getattr(layer, "num_key_value_heads", None) or hf_config.num_attention_heads
 
 
 def resolve_model_dir(model: str | os.PathLike | None, need_weights: bool = True) -> pathlib.Path:
@@ -91,3 +98,219 @@ def safetensors_names(model_dir: str | os.PathLike) -> list[str]:
         with safe_open(str(path), framework="pt") as f:
             names += f.keys()
     return names
+
+
+# ---- the target's weights
+def load_weights(
+    model: nn.Module,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    skip: tuple[str, ...] = (),
+    names: Iterable[str] | None = None,
+) -> None:
+    """Copy checkpoint tensors into ``model`` by HF name, packing q/k/v and gate/up through the model's
+    ``packed_modules_mapping`` (shard i goes to its offset in the ``parallel.Linear``'s ``shard_sizes``); a
+    tensor-parallel layer takes this rank's piece (``parallel.shard_of``).
+
+    The first of a model's ``strip_prefix`` (a tuple tried in order, e.g. ("model.",)) that a checkpoint name
+    starts with is removed from it. Names in ``skip`` (substrings) and rotary caches are ignored; so are names
+    matching the model's ``unused_weights`` (a tuple of substrings, e.g. a multimodal checkpoint's vision
+    tower), counted in one info line.
+    Raises ValueError naming the tensor when a checkpoint tensor has no parameter (or no shard) or the wrong
+    shape, or when a parameter (or one shard of a packed one) gets no tensor; given every checkpoint name in
+    ``names`` (``loader.safetensors_names``), the last two are checked before any tensor is read.
+    """
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+
+    def num_parts(param):  # the packed parts of the linear holding ``param``; 1 for any other module
+        module = modules[param.rsplit(".", 1)[0]]
+        return len(module.shard_sizes) if isinstance(module, parallel.Linear) else 1
+
+    def place(name):  # (name without prefix, parameter, packed shard or None), or None: not loaded
+        if "rotary_emb" in name or any(s in name for s in skip + model.unused_weights):
+            return None
+        name = next((name.removeprefix(p) for p in model.strip_prefix if name.startswith(p)), name)
+        target = name
+        shard = None
+        for src, (dst, idx) in model.packed_modules_mapping.items():
+            if f".{src}." in name:
+                target = name.replace(f".{src}.", f".{dst}.")
+                shard = idx
+                break
+        if target not in params or (shard is not None and shard >= num_parts(target)):  # v_proj of k_eq_v
+            raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
+        return name, target, shard
+
+    def check_complete(loaded):
+        missing = [
+            n
+            for n in params
+            if (n, None) not in loaded and not all((n, i) in loaded for i in range(num_parts(n)))
+        ]
+        if missing:
+            more = " ..." if len(missing) > 5 else ""
+            raise ValueError(f"checkpoint is missing weights for {missing[:5]}{more}")
+
+    if names is not None:
+        check_complete({where[1:] for where in map(place, names) if where is not None})
+    loaded = set()
+    skipped = []
+    for name, t in tensors:
+        where = place(name)
+        if where is None:
+            if any(s in name for s in model.unused_weights):
+                skipped.append(name)
+            continue
+        name, target, shard = where
+        module = modules.get(target.rsplit(".", 1)[0])
+        p = params[target]
+        t = parallel.shard_of(module, target, t, shard or 0)
+        if shard is not None:
+            p = p.data.narrow(0, sum(module.shard_sizes[:shard]), module.shard_sizes[shard])
+        if p.shape != t.shape:
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)}"
+            )
+        with torch.no_grad():
+            p.copy_(t)
+        loaded.add((target, shard))
+    check_complete(loaded)
+    if skipped:
+        logger.info(
+            "%s: skipped %d checkpoint tensors it does not use, e.g. %r",
+            type(model).__name__,
+            len(skipped),
+            skipped[0],
+        )
+
+
+def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights for shape-only runs (bench ``--shape``): N(0, std) matrices, unit norms, zero biases."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.fill_(1.0)
+
+
+# ---- the drafter's checkpoints
+# Checkpoint tensors HF itself ignores for KV-shared layers (K/V come from the target).
+_IGNORED = ("self_attn.k_proj.", "self_attn.v_proj.", "self_attn.k_norm.", "self_attn.v_norm.", "rotary_emb.")
+_ORDER = "masked_embedding.token_ordering"
+
+
+def _slots(model) -> dict[str, torch.Tensor]:
+    """Checkpoint name -> the model's storage (views; gate/up are the two halves of ``gate_up_proj``)."""
+    slots = {}
+    for name, p in model.named_parameters():
+        if name.endswith("gate_up_proj.weight"):
+            i = p.shape[0] // 2
+            slots[name.replace("gate_up_proj", "gate_proj")] = p.data[:i]
+            slots[name.replace("gate_up_proj", "up_proj")] = p.data[i:]
+        else:
+            slots[name] = p.data
+    if model.masked_embedding is not None:
+        slots[_ORDER] = model.masked_embedding.token_ordering
+    return slots
+
+
+def hf_tensors(model) -> dict[str, torch.Tensor]:
+    """Every tensor a checkpoint of ``model`` holds, under HF names, LM-head rows in token order. Views of the
+    model's storage, except the LM head of a centroid-head drafter (a copy put back in token order)."""
+    out = _slots(model)
+    if model.masked_embedding is not None and model.lm_head is not None:
+        rows = out["lm_head.weight"]
+        order = model.masked_embedding.token_ordering
+        out["lm_head.weight"] = torch.empty_like(rows).index_copy_(0, order, rows)
+    return out
+
+
+def _copy(name, dst, t):
+    if tuple(dst.shape) != tuple(t.shape):
+        raise ValueError(
+            f"assistant: checkpoint tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(dst.shape)}"
+        )
+    with torch.no_grad():
+        dst.copy_(t)
+
+
+def load_checkpoint(model, tensors) -> None:
+    """Strict load of HF-named ``(name, tensor)`` pairs into ``model`` (freshly constructed): packs gate/up,
+    takes ``lm_head`` from ``lm_head.weight`` or (tied) ``model.embed_tokens.weight``, then applies the
+    checkpoint's ``token_ordering`` (which reorders the LM-head rows). Raises ValueError naming the tensor
+    when one matches no parameter, has the wrong shape or is missing, or when ``token_ordering`` is not a
+    permutation."""
+    slots = _slots(model)
+    modules = dict(model.named_modules())
+    tied = bool(getattr(model.config, "tie_word_embeddings", True))
+    got = set()
+    embed = None
+    order = None
+    for name, t in tensors:
+        if any(s in name for s in _IGNORED) or (name.startswith("masked_embedding.") and name not in slots):
+            continue
+        if name in ("lm_head.weight", "model.embed_tokens.weight") and model.lm_head is None:
+            continue  # use_target_lm_head: the assistant's own table is unused
+        if name == "model.embed_tokens.weight":
+            embed = t  # only the LM head's (tied) source; HF never embeds with it here
+            continue
+        if name not in slots:
+            raise ValueError(f"assistant: checkpoint tensor {name!r} matches no parameter")
+        if name == _ORDER:  # applied last, to the rows loaded in token order (it moves them)
+            order = t
+        else:
+            _copy(name, slots[name], parallel.shard_of(modules.get(name.rsplit(".", 1)[0]), name, t))
+        got.add(name)
+    if model.lm_head is not None and "lm_head.weight" not in got and tied and embed is not None:
+        _copy("model.embed_tokens.weight", slots["lm_head.weight"], embed)
+        got.add("lm_head.weight")
+    missing = [n for n in slots if n not in got]
+    if missing:
+        hint = (
+            ' (a checkpoint without an LM head must set "use_target_lm_head": true in config.json)'
+            if "lm_head.weight" in missing
+            else ""
+        )
+        raise ValueError(
+            f"assistant: checkpoint is missing tensor {missing[0]!r}{hint}"
+            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+        )
+    if order is not None:
+        model.masked_embedding.token_ordering.copy_(torch.arange(model.vocab_size))  # rows are in token order
+        model.set_token_ordering(order)
+
+
+def read_assistant_config(path):
+    """The HF ``Gemma4AssistantConfig`` of a checkpoint dir, reading no tensor (for ``check_assistant_config``
+    before any weights load). Raises ValueError naming the problem: not a dir with a config.json, wrong
+    model_type, no *.safetensors."""
+    from transformers import AutoConfig
+
+    d = pathlib.Path(path).expanduser()
+    if not (d / "config.json").is_file():
+        raise ValueError(f"assistant: {str(path)!r} is not a directory with a config.json")
+    model_type = json.loads((d / "config.json").read_text()).get("model_type")
+    if model_type != "gemma4_assistant":
+        raise ValueError(
+            f"assistant: {str(path)!r} has model_type {model_type!r}, expected 'gemma4_assistant'"
+        )
+    if not any(d.glob("*.safetensors")):
+        raise ValueError(f"assistant: {str(path)!r} has no *.safetensors weights")
+    return AutoConfig.from_pretrained(str(d))
+
+
+def load_assistant(cls, path, device="cpu", dtype=torch.float32, tp=parallel.SINGLE):
+    """``cls.from_pretrained``: ``read_assistant_config``, construct ``cls(config, tp)`` (``tp``: this rank's
+    ``parallel.TensorParallel``) on the meta device, materialise on ``device``, load the dir's tensors, cast
+    floating tensors to ``dtype``. Raises ValueError naming the problem (those of ``read_assistant_config``,
+    unsupported config, missing / mis-shaped / unexpected tensor)."""
+    config = read_assistant_config(path)
+    with torch.device("meta"):
+        model = cls(config, tp)
+    model.to_empty(device=device)
+    load_checkpoint(model, iter_safetensors(pathlib.Path(path).expanduser()))
+    return model.to(dtype).eval()

@@ -15,7 +15,7 @@ from .kernels.matmul import linear_invariant
 from .kernels.sampling import mask_logits, sample
 from .kv_cache import DUMMY_BLOCK, BlockAllocator, cdiv, slot_mapping
 from .logprobs import emitted_logprobs, score_prompts
-from .models import init_random_weights, load_weights, target_class
+from .models import target_class
 from .parallel import SINGLE, TensorParallel, linear
 from .persistent_batch import PersistentBatch, StepInput
 from .request import Request
@@ -33,10 +33,12 @@ def build_target(cfg, device, dtype, max_position: int, model_dir=None, seed=0, 
         model = cls(text_config, max_position, tp, gemm).to(dtype)
     model.to_empty(device=device)
     if model_dir is None:
-        init_random_weights(model, seed)
+        loader.init_random_weights(model, seed)
     else:
         skip = ("lm_head.",) if model.tied else ()
-        load_weights(model, loader.iter_safetensors(model_dir), skip, loader.safetensors_names(model_dir))
+        loader.load_weights(
+            model, loader.iter_safetensors(model_dir), skip, loader.safetensors_names(model_dir)
+        )
     model.eval().requires_grad_(False)
     model.init_buffers(device)
     return model

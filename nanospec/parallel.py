@@ -30,8 +30,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .config import layer_geometry
 from .kernels import matmul
-from .loader import layer_geometry
 
 size = 1  # the size of the group this process joined (start, close); models get a TensorParallel instead
 _cpu = None  # the gloo group of the step messages

@@ -58,6 +58,7 @@ LAYERS = {
     "nanospec/cpu.py": "the CPU thread policy",
     "nanospec/logprobs.py": "logprobs and prompt logprobs",
     "nanospec/trace.py": "the lifecycle trace",
+    "nanospec/loader.py": "loading: HF dirs, the target's weights, the drafter's checkpoints",
 }
 LAYER_LIMIT = 300
 
@@ -72,12 +73,12 @@ def budgets() -> dict:
     lifecycle = [REPO / "nanospec" / n for n in ("llm.py", "scheduler.py", "kv_cache.py")]
     lifecycle += sorted((REPO / "nanospec" / "mtp").rglob("*.py"))
     return {
-        "core (the engine without its layers)": ([p for p in engine if p not in layers], 2800, 2500),
-        "layers (each <= 300, in its own file)": (layers, 1000, None),
-        "engine (nanospec/ without tools/, serve/, ray*)": (engine, 3600, 3300),
-        "kernels/": (sorted((REPO / "kernels").rglob("*.py")), 1850, 1800),
+        "core (the engine without its layers)": ([p for p in engine if p not in layers], 2500, None),
+        "layers (each <= 300, in its own file)": (layers, 1200, None),
+        "engine (nanospec/ without tools/, serve/, ray*)": (engine, 3500, 3300),
+        "kernels/": (sorted((REPO / "kernels").rglob("*.py")), 1800, None),
         "front ends (tools/, serve/, ray*)": ([p for p in nanospec if is_front_end(p)], 2200, None),
-        "lifecycle (llm.py, scheduler.py, kv_cache.py, mtp/)": (lifecycle, 1150, 1000),
+        "lifecycle (llm.py, scheduler.py, kv_cache.py, mtp/)": (lifecycle, 1000, None),
     }
 
 

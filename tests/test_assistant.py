@@ -17,10 +17,10 @@ from transformers import (
 )
 from transformers import LlamaForCausalLM as HFLlama
 
+from nanospec import loader
 from nanospec.context import AttnMetadata, attn_metadata
 from nanospec.kernels.rope import rope_cos_sin
 from nanospec.model_runner import build_target
-from nanospec.models import assistant_io
 from nanospec.models.assistant_config import check_assistant_config
 from nanospec.models.gemma4_assistant import Gemma4Assistant
 
@@ -511,10 +511,10 @@ def test_check_assistant_config_layer_maps(world):
     assert check_assistant_config(gemma_assistant_config(), gemma_text(num_kv_shared_layers=0)) == [4, 4, 5]
     assert check_assistant_config(assistant_config(), target_config()) == [2, 2]  # Llama: every layer owns KV
     # configs alone, as read before any weights load
-    cfg = assistant_io.read_config(world["tmp"] / "assistant")
+    cfg = loader.read_assistant_config(world["tmp"] / "assistant")
     assert check_assistant_config(cfg, AutoConfig.from_pretrained(world["tmp"] / "target")) == [2, 2]
     with pytest.raises(ValueError, match="model_type"):
-        assistant_io.read_config(world["tmp"] / "target")
+        loader.read_assistant_config(world["tmp"] / "target")
     with pytest.raises(ValueError, match=r"layer_types\[0\]"):  # every sliding target layer is KV-shared
         check_assistant_config(
             gemma_assistant_config(), gemma_text(layer_types=[FU, FU, SL, SL, SL, FU], num_kv_shared_layers=4)

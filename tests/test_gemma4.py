@@ -24,9 +24,9 @@ from transformers import (
 
 from nanospec.context import AttnMetadata, attn_metadata
 from nanospec.kernels.attention import num_kv_splits
-from nanospec.loader import iter_safetensors, load_config
+from nanospec.loader import iter_safetensors, load_config, load_weights
 from nanospec.models import gemma4 as g4
-from nanospec.models import load_weights, target_class
+from nanospec.models import target_class
 from nanospec.models.llama import LlamaForCausalLM
 
 S, F = "sliding_attention", "full_attention"
@@ -308,7 +308,7 @@ def test_conditional_generation_checkpoint_loads(tmp_path, caplog):
     with torch.device("meta"):
         model = cls(tc, MAX_POS)
     model.to_empty(device="cpu")
-    with caplog.at_level(logging.INFO, logger="nanospec.models"):
+    with caplog.at_level(logging.INFO, logger="nanospec.loader"):
         load_weights(model, iter_safetensors(tmp_path), skip=("lm_head.",) if model.tied else ())
     tower = [n for n in names if n.startswith(("model.vision_tower.", "model.embed_vision."))]
     assert [r.getMessage() for r in caplog.records] == [

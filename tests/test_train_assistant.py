@@ -13,7 +13,7 @@ from helpers import TRAIN_ENGINE, chat_texts, record_step_reqs, tiny_target
 
 from nanospec import LLM, SamplingParams
 from nanospec.default_model import DEFAULT_ASSISTANT
-from nanospec.models.assistant_io import hf_tensors
+from nanospec.loader import hf_tensors
 from nanospec.models.gemma4_assistant import Gemma4Assistant
 from nanospec.tools.checkpoints import save_assistant
 from nanospec.tools.datasets import (

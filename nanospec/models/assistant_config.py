@@ -5,9 +5,9 @@ map from each assistant layer to the target layer whose KV it reads.
 
 import torch
 
+from ..config import layer_geometry
 from ..kernels.activation import gelu_and_mul, silu_and_mul
 from ..kernels.rope import rope_cos_sin
-from ..loader import layer_geometry
 
 # The MLP activations the drafter supports (HF ``hidden_activation``) and the kernel each one runs.
 ACTIVATIONS = {"gelu_pytorch_tanh": gelu_and_mul, "silu": silu_and_mul}

@@ -31,13 +31,13 @@ passes no gradient.
 import torch
 from torch import nn
 
+from .. import loader
 from ..context import get_attn_metadata
 from ..kernels.attention import draft_attention
 from ..kernels.centroid import centroid_logits
 from ..kernels.rope import apply_rope
 from ..kernels.sampling import mask_logits, sample
 from ..parallel import SINGLE, ColumnLinear, Linear, RowLinear, linear
-from . import assistant_io
 from .assistant_config import ACTIVATIONS, bad, check_assistant_alone, check_assistant_config, target_layers
 from .llama import MLP, gemma_rms_norm
 
@@ -139,12 +139,12 @@ class Gemma4Assistant(nn.Module):
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._windows: list[int | None] = []
 
-    # ---- checkpoints (nanospec.models.assistant_io) --------------------------------------------------
+    # ---- checkpoints (nanospec.loader) ----------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32, tp=SINGLE) -> "Gemma4Assistant":
-        """Load an HF ``gemma4_assistant`` dir (``assistant_io.load_assistant``; ValueError naming the
+        """Load an HF ``gemma4_assistant`` dir (``loader.load_assistant``; ValueError naming the
         problem)."""
-        return assistant_io.load_assistant(cls, path, device, dtype, tp)
+        return loader.load_assistant(cls, path, device, dtype, tp)
 
     @torch.no_grad()
     def set_token_ordering(self, order: torch.Tensor) -> None:

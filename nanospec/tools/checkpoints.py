@@ -10,9 +10,9 @@ import pathlib
 
 import torch
 
-from ..loader import layer_geometry
+from ..config import layer_geometry
+from ..loader import hf_tensors
 from ..models.assistant_config import check_assistant_alone, layer_rope_parameters
-from ..models.assistant_io import hf_tensors
 
 S = "sliding_attention"
 F = "full_attention"
