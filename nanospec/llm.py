@@ -7,7 +7,6 @@ import time
 
 import torch
 from tqdm.auto import tqdm
-from transformers import GenerationConfig
 
 from . import cpu, default_model, loader, parallel, trace
 from .config import EngineConfig
@@ -20,18 +19,6 @@ from .request import Request
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .structured import Grammars, StepMasks
-
-
-def _eos_ids(model_dir, hf_config, tokenizer) -> set[int]:
-    """EOS ids from config.json, generation_config.json (if any) and the tokenizer."""
-    try:
-        gen = GenerationConfig.from_pretrained(model_dir)
-    except OSError:
-        gen = None
-    ids = set()
-    for e in (getattr(src, "eos_token_id", None) for src in (hf_config, gen, tokenizer)):
-        ids |= set(e if isinstance(e, (list, tuple)) else [] if e is None else [e])
-    return ids
 
 
 class LLM:
@@ -48,7 +35,7 @@ class LLM:
         model_dir = loader.resolve_model_dir(model, need_weights=c.load_format != "dummy")
         hf_config = loader.load_config(model_dir)
         self.tokenizer = loader.load_tokenizer(model_dir)
-        self.eos_token_ids = _eos_ids(model_dir, hf_config, self.tokenizer)
+        self.eos_token_ids = loader.eos_token_ids(model_dir, hf_config, self.tokenizer)
         # DESIGN §4 rule 2: check every option, then construct, then allocate, then bind
         assistant = assistant_config = None
         if c.speculative:  # a bad or mismatched assistant fails from the configs, before any weights load

@@ -22,9 +22,11 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
 from . import default_model, parallel
+from .models import target_class
+from .parallel import SINGLE, linear
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,18 @@ def load_config(model_dir: str | os.PathLike) -> PretrainedConfig:
     return config
 
 
+def eos_token_ids(model_dir, hf_config, tokenizer) -> set[int]:
+    """EOS ids from config.json, generation_config.json (if any) and the tokenizer."""
+    try:
+        gen = GenerationConfig.from_pretrained(model_dir)
+    except OSError:
+        gen = None
+    ids = set()
+    for e in (getattr(src, "eos_token_id", None) for src in (hf_config, gen, tokenizer)):
+        ids |= set(e if isinstance(e, (list, tuple)) else [] if e is None else [e])
+    return ids
+
+
 def load_tokenizer(model_dir: str | os.PathLike):
     """Load the tokenizer of `model_dir` via AutoTokenizer (errors are transformers')."""
     return AutoTokenizer.from_pretrained(str(model_dir))
@@ -101,6 +115,25 @@ def safetensors_names(model_dir: str | os.PathLike) -> list[str]:
 
 
 # ---- the target's weights
+def build_target(cfg, device, dtype, max_position: int, model_dir=None, seed=0, tp=SINGLE, gemm=linear):
+    """Construct the target (``models.target_class``: Llama/Qwen3 or Gemma 4, config checked first) on the
+    meta device as rank ``tp.rank`` of ``tp.size``, its GEMMs through ``gemm``; materialise it on ``device``
+    in ``dtype``, then load the checkpoint in ``model_dir`` (or random weights when None)."""
+    cls, text_config = target_class(cfg)
+    with torch.device("meta"):
+        # materialised in dtype: no fp32 copy of the weights
+        model = cls(text_config, max_position, tp, gemm).to(dtype)
+    model.to_empty(device=device)
+    if model_dir is None:
+        init_random_weights(model, seed)
+    else:
+        skip = ("lm_head.",) if model.tied else ()
+        load_weights(model, iter_safetensors(model_dir), skip, safetensors_names(model_dir))
+    model.eval().requires_grad_(False)
+    model.init_buffers(device)
+    return model
+
+
 def load_weights(
     model: nn.Module,
     tensors: Iterable[tuple[str, torch.Tensor]],

@@ -15,33 +15,11 @@ from .kernels.matmul import linear_invariant
 from .kernels.sampling import mask_logits, sample
 from .kv_cache import DUMMY_BLOCK, BlockAllocator, cdiv, slot_mapping
 from .logprobs import emitted_logprobs, score_prompts
-from .models import target_class
 from .parallel import SINGLE, TensorParallel, linear
 from .persistent_batch import PersistentBatch, StepInput
 from .request import Request
 from .scheduler import Batch
 from .transfer import PrefillOutput, StepOutput, to_device
-
-
-def build_target(cfg, device, dtype, max_position: int, model_dir=None, seed=0, tp=SINGLE, gemm=linear):
-    """Construct the target (``models.target_class``: Llama/Qwen3 or Gemma 4, config checked first) on the
-    meta device as rank ``tp.rank`` of ``tp.size``, its GEMMs through ``gemm``; materialise it on ``device``
-    in ``dtype``, then load the checkpoint in ``model_dir`` (or random weights when None)."""
-    cls, text_config = target_class(cfg)
-    with torch.device("meta"):
-        # materialised in dtype: no fp32 copy of the weights
-        model = cls(text_config, max_position, tp, gemm).to(dtype)
-    model.to_empty(device=device)
-    if model_dir is None:
-        loader.init_random_weights(model, seed)
-    else:
-        skip = ("lm_head.",) if model.tied else ()
-        loader.load_weights(
-            model, loader.iter_safetensors(model_dir), skip, loader.safetensors_names(model_dir)
-        )
-    model.eval().requires_grad_(False)
-    model.init_buffers(device)
-    return model
 
 
 def sample_tokens(
@@ -80,7 +58,9 @@ class ModelRunner:
         # deterministic mode is read here only (DESIGN §4 rule 9): batch-invariant GEMMs, and one KV split
         # size for every attention row, which the runner and the worker put in each forward's metadata
         gemm = linear_invariant if config.deterministic else linear
-        self.model = build_target(hf_config, self.device, self.dtype, max_pos, weights, config.seed, tp, gemm)
+        self.model = loader.build_target(
+            hf_config, self.device, self.dtype, max_pos, weights, config.seed, tp, gemm
+        )
         self.split_size = KV_SPLIT_SIZE if config.deterministic else None
         self.vocab_size = self.model.config.vocab_size
         self.lookahead = config.num_draft_tokens if config.speculative else 1

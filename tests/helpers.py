@@ -9,8 +9,7 @@ from nanospec import LLM, SamplingParams
 from nanospec.context import AttnMetadata
 from nanospec.kernels.attention import num_kv_splits
 from nanospec.kv_cache import slot_mapping
-from nanospec.loader import load_config
-from nanospec.model_runner import build_target
+from nanospec.loader import build_target, load_config
 from nanospec.mtp.worker import FrozenKVMTPWorker
 from nanospec.tools import serve_bench
 

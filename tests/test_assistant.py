@@ -20,7 +20,7 @@ from transformers import LlamaForCausalLM as HFLlama
 from nanospec import loader
 from nanospec.context import AttnMetadata, attn_metadata
 from nanospec.kernels.rope import rope_cos_sin
-from nanospec.model_runner import build_target
+from nanospec.loader import build_target
 from nanospec.models.assistant_config import check_assistant_config
 from nanospec.models.gemma4_assistant import Gemma4Assistant
 

@@ -25,7 +25,8 @@ import nanospec.mtp.draft as draft_mod
 from nanospec.config import EngineConfig
 from nanospec.context import AttnMetadata, attn_metadata
 from nanospec.kernels.attention import decode_attention, draft_attention
-from nanospec.model_runner import ModelRunner, build_target
+from nanospec.loader import build_target
+from nanospec.model_runner import ModelRunner
 from nanospec.mtp.draft import DraftTree, accept, chain_tree, compact_accepted_kv, emitted_tokens, run_draft
 from nanospec.mtp.worker import FrozenKVMTPWorker
 from nanospec.persistent_batch import PersistentBatch, StepInput
@@ -640,7 +641,7 @@ def no_work(monkeypatch):
     ],
 )
 def test_bad_spec_options(tiny_llama_dir, asst_dir, no_work, kw, field):
-    no_work.setattr("nanospec.model_runner.build_target", lambda *a, **k: pytest.fail("built a model"))
+    no_work.setattr("nanospec.loader.build_target", lambda *a, **k: pytest.fail("built a model"))
     with pytest.raises(
         ValueError, match=rf"^(with topk=1, )?{field} must"
     ):  # the message starts with the field

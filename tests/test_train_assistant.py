@@ -287,10 +287,10 @@ def test_cli_data_checked_before_any_model_load(monkeypatch, capsys, tmp_path, t
     """--data without --regenerate: a missing dir or one without shards is an argparse error, a shard of the
     eval split a ValueError naming it; neither the target's weights nor ShareGPT are loaded, no --out is
     made."""
-    from nanospec import model_runner
+    from nanospec import loader
     from nanospec.tools import datasets
 
-    monkeypatch.setattr(model_runner, "build_target", lambda *a, **k: pytest.fail("loaded the target"))
+    monkeypatch.setattr(loader, "build_target", lambda *a, **k: pytest.fail("loaded the target"))
     monkeypatch.setattr(datasets, "load_sharegpt", lambda *a, **k: pytest.fail("loaded ShareGPT"))
     base = ["--target", str(tiny_llama_dir), "--out", str(tmp_path / "out")]
     (tmp_path / "empty").mkdir()

@@ -182,7 +182,7 @@ def test_cli_num_centroids_checked_before_any_work(monkeypatch, capsys, tiny_lla
     """A centroid count that does not divide the vocabulary, is below --centroid-top-k, or comes with an
     --init that has a centroid head already: an argparse error naming the option, before the target's weights
     or any data load."""
-    import nanospec.model_runner as runner
+    import nanospec.loader as runner
 
     monkeypatch.setattr(runner, "build_target", lambda *a, **k: pytest.fail("weights loaded"))
     for args, bad in (

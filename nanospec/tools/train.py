@@ -375,7 +375,7 @@ def train(target, seqs, out_dir=None, assistant=None, starts=None, info=None, pr
 def main(argv=None):
     """The trainer's CLI (module docstring); every value is checked before any model or data work."""
     from ..cpu import configure_cpu_threads
-    from ..model_runner import build_target
+    from ..loader import build_target
     from . import datasets as data
 
     ap, add = cli.parser("nanospec-train", __doc__)
