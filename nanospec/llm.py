@@ -44,18 +44,17 @@ class LLM:
             assistant_config = loader.read_assistant_config(assistant)
             check_assistant_config(assistant_config, hf_config)
         parallel.check_sizes(c, hf_config, assistant_config)
-        tp = parallel.start(c, LLM, str(model_dir), kwargs)
+        self.ranks = parallel.start(c, LLM, str(model_dir), kwargs)
         try:  # a failure from here on closes the ranks already started
-            self._build(c, hf_config, model_dir, assistant, tp)
+            self._build(c, hf_config, model_dir, assistant, self.ranks.tp)
         except BaseException:
             self.close()
             raise
-        if tp.rank > 0:  # a rank of a tensor-parallel engine: rank 0's calls, then exit
+        if self.ranks.tp.rank > 0:  # a rank of a tensor-parallel engine: rank 0's calls, then exit
             self.ranks.serve(self, self.persistent_batch.release)
 
     def _build(self, c, hf_config, model_dir, assistant, tp) -> None:
         self.runner = runner = ModelRunner(c, hf_config, model_dir, tp)
-        self.ranks = parallel.Ranks(tp)
         self.grammars = Grammars(self.tokenizer, runner.vocab_size, self.eos_token_ids)
         self.worker = None
         self.num_steps_run = 0
@@ -127,7 +126,7 @@ class LLM:
     def _add(self, req: Request) -> None:
         """Queue a validated request; one without ``SamplingParams.seed`` gets a seed from the engine's
         generator (``LLM(seed=...)`` fixes a run)."""
-        req.seed = req.params.seed if req.params.seed is not None else self._seeds.randrange(2**63)
+        req.draw_seed(self._seeds)
         self.scheduler.add(req)
 
     def compile_grammar(self, params: SamplingParams) -> None:
@@ -205,12 +204,11 @@ class LLM:
         return self.ranks.call(self._rpc, fn, args)
 
     def _rpc(self, fn, args):
-        return parallel.gather_objects(fn(self, *args))
+        return self.ranks.gather_objects(fn(self, *args))
 
     def close(self) -> None:
         """Release the tensor-parallel ranks (idempotent; also run at interpreter exit)."""
-        if self.config.tensor_parallel_size > 1:
-            parallel.close()
+        self.ranks.close()
 
     def __enter__(self) -> "LLM":
         return self

@@ -33,11 +33,6 @@ from torch import nn
 from .config import layer_geometry
 from .kernels import matmul
 
-size = 1  # the size of the group this process joined (start, close); models get a TensorParallel instead
-_cpu = None  # the gloo group of the step messages
-_procs: list = []  # ranks 1..N-1 when this engine started them
-_rdzv = None  # the rendezvous file when this engine started its ranks
-
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``: the engine's one GEMM call (x [T, K] @ weight [N, K].T + bias [N] -> [T, N]); fp32 on a
@@ -198,51 +193,64 @@ def check_sizes(config, target, assistant=None) -> None:
         raise ValueError(f"tensor_parallel_size={n} does not split {bad(n)[0]} (allowed: {ok})")
 
 
-def start(config, engine: type, model_dir: str, kwargs: dict) -> TensorParallel:
+def start(config, engine: type, model_dir: str, kwargs: dict) -> "Ranks":
     """Before a model is built, join the group of n = ``config.tensor_parallel_size`` ranks: torchrun's
     (``env://``), the one this rank was started into, or as rank 0 start ranks 1..n-1 (torch.multiprocessing
     spawn, each building ``engine(model_dir, **kwargs)``, the ``LLM`` class, without a trace; rendezvous
-    through a temporary file, the ranks' sockets on loopback). Returns this process's ``TensorParallel``
-    (``SINGLE`` when n is 1).
+    through a temporary file, the ranks' sockets on loopback). Returns this process's ``Ranks`` (of
+    ``SINGLE`` when n is 1), closed at interpreter exit at the latest.
     ValueError while another tensor-parallel LLM is open in this process, or when ``n`` is not the
     launcher's WORLD_SIZE."""
-    global size, _cpu, _rdzv
     n = config.tensor_parallel_size
     device_type = config.torch_device().type
-    if size > 1:
+    if dist.is_initialized():
         raise ValueError("a tensor-parallel LLM is open in this process: close() it before building another")
     if n == 1:
-        return SINGLE
+        return Ranks(SINGLE)
+    procs = []
+    rdzv = None
     if "RANK" not in os.environ:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo" if sys.platform == "linux" else "lo0")
-        fd, _rdzv = tempfile.mkstemp(prefix="nanospec-tp-")
+        fd, rdzv = tempfile.mkstemp(prefix="nanospec-tp-")
         os.close(fd)
         ctx = torch.multiprocessing.get_context("spawn")
-        args = (n, _rdzv, engine, model_dir, kwargs | dict(trace=None))
-        _procs[:] = [ctx.Process(target=_rank_main, args=(r, *args), daemon=True) for r in range(1, n)]
-        for p in _procs:
-            p.start()
+        args = (n, rdzv, engine, model_dir, kwargs | dict(trace=None))
+        procs = [ctx.Process(target=_rank_main, args=(r, *args), daemon=True) for r in range(1, n)]
+        for proc in procs:
+            proc.start()
     elif os.environ["WORLD_SIZE"] != str(n):
         raise ValueError(f"tensor_parallel_size={n} != WORLD_SIZE {os.environ['WORLD_SIZE']} of the launcher")
     r = int(os.environ.get("RANK", 0))
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", r)))
-    method = f"file://{_rdzv}" if _rdzv else os.environ.get("NANOSPEC_TP_INIT", "env://")
+    method = f"file://{rdzv}" if rdzv else os.environ.get("NANOSPEC_TP_INIT", "env://")
     # a collective whose peer died fails within 5 minutes at the latest; ranks > 0 wait 30 days for a call
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", method, timedelta(minutes=5), n, r)
-    _cpu = dist.new_group(backend="gloo", timeout=timedelta(days=30))
-    size = n
-    return TensorParallel(r, n)
+    group = dist.new_group(backend="gloo", timeout=timedelta(days=30))
+    ranks = Ranks(TensorParallel(r, n), group, procs, rdzv)
+    atexit.register(ranks.close)
+    return ranks
+
+
+def _rank_main(r: int, n: int, rdzv: str, engine: type, model_dir: str, kwargs: dict) -> None:
+    """A started rank: the same ``LLM`` (``engine``) as rank 0, serving rank 0's calls until it closes."""
+    os.environ.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), NANOSPEC_TP_INIT=f"file://{rdzv}")
+    engine(model_dir, **kwargs)
 
 
 class Ranks:
-    """The engine's process model, the seam ``LLM`` calls through (DESIGN §9): rank 0 sends each call with
-    the requests it released since its last call (``call``); ranks > 0 run the calls in the order they arrive
-    (``serve``) and keep their copy of the running requests' block tables (``restore_block_tables``). At size
-    1 a call runs here and nothing is sent."""
+    """The engine's process model, the seam ``LLM`` calls through (DESIGN §9): this process's place ``tp``
+    in the group, the gloo ``group`` of the step messages, and, when this engine started its ranks, their
+    processes ``procs`` and the rendezvous file ``rdzv``. Rank 0 sends each call with the requests it
+    released since its last call (``call``); ranks > 0 run the calls in the order they arrive (``serve``)
+    and keep their copy of the running requests' block tables (``restore_block_tables``). At size 1 a call
+    runs here and nothing is sent."""
 
-    def __init__(self, tp: TensorParallel):
+    def __init__(self, tp: TensorParallel, group=None, procs=(), rdzv: str | None = None):
         self.tp = tp
+        self.group = group
+        self.procs = list(procs)
+        self.rdzv = rdzv
         self.unsent_releases: list = []  # (request, reason) released on rank 0 since its last call
         self.block_tables: dict[int, list[int]] = {}  # ranks > 0: request id -> its block ids
 
@@ -252,11 +260,11 @@ class Ranks:
         death becomes a RuntimeError naming it (``raise_if_dead``)."""
         try:
             if self.tp.size > 1:
-                broadcast((method.__func__, args, self.unsent_releases))
+                self.broadcast((method.__func__, args, self.unsent_releases))
             self.unsent_releases = []
             return method(*args)
         except Exception:
-            raise_if_dead()
+            self.raise_if_dead()
             raise
 
     def release(self, req, reason: str) -> None:
@@ -267,7 +275,7 @@ class Ranks:
     def serve(self, engine, release) -> None:
         """Ranks > 0: run rank 0's calls on ``engine`` in its order until it closes (a None message), each
         after ``release(request, reason)`` of the requests rank 0 released since its last call; then exit."""
-        while (msg := broadcast()) is not None:
+        while (msg := self.broadcast()) is not None:
             fn, args, released = msg
             for req, reason in released:
                 release(req, reason)
@@ -286,61 +294,51 @@ class Ranks:
                 req.block_table = self.block_tables[req.request_id] + batch.new_blocks[i]
             self.block_tables[req.request_id] = req.block_table
 
+    def broadcast(self, msg=None):
+        """Rank 0's ``msg`` (a call, or None to stop) on every rank; ranks > 0 wait for it here (``msg``
+        itself at size 1)."""
+        box = [msg]
+        if self.tp.size > 1:
+            dist.broadcast_object_list(box, 0, group=self.group)
+        return box[0]
 
-def _rank_main(r: int, n: int, rdzv: str, engine: type, model_dir: str, kwargs: dict) -> None:
-    """A started rank: the same ``LLM`` (``engine``) as rank 0, serving rank 0's calls until it closes."""
-    os.environ.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), NANOSPEC_TP_INIT=f"file://{rdzv}")
-    engine(model_dir, **kwargs)
+    def gather_objects(self, obj) -> list | None:
+        """Every rank's ``obj`` in rank order, on rank 0 (None elsewhere)."""
+        if self.tp.size == 1:
+            return [obj]
+        out = [obj] * self.tp.size if self.tp.rank == 0 else None
+        dist.gather_object(obj, out, group=self.group)
+        return out
 
+    def raise_if_dead(self) -> None:
+        """After a failed step: if ranks this engine started have died (a second's grace to exit), close the
+        engine and raise RuntimeError naming them; else return (the caller re-raises its own error)."""
+        for proc in self.procs:
+            proc.join(1)  # a second's grace to exit
+        dead = [
+            f"rank {r} (exit code {p.exitcode})"
+            for r, p in enumerate(self.procs, 1)
+            if p.exitcode is not None
+        ]
+        if dead:
+            self.close()
+            raise RuntimeError(f"tensor parallelism: {', '.join(dead)} died; the engine is closed")
 
-def broadcast(msg=None):
-    """Rank 0's ``msg`` (a call, or None to stop) on every rank; ranks > 0 wait for it here (``msg`` itself
-    at size 1)."""
-    box = [msg]
-    if size > 1:
-        dist.broadcast_object_list(box, 0, group=_cpu)
-    return box[0]
-
-
-def gather_objects(obj) -> list | None:
-    """Every rank's ``obj`` in rank order, on rank 0 (None elsewhere)."""
-    out = [obj] * size if size == 1 or dist.get_rank() == 0 else None
-    if size > 1:
-        dist.gather_object(obj, out, group=_cpu)
-    return out
-
-
-def raise_if_dead() -> None:
-    """After a failed step: if ranks this engine started have died (a second's grace to exit), close the
-    engine and raise RuntimeError naming them; else return (the caller re-raises its own error)."""
-    for p in _procs:
-        p.join(1)  # a second's grace to exit
-    dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(_procs, 1) if p.exitcode is not None]
-    if dead:
-        close()
-        raise RuntimeError(f"tensor parallelism: {', '.join(dead)} died; the engine is closed")
-
-
-def close() -> None:
-    """Stop the other ranks (rank 0), wait for them (10 s each, then kill), leave the group, remove the
-    rendezvous file. Idempotent; runs at interpreter exit too."""
-    global size, _cpu, _rdzv
-    if size == 1:
-        return
-    if dist.get_rank() == 0 and all(p.is_alive() for p in _procs):
-        with contextlib.suppress(RuntimeError):  # a rank is gone: the rest are killed below
-            broadcast(None)
-    for p in _procs:
-        p.join(10)
-        p.kill()
-        p.join()
-    dist.destroy_process_group()
-    with contextlib.suppress(OSError, TypeError):
-        os.remove(_rdzv)
-    size = 1
-    _cpu = None
-    _rdzv = None
-    _procs[:] = []
-
-
-atexit.register(close)
+    def close(self) -> None:
+        """Stop the other ranks (rank 0), wait for them (10 s each, then kill), leave the group, remove the
+        rendezvous file. Idempotent; runs at interpreter exit too."""
+        if self.group is None:
+            return
+        if self.tp.rank == 0 and all(proc.is_alive() for proc in self.procs):
+            with contextlib.suppress(RuntimeError):  # a rank is gone: the rest are killed below
+                self.broadcast(None)
+        for proc in self.procs:
+            proc.join(10)
+            proc.kill()
+            proc.join()
+        dist.destroy_process_group()
+        if self.rdzv is not None:
+            with contextlib.suppress(OSError):
+                os.remove(self.rdzv)
+        self.group = None
+        self.procs = []

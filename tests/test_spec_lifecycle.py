@@ -383,7 +383,7 @@ def test_rule3_long_prompt_num_steps_1(tiny_llama_dir, asst_dir, record_draft_me
 def test_rule4_zero_row_step_engine(tiny_llama_dir, asst_dir):
     llm = make_llm(tiny_llama_dir, asst_dir, num_steps=3)
     assert llm.step() == [] and not llm.has_unfinished()
-    assert llm.worker.step([]).tokens == [] and llm.runner.decode([], llm.persistent_batch).tokens == []
+    assert llm.worker.step([], None).tokens == [] and llm.runner.decode([], llm.persistent_batch).tokens == []
     assert llm.runner.prefill(Batch("prefill", []), llm.persistent_batch).tokens == []
     assert len(llm.persistent_batch) == 0
     llm.add_request(PROMPTS[0], greedy(5))

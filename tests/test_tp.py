@@ -14,6 +14,7 @@ import signal
 import psutil
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import make_tiny_model, randomize, save_assistant, vocab8_target
 from helpers import greedy, make_llm, next_inputs, rank_min
 from test_gemma4 import _text_config
@@ -111,8 +112,8 @@ def test_tp2_equals_tp1(models, case):
     ref = scenario(ref_llm, vocab)
     me, before = psutil.Process(), _listening(psutil.Process())
     with make_llm(models[model], tensor_parallel_size=2, **kw) as llm:
-        assert parallel.size == 2 and len(multiprocessing.active_children()) == 1
-        rdzv = parallel._rdzv  # the rendezvous file; the ranks listen on loopback only
+        assert dist.get_world_size() == 2 and len(multiprocessing.active_children()) == 1
+        rdzv = llm.ranks.rdzv  # the rendezvous file; the ranks listen on loopback only
         assert os.path.exists(rdzv) and all(a.ip == "127.0.0.1" for a in _listening(me) - before)
         assert llm.runner.allocator.num_blocks == ref_llm.runner.allocator.num_blocks
         got = scenario(llm, vocab, check_ranks=True)
@@ -122,7 +123,9 @@ def test_tp2_equals_tp1(models, case):
     assert got == ref
     assert ref[1][1] == "abort" and sum(r[2] for r in ref[4:]) > 0  # the abort and the cache hits happened
     assert preempted == ref_llm.scheduler.num_preemptions and (preempted > 0) == ("preempt" in case)
-    assert parallel.size == 1 and not multiprocessing.active_children()  # closed: nothing is left behind
+    assert (
+        not dist.is_initialized() and not multiprocessing.active_children()
+    )  # closed: nothing is left behind
     assert not os.path.exists(rdzv) and _listening(me) <= before
 
 
@@ -145,7 +148,9 @@ def test_tp2_equals_tp1(models, case):
 def test_bad_tensor_parallel_size(tiny_llama_dir, kw, err, match):
     with pytest.raises(err, match=match):
         make_llm(tiny_llama_dir, **kw)
-    assert parallel.size == 1 and not multiprocessing.active_children()  # refused before any process started
+    assert (
+        not dist.is_initialized() and not multiprocessing.active_children()
+    )  # refused before any process started
 
 
 def test_bad_sizes_named_for_assistant_and_kv_heads(models, tmp_path):
@@ -179,7 +184,7 @@ def test_dead_rank_named(models):
     with pytest.raises(RuntimeError, match=r"rank 1 \(exit code -9\) died"):
         while llm.has_unfinished():
             llm.step()
-    assert parallel.size == 1 and not multiprocessing.active_children()
+    assert not dist.is_initialized() and not multiprocessing.active_children()
 
 
 def _listening(proc):

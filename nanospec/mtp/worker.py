@@ -108,16 +108,16 @@ class FrozenKVMTPWorker:
         return self.policy.choose(len(reqs), _is_sampled(reqs))
 
     @torch.inference_mode()
-    def step(self, reqs, plan=None, masks=None) -> StepOutput:
+    def step(self, reqs, plan, masks=None) -> StepOutput:
         """Draft, verify over the tree, accept, and keep the next draft inputs (see the module docstring).
-        ``plan`` = (s, estimate) from ``self.plan`` (None: ask it here). The inputs, committed lengths
+        ``plan`` = (s, estimate) from ``self.plan`` (on rank 0, at launch). The inputs, committed lengths
         included, are gathered on the device: no host sync until the output is read. ``masks`` (structured
         output: the batch's ``structured.StepMasks``, or None): the constrained rows run eagerly, the host
         masking each draft step and every verify node, the others through their graphs (``_run``, DESIGN
         §5)."""
         if not reqs:  # DESIGN §4 rule 4
             return StepOutput(torch.zeros(0, 2, dtype=torch.long))
-        s, estimate = self.plan(reqs) if plan is None else plan
+        s, estimate = plan
         timer = StepTimer(self.device)
         inp = self.persistent_batch.take(reqs)
         L = inp.num_computed_tokens
