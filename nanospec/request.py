@@ -60,8 +60,8 @@ class Request:
         self._tokenizer = tokenizer
 
     def draw_seed(self, rng: random.Random) -> None:
-        """Fix ``seed`` when the request is queued: its ``SamplingParams.seed``, or one drawn from the engine's
-        generator ``rng`` (``LLM(seed=...)`` fixes a run)."""
+        """Fix ``seed`` when the request is queued: its ``SamplingParams.seed``, or one drawn from the
+        engine's generator ``rng`` (``LLM(seed=...)`` fixes a run)."""
         self.seed = self.params.seed if self.params.seed is not None else rng.randrange(2**63)
 
     @property
