@@ -42,6 +42,8 @@ def main(argv=None):
     if options.assistant != "none":
         accepted = [a for o in outputs for a in o["accept_lengths"]]
         print(f"mean acceptance length: {sum(accepted) / max(len(accepted), 1):.2f} tokens per verify step")
+    if options.trace:
+        print(llm.tracer.histogram())
     llm.close()
 
 

@@ -59,9 +59,10 @@ class LLM:
         self.worker = None
         self.num_steps_run = 0
         emit = None
+        self.tracer = None  # LLM(trace=...): the callable that receives the lifecycle events
         if assistant is not None and c.trace:
-            printer = c.trace if callable(c.trace) else trace.print_event
-            emit = lambda event, fields: printer(self.num_steps_run, event, fields)  # noqa: E731
+            self.tracer = c.trace if callable(c.trace) else trace.TextView(self.tokenizer)
+            emit = lambda event, fields: self.tracer(self.num_steps_run, event, fields)  # noqa: E731
         # every running request's row; the drafter's seed hidden in it only under speculation
         hidden_size = runner.model.config.hidden_size if assistant is not None else 0
         width = runner.graph_shape()[2]

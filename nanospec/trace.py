@@ -1,13 +1,16 @@
 """The Frozen-KV MTP lifecycle trace (``LLM(trace=...)``), a layer beside the core: a callable
-``(step, event, fields)`` receives every event of the lifecycle, ``trace=True`` prints them
-(``print_event``). The events: "prefill_done" and "release" per request (``PersistentBatch``), "draft_len" per
-speculative step and "draft" / "verify" per request of it (``speculative_step``). Without a trace nothing here
-runs; with one each speculative step reads its tokens on the host at launch, so a traced engine does not
-overlap steps."""
+``(step, event, fields)`` receives every event of the lifecycle; ``trace=True`` shows them as text
+(``TextView``), ``trace=print_event`` as token ids. The events: "prefill_done" and "release" per request
+(``PersistentBatch``), "draft_len" per speculative step and "draft" / "verify" per request of it
+(``speculative_step``). Without a trace nothing here runs; with one each speculative step reads its tokens on
+the host at launch, so a traced engine does not overlap steps."""
+
+import sys
+from collections import Counter
 
 
 def print_event(step: int, event: str, fields: dict) -> None:
-    """``trace=True``: one line per lifecycle event."""
+    """``trace=print_event``: one line per lifecycle event, its fields as they are (token ids)."""
     print(f"[step {step}] {event:<12} " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
 
 
@@ -33,3 +36,75 @@ def speculative_step(trace, reqs, s: int, expected: float, estimate, lens, tree_
             "committed_L": L + len(out),
         }
         trace("verify", verify)
+
+
+# Marks of a verify step's tokens in plain text, and their ANSI colours in a terminal.
+MARKS = {"accepted": "+", "rejected": "x", "unreached": ".", "bonus": ">"}
+COLOURS = {"accepted": "32", "rejected": "9;31", "unreached": "2", "bonus": "1;36"}
+
+
+class TextView:
+    """``LLM(trace=True)``: the lifecycle as text a learner reads. Each verify step is one line per request:
+    the tokens it drafted, each as its text, marked accepted ``+``, rejected ``x`` (the first draft the target
+    disagreed with; tokens drafted after it ``.``, never reached) and the bonus token ``>`` (the target's own
+    token where the drafts stopped); in a terminal colours replace the marks (green, red struck through, grey,
+    bold cyan). ``histogram()``: the acceptance per draft position so far (accepted / drafted, as vLLM counts
+    it), as a text histogram. ``tokenizer``: the model's (its ``decode``); ``out``: where lines go (stdout);
+    ``colour``: None to colour only when ``out`` is a terminal."""
+
+    def __init__(self, tokenizer, out=None, colour: bool | None = None):
+        self.tokenizer = tokenizer
+        self.out = out or sys.stdout
+        self.colour = self.out.isatty() if colour is None else colour
+        self.drafts: dict[int, list[int]] = {}  # request id -> the tokens it drafted this step
+        self.drafted: Counter = Counter()  # draft position (1-based) -> drafts made there
+        self.accepted: Counter = Counter()  # draft position -> drafts accepted there
+
+    def __call__(self, step: int, event: str, fields: dict) -> None:
+        req = fields.get("req")
+        if event == "draft":
+            self.drafts[req] = fields["tokens"]
+            return
+        if event == "prefill_done":
+            first = self._show(fields["bonus"], "bonus")
+            line = f"req {req} prefill done, L={fields['L']}, first token {first}"
+        elif event == "draft_len":
+            line = f"draft length {fields['s']} for {fields['batch']} request(s)"
+        elif event == "release":
+            line = f"req {req} released ({fields['reason']})"
+        else:
+            line = self._verify(req, fields)
+        print(f"[step {step}] {line}", file=self.out, flush=True)
+
+    def _verify(self, req: int, fields: dict) -> str:
+        drafts = self.drafts.pop(req)
+        accepted = fields["accepted"]
+        n = len(accepted)
+        shown = [self._show(t, "accepted") for t in accepted]
+        if drafts[:n] == accepted:  # a chain (a tree's accepted path is not a prefix of its node order)
+            for j in range(1, len(drafts) + 1):
+                self.drafted[j] += 1
+                if j <= n:
+                    self.accepted[j] += 1
+            for j, token in enumerate(drafts[n:], n):
+                shown.append(self._show(token, "rejected" if j == n else "unreached"))
+        shown.append(self._show(fields["bonus"], "bonus"))
+        L = fields["kv_rows"][0]
+        after = f"accept_length {fields['accept_length']}, L={fields['committed_L']}"
+        return f"req {req} L={L}: {' '.join(shown)}  {after}"
+
+    def _show(self, token: int, kind: str) -> str:
+        text = repr(self.tokenizer.decode([token]))
+        if self.colour:
+            return f"\033[{COLOURS[kind]}m{text}\033[0m"
+        return MARKS[kind] + text
+
+    def histogram(self, width: int = 30) -> str:
+        """The acceptance per draft position of the chain steps seen so far: a bar of ``width`` characters per
+        position (``#`` accepted, ``.`` not), the rate and the counts."""
+        lines = ["acceptance per draft position (accepted / drafted):"]
+        for j in sorted(self.drafted):
+            rate = self.accepted[j] / self.drafted[j]
+            bar = "#" * round(rate * width)
+            lines.append(f"  {j:2d}  {bar:.<{width}}  {rate:.2f}  ({self.accepted[j]}/{self.drafted[j]})")
+        return "\n".join(lines)

@@ -224,3 +224,28 @@ def reference(ref_llm):
         return cache[key]
 
     return ref
+
+
+@pytest.fixture
+def device_oracle(monkeypatch, reference):
+    """An oracle drafter (``helpers.install_drafter``) for the tiny Llama: chain drafts = the reference
+    continuation after each row's device L; drafts at an L divisible by 3 go wrong at depth 2 (a function of
+    the row's state only), so commits of 3 and of 4 tokens both occur."""
+    import torch
+    from helpers import install_drafter
+
+    from nanospec.mtp.draft import chain_tree
+
+    def draft(
+        self, reqs, block_table, num_computed_tokens, num_splits=None, draft_length=None, sampling=None
+    ):
+        inp = self.persistent_batch.take(reqs)
+        S = self.num_steps if draft_length is None else draft_length
+        rows = []
+        for r, L in zip(reqs, num_computed_tokens.tolist()):
+            ref, n_out = reference(r.prompt_token_ids), L - len(r.prompt_token_ids) + 1
+            d = (ref[n_out : n_out + S] + [0] * S)[:S]
+            rows.append(d if L % 3 else d[:2] + [(t + 1) % 49152 for t in d[2:]])
+        return chain_tree(inp.bonus_tokens, torch.tensor(rows, dtype=torch.long).view(len(reqs), S))
+
+    install_drafter(monkeypatch, draft)

@@ -2,10 +2,14 @@
 recorded through ``LLM(trace=...)``: prefill, decode (draft + verify), finish, all-finish-in-verify,
 preemption and abort. A release must free the request's KV blocks and its draft input in the same call."""
 
+import io
+import re
+from collections import Counter
+
 import pytest
 from helpers import HB, PROMPTS, greedy, make_llm
 
-from nanospec import LLM
+from nanospec import LLM, trace
 
 
 class Recorder:
@@ -117,14 +121,66 @@ def test_hooks_abort_releases_blocks_and_draft_input(tiny_llama_dir, asst_dir):
 
 
 def test_trace_true_prints_each_event_kind(tiny_llama_dir, asst_dir, capsys):
+    """``trace=True``: the text view (``trace.TextView``), with marks when stdout is no terminal."""
     llm = make_llm(tiny_llama_dir, asst_dir, num_steps=2, trace=True)
     llm.generate([PROMPTS[0], PROMPTS[1]], greedy(5), use_tqdm=False)
     lines = capsys.readouterr().out.splitlines()
-    for kind in ("prefill_done", "draft", "verify", "release"):
-        assert any(f"] {kind} " in line for line in lines), kind
-    verify = next(line for line in lines if "] verify " in line)
-    for field in ("kv_rows=", "accepted=", "bonus=", "accept_length=", "committed_L="):
-        assert field in verify
+    for kind in ("prefill done, L=", "draft length 2 for", "accept_length", "released (finished)"):
+        assert any(kind in line for line in lines), kind
+    verify = next(line for line in lines if "accept_length" in line)
+    assert " >'" in verify and "\033[" not in verify
+    assert isinstance(llm.tracer, trace.TextView) and "(accepted / drafted)" in llm.tracer.histogram()
+
+
+class DigitTokenizer:
+    """Token t decodes to "t<t>": a text with no quote, space or mark in it."""
+
+    def decode(self, ids):
+        return "".join(f"t{i}" for i in ids)
+
+
+def test_text_view_marks_agree_with_accept_lengths(tiny_llama_dir, asst_dir, device_oracle):
+    """An oracle drafter that is accepted whole in some steps and rejected at depth 2 in others: each verify
+    line marks accept_length - 1 drafts accepted, then the first rejected one (if any) and the ones never
+    reached, then one bonus token; per request the lines' accept lengths are the output's; the histogram
+    counts exactly the drafts the lines show."""
+    out = io.StringIO()
+    view = trace.TextView(DigitTokenizer(), out, colour=False)
+    llm = make_llm(tiny_llama_dir, asst_dir, num_steps=3, adaptive_speculation=False, trace=view)
+    outputs = llm.generate(PROMPTS[:3], greedy(16), use_tqdm=False)
+    seen = {i: [] for i in range(3)}
+    drafted = Counter()
+    accepted = Counter()
+    for line in out.getvalue().splitlines():
+        if "accept_length" not in line:
+            continue
+        req = int(line.split("] req ")[1].split()[0])
+        marks = re.findall(r"([+x.>])'t\d+'", line)
+        a = int(line.split("accept_length ")[1].split(",")[0])
+        seen[req].append(a)
+        drafts = marks[:-1]
+        assert marks[-1] == ">" and drafts.count(">") == 0
+        assert drafts == ["+"] * (a - 1) + (["x"] + ["."] * (len(drafts) - a) if len(drafts) >= a else [])
+        for j, mark in enumerate(drafts, 1):
+            drafted[j] += 1
+            accepted[j] += mark == "+"
+    assert [seen[i] for i in range(3)] == [o["accept_lengths"] for o in outputs]
+    all_accepted = [a for o in outputs for a in o["accept_lengths"]]
+    assert 4 in all_accepted and 3 in all_accepted  # whole drafts accepted, and rejections at depth 3
+    assert (view.drafted, view.accepted) == (drafted, accepted)
+    assert f"({accepted[1]}/{drafted[1]})" in view.histogram()
+
+
+def test_text_view_colours_in_a_terminal():
+    out = io.StringIO()
+    view = trace.TextView(DigitTokenizer(), out, colour=True)
+    view(1, "draft", {"req": 0, "L": 5, "tokens": [7, 8, 9]})
+    verify = {"req": 0, "kv_rows": (5, 9), "accepted": [7], "bonus": 3, "accept_length": 2, "committed_L": 7}
+    view(1, "verify", verify)
+    line = out.getvalue()
+    for colour, text in (("32", "'t7'"), ("9;31", "'t8'"), ("2", "'t9'"), ("1;36", "'t3'")):
+        assert f"\033[{colour}m{text}\033[0m" in line
+    assert "+'" not in line and ">'" not in line
 
 
 @pytest.mark.parametrize(

@@ -147,7 +147,7 @@ def example_options(argv=None, doc: str = "") -> argparse.Namespace:
     ap.add_argument("--temperature", type=number(float, 0), default=0.0, help="0 is greedy")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     add_tensor_parallel_size(ap)
-    ap.add_argument("--trace", action="store_true", help="print the Frozen-KV MTP lifecycle events per step")
+    ap.add_argument("--trace", action="store_true", help="show each verify step's drafts as text, marked")
     add_deterministic(ap)
     args = ap.parse_args(argv)
     if args.model is not None and not os.path.isdir(args.model):
