@@ -83,12 +83,11 @@ def _typed(name: str, value):
             raise ValueError(f"{name} must be true or false, got {value!r}")
         return value.lower() == "true"
     number = float if kind in (float, float | None) else int
+    what = "a number" if number is float else "an int"
     try:
         return number(value)
     except ValueError:
-        raise ValueError(
-            f"{name} must be {'a number' if number is float else 'an int'}, got {value!r}"
-        ) from None
+        raise ValueError(f"{name} must be {what}, got {value!r}") from None
 
 
 def build_app(args: dict):

@@ -155,9 +155,8 @@ class Engine:
     def _add(self, job: Job) -> None:
         waiting = self.llm.stats()["num_waiting"]
         if waiting + len(job.choices) > self.max_waiting:
-            self._post(
-                job, "busy", f"{waiting} requests wait (--max-waiting {self.max_waiting}): retry later"
-            )
+            message = f"{waiting} requests wait (--max-waiting {self.max_waiting}): retry later"
+            self._post(job, "busy", message)
             return
         try:
             for c in job.choices:

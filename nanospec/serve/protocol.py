@@ -82,9 +82,8 @@ def chat_ids(tok, messages, tools: list | None = None) -> list[int]:
     conversation = []
     for i, m in enumerate(messages):
         calls_only = m.get("content") is None and bool(m.get("tool_calls"))  # an assistant turn of tool calls
-        conversation.append(
-            m | {"content": "" if calls_only else text_of(m.get("content"), f"messages[{i}]")}
-        )
+        content = "" if calls_only else text_of(m.get("content"), f"messages[{i}]")
+        conversation.append(m | {"content": content})
     try:  # the template holds its special tokens: encoded below as LLM.generate encodes a string
         text = tok.apply_chat_template(conversation, tools=tools, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # the template refuses the conversation (a Jinja error)
@@ -179,8 +178,7 @@ def parse(body: dict, chat: bool, tok, model_name: str, max_len: int, max_n: int
             if chat and field == "logprobs":  # chat's k is top_logprobs
                 field = "top_logprobs"
             raise ApiError(400, str(e), field) from None
-    include_usage = opts.get("include_usage") is True
-    usage_opts = (include_usage, opts.get("continuous_usage_stats") is True)
+    usage_opts = (opts.get("include_usage") is True, opts.get("continuous_usage_stats") is True)
     return Parsed(prompts, params, stream, *usage_opts, logprobs, echo, score_only, calls, field)
 
 
@@ -196,9 +194,7 @@ def logprob_options(body: dict, chat: bool) -> tuple:
     k = body.get("top_logprobs")
     if type(wanted) is not bool or (k is not None and not wanted):
         raise ApiError(400, f"logprobs must be a bool (true with top_logprobs), got {wanted!r}", "logprobs")
-    if not wanted:
-        return None, False
-    return k or 0, False
+    return (k or 0) if wanted else None, False
 
 
 def tokenize_ids(tok, body: dict) -> list[int]:

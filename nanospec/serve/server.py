@@ -21,7 +21,7 @@ import socket
 from dataclasses import fields
 
 from ..config import EngineConfig
-from ..tools.cli import number, or_error, parser
+from ..tools.cli import auto_assistant, number, or_error, parser
 
 KEY_ENV = "NANOSPEC_API_KEY"
 
@@ -29,8 +29,6 @@ KEY_ENV = "NANOSPEC_API_KEY"
 def parse_args(argv=None):
     """``nanospec-serve``'s options; the engine's go through ``EngineConfig``'s own checks here, before any
     weights load. Returns (parser, args, LLM keyword arguments)."""
-    from ..default_model import DEFAULT_ASSISTANT
-
     ap, a = parser("nanospec-serve", __doc__)
     a("model", nargs="?", help="HF-format model dir (default: SmolLM2-135M-Instruct)")
     a("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
@@ -47,8 +45,8 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     args.api_key = args.api_key or os.environ.get(KEY_ENV)  # read after parsing: --help never shows it
     kw = {f.name: getattr(args, f.name) for f in engine_fields}
-    shipped = args.model is None and (DEFAULT_ASSISTANT / "config.json").exists()
-    kw["assistant"] = dict(auto="default" if shipped else None, none=None).get(args.assistant, args.assistant)
+    assistant = auto_assistant(args.model) if args.assistant == "auto" else args.assistant
+    kw["assistant"] = None if assistant == "none" else assistant
     or_error(ap, "", EngineConfig, model=args.model, **kw)
     return ap, args, kw
 

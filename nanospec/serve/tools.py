@@ -112,15 +112,13 @@ def read_tools(body: dict, chat: bool) -> tuple:
     "required" or a named function (the output constrained to calls, as vLLM maps them). A 400 naming the
     field for any malformed one, for a ``tool_choice`` naming no given function, and for two constraints at
     once."""
-    tools = body.get("tools")
-    tools = None if tools == [] else tools  # an empty list, as clients send by default: no tools
+    tools = None if body.get("tools") == [] else body.get("tools")  # an empty list, as clients send: no tools
     if tools is not None and not chat:
         raise ApiError(400, "tools are served on /v1/chat/completions", "tools")
     schemas = {} if tools is None else tool_schemas(tools)
     choice = body.get("tool_choice")
     choice = ("auto" if schemas else "none") if choice is None else choice
-    parallel = body.get("parallel_tool_calls")
-    parallel = True if parallel is None else parallel
+    parallel = True if body.get("parallel_tool_calls") is None else body["parallel_tool_calls"]
     if type(parallel) is not bool:
         raise ApiError(400, f"parallel_tool_calls must be a bool, got {parallel!r}", "parallel_tool_calls")
     function = choice.get("function") if isinstance(choice, dict) else None
@@ -292,9 +290,8 @@ class CallStream:
         for k, (name, arguments) in enumerate(calls):
             if k == len(self.sent):
                 function = {"name": name, "arguments": arguments}
-                fragments.append(
-                    dict(index=k, id=f"call_{secrets.token_hex(12)}", type="function", function=function)
-                )
+                call_id = f"call_{secrets.token_hex(12)}"
+                fragments.append(dict(index=k, id=call_id, type="function", function=function))
                 self.sent.append(len(arguments))
             elif len(arguments) > self.sent[k]:
                 fragments.append({"index": k, "function": {"arguments": arguments[self.sent[k] :]}})

@@ -62,7 +62,6 @@ from unittest import mock
 import torch
 
 from .. import LLM, SamplingParams, cpu, loader
-from ..default_model import DEFAULT_ASSISTANT
 from ..structured import StepMasks
 from . import cli
 from .checkpoints import GEMMA4, QWEN3_0_6B, assistant_config_for, gemma4_configs, save_assistant
@@ -113,9 +112,8 @@ def chat_ids(tokenizer, text: str, template: bool = True) -> list[int]:
     """Token ids of one user turn ``text``: the tokenizer's chat template applied when it has one (and
     ``template``), no special tokens added twice."""
     if template and tokenizer.chat_template:
-        text = tokenizer.apply_chat_template(
-            [dict(role="user", content=text)], tokenize=False, add_generation_prompt=True
-        )
+        turn = [dict(role="user", content=text)]
+        text = tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -395,8 +393,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.assistant not in ("auto", "default", "random", "none") and not Path(args.assistant).is_dir():
         ap.error(f"--assistant must be auto, default, random, none or a dir, got {args.assistant!r}")
     if args.assistant == "auto":  # as example.py: speculation is what nanospec is for
-        shipped = not (args.model or args.shape) and (DEFAULT_ASSISTANT / "config.json").exists()
-        args.assistant = "default" if shipped else "none"
+        args.assistant = cli.auto_assistant(args.model or args.shape)
     if args.compare == "assistant" and args.assistant == "none":
         ap.error("--compare assistant needs an assistant: --assistant DIR, default or random")
     if args.temperature is None:

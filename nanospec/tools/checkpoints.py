@@ -36,20 +36,9 @@ QWEN3_0_6B = {
 
 # Gemma 4 E2B / E4B / 26B-A4B / 31B (the sizes of HF's convert_gemma4_weights.py): a ``GEMMA4`` tuple holds
 # these Gemma4TextConfig fields of the target, in this order ...
-G4_FIELDS = (
-    "num_key_value_heads",
-    "num_global_key_value_heads",
-    "attention_k_eq_v",
-    "sliding_window",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "intermediate_size",
-    "use_double_wide_mlp",
-    "hidden_size_per_layer_input",
-    "num_kv_shared_layers",
-    "max_position_embeddings",
-)
+G4_FIELDS = """num_key_value_heads num_global_key_value_heads attention_k_eq_v sliding_window hidden_size
+    num_hidden_layers num_attention_heads intermediate_size use_double_wide_mlp hidden_size_per_layer_input
+    num_kv_shared_layers max_position_embeddings""".split()
 # ... then every how-many-th layer is full attention; then its assistant's (4 layers S,S,S,F reading the
 # target's KV heads, head dims and window) hidden size, Q heads, MLP and centroids (0: a dense LM head;
 # top-k 32).
@@ -61,20 +50,10 @@ GEMMA4 = {
 }
 # 26B-A4B's routed experts, beside its dense MLP in every layer
 G4_MOE = {
-    "gemma4-26b-a4b": {
-        "enable_moe_block": True,
-        "num_experts": 128,
-        "top_k_experts": 8,
-        "moe_intermediate_size": 704,
-    },
+    "gemma4-26b-a4b": dict(enable_moe_block=True, num_experts=128, top_k_experts=8, moe_intermediate_size=704)
 }
 # the fields every Gemma 4 shape shares, target and assistant
-G4_COMMON = {
-    "head_dim": 256,
-    "global_head_dim": 512,
-    "vocab_size": 262144,
-    "vocab_size_per_layer_input": 262144,
-}
+G4_COMMON = dict(head_dim=256, global_head_dim=512, vocab_size=262144, vocab_size_per_layer_input=262144)
 
 
 def gemma4_configs(shape, num_layers=None):
@@ -90,19 +69,10 @@ def gemma4_configs(shape, num_layers=None):
     n = num_layers or target["num_hidden_layers"]
     target["num_hidden_layers"] = n
     target["layer_types"] = [S if (i + 1) % period and i < n - 1 else F for i in range(n)]
-    assistant_text = G4_COMMON | {
-        "num_key_value_heads": fields["num_key_value_heads"],
-        "num_global_key_value_heads": fields["num_global_key_value_heads"],
-        "attention_k_eq_v": fields["attention_k_eq_v"],
-        "sliding_window": fields["sliding_window"],
-        "hidden_size": hidden,
-        "num_attention_heads": heads,
-        "intermediate_size": mlp,
-        "num_hidden_layers": 4,
-        "layer_types": [S, S, S, F],
-        "vocab_size_per_layer_input": 0,
-        "hidden_size_per_layer_input": 0,
-    }
+    assistant_text = G4_COMMON | {k: fields[k] for k in G4_FIELDS[:4]}  # the target's KV heads and window
+    assistant_text |= dict(hidden_size=hidden, num_attention_heads=heads, intermediate_size=mlp)
+    assistant_text |= dict(num_hidden_layers=4, layer_types=[S, S, S, F], hidden_size_per_layer_input=0)
+    assistant_text["vocab_size_per_layer_input"] = 0
     assistant = Gemma4AssistantConfig(
         backbone_hidden_size=target["hidden_size"],
         use_ordered_embeddings=centroids > 0,

@@ -56,18 +56,22 @@ def or_error(ap: argparse.ArgumentParser, message: str, fn, *args, errors=(Value
 def add_tensor_parallel_size(ap: argparse.ArgumentParser) -> None:
     """``--tensor-parallel-size N`` (``LLM(tensor_parallel_size=N)``): the engine checks N against the model
     (heads, visible GPUs) before it starts any process."""
-    ap.add_argument(
-        "--tensor-parallel-size",
-        type=number(int, 1),
-        default=1,
-        help="ranks (GPUs) the target and its assistant are split across",
-    )
+    hlp = "ranks (GPUs) the target and its assistant are split across"
+    ap.add_argument("--tensor-parallel-size", type=number(int, 1), default=1, help=hlp)
 
 
 def number_list(typ=float, lo: float = 0):
     """argparse ``type``: ``"0,0.7"`` -> ``[0.0, 0.7]``, every item a ``number(typ, lo)``."""
 
     return lambda text: list(map(number(typ, lo), text.split(",")))
+
+
+def auto_assistant(model) -> str:
+    """``--assistant auto``: 'default' (the shipped assistant) on the default model (``model`` None) when one
+    is shipped, else 'none'."""
+    from ..default_model import DEFAULT_ASSISTANT
+
+    return "default" if model is None and (DEFAULT_ASSISTANT / "config.json").exists() else "none"
 
 
 def add_deterministic(ap: argparse.ArgumentParser, what: str = "") -> None:
@@ -155,11 +159,9 @@ def example_options(argv=None, doc: str = "") -> argparse.Namespace:
     if args.assistant not in ("auto", "default", "none") and not os.path.isdir(args.assistant):
         ap.error(f"--assistant must be auto, default, none or a gemma4_assistant dir, got {args.assistant!r}")
     from ..cpu import configure_cpu_threads
-    from ..default_model import DEFAULT_ASSISTANT
 
     if args.assistant == "auto":  # the shipped assistant on the default model
-        shipped = args.model is None and (DEFAULT_ASSISTANT / "config.json").exists()
-        args.assistant = "default" if shipped else "none"
+        args.assistant = auto_assistant(args.model)
     args.engine = dict(  # the engine names what does not fit (--num-steps without an assistant, ...)
         device=args.device,
         max_model_len=args.max_tokens + 256,

@@ -52,15 +52,8 @@ def measure(model, assistant, prompts, S, k, temperature, max_tokens, tree_token
     from .. import LLM, SamplingParams
 
     n = None if k == 1 else max(2, min(1 + S * k, tree_tokens or 1 + 2 * S))
-    with LLM(
-        model,
-        assistant=assistant,
-        num_steps=S,
-        topk=k,
-        num_draft_tokens=n,
-        adaptive_speculation=False,
-        **engine,
-    ) as llm:
+    spec = dict(num_steps=S, topk=k, num_draft_tokens=n, adaptive_speculation=False)
+    with LLM(model, assistant=assistant, **spec, **engine) as llm:
         sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
         outs = []
         t0 = time.perf_counter()

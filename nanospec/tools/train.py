@@ -116,10 +116,8 @@ def unroll(assistant, tokens, hidden, kv, Ls, num_steps: int, position_offset: i
 
     def attn(layer_idx, q):
         k, v = kv[layer_idx]
-        Hq = q.shape[1]
-        D = q.shape[2]
-        Hkv = k.shape[2]
-        s = torch.einsum("bnkgd,btkd->bkgnt", q.view(*Ls.shape, Hkv, Hq // Hkv, D), k.to(q.dtype))
+        q_groups = q.view(*Ls.shape, k.shape[2], -1, q.shape[2])  # [B, n, Hkv, Hq // Hkv, D]
+        s = torch.einsum("bnkgd,btkd->bkgnt", q_groups, k.to(q.dtype))
         p = torch.softmax(s.float().masked_fill(~mask[:, None, None], float("-inf")), -1).to(q.dtype)
         return torch.einsum("bkgnt,btkd->bnkgd", p, v.to(q.dtype)).reshape(q.shape)  # [B*n, Hq, D]
 
