@@ -7,8 +7,8 @@ The drafter's checkpoints (HF ``gemma4_assistant`` dirs: config.json + *.safeten
 ``Gemma4AssistantForCausalLM``'s names; its packed ``gate_up_proj`` is split back into ``gate_proj`` /
 ``up_proj``. With ``use_ordered_embeddings`` the drafter keeps its LM-head rows in cluster order (row j holds
 token ``token_ordering[j]``, see ``Gemma4Assistant.set_token_ordering``); checkpoints hold them in token
-order, as HF does, so loading reorders them once and ``hf_tensors`` puts them back (the tensors
-``nanospec.tools.checkpoints.save_assistant`` writes)."""
+order, as HF does, so loading reorders them once and ``nanospec.tools.checkpoints.hf_tensors`` puts them
+back (the tensors ``save_assistant`` writes)."""
 
 from __future__ import annotations
 
@@ -236,7 +236,7 @@ _IGNORED = ("self_attn.k_proj.", "self_attn.v_proj.", "self_attn.k_norm.", "self
 _ORDER = "masked_embedding.token_ordering"
 
 
-def _slots(model) -> dict[str, torch.Tensor]:
+def assistant_slots(model) -> dict[str, torch.Tensor]:
     """Checkpoint name -> the model's storage (views; gate/up are the two halves of ``gate_up_proj``)."""
     slots = {}
     for name, p in model.named_parameters():
@@ -249,17 +249,6 @@ def _slots(model) -> dict[str, torch.Tensor]:
     if model.masked_embedding is not None:
         slots[_ORDER] = model.masked_embedding.token_ordering
     return slots
-
-
-def hf_tensors(model) -> dict[str, torch.Tensor]:
-    """Every tensor a checkpoint of ``model`` holds, under HF names, LM-head rows in token order. Views of the
-    model's storage, except the LM head of a centroid-head drafter (a copy put back in token order)."""
-    out = _slots(model)
-    if model.masked_embedding is not None and model.lm_head is not None:
-        rows = out["lm_head.weight"]
-        order = model.masked_embedding.token_ordering
-        out["lm_head.weight"] = torch.empty_like(rows).index_copy_(0, order, rows)
-    return out
 
 
 def _copy(name, dst, t):
@@ -277,7 +266,7 @@ def load_checkpoint(model, tensors) -> None:
     checkpoint's ``token_ordering`` (which reorders the LM-head rows). Raises ValueError naming the tensor
     when one matches no parameter, has the wrong shape or is missing, or when ``token_ordering`` is not a
     permutation."""
-    slots = _slots(model)
+    slots = assistant_slots(model)
     modules = dict(model.named_modules())
     tied = bool(getattr(model.config, "tie_word_embeddings", True))
     got = set()

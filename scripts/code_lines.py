@@ -75,7 +75,7 @@ def budgets() -> dict:
     return {
         "core (the engine without its layers)": ([p for p in engine if p not in layers], 2500, None),
         "layers (each <= 300, in its own file)": (layers, 1300, None),
-        "engine (nanospec/ without tools/, serve/, ray*)": (engine, 3500, 3300),
+        "engine (nanospec/ without tools/, serve/, ray*)": (engine, 3600, 3300),
         "kernels/": (sorted((REPO / "kernels").rglob("*.py")), 1800, None),
         "front ends (tools/, serve/, ray*)": ([p for p in nanospec if is_front_end(p)], 2200, None),
         "lifecycle (llm.py, scheduler.py, kv_cache.py, mtp/)": (lifecycle, 1000, None),

@@ -13,9 +13,8 @@ from helpers import TRAIN_ENGINE, chat_texts, record_step_reqs, tiny_target
 
 from nanospec import LLM, SamplingParams
 from nanospec.default_model import DEFAULT_ASSISTANT
-from nanospec.loader import hf_tensors
 from nanospec.models.gemma4_assistant import Gemma4Assistant
-from nanospec.tools.checkpoints import save_assistant
+from nanospec.tools.checkpoints import hf_tensors, save_assistant
 from nanospec.tools.datasets import (
     chat_prompts,
     config_hash,

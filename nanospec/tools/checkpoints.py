@@ -11,7 +11,7 @@ import pathlib
 import torch
 
 from ..config import layer_geometry
-from ..loader import hf_tensors
+from ..loader import assistant_slots
 from ..models.assistant_config import check_assistant_alone, layer_rope_parameters
 
 S = "sliding_attention"
@@ -137,6 +137,17 @@ def assistant_config_for(
         cfg.use_target_lm_head = True
     check_assistant_alone(cfg)
     return cfg
+
+
+def hf_tensors(model) -> dict[str, torch.Tensor]:
+    """Every tensor a checkpoint of ``model`` holds, under HF names, LM-head rows in token order. Views of the
+    model's storage, except the LM head of a centroid-head drafter (a copy put back in token order)."""
+    out = assistant_slots(model)
+    if model.masked_embedding is not None and model.lm_head is not None:
+        rows = out["lm_head.weight"]
+        order = model.masked_embedding.token_ordering
+        out["lm_head.weight"] = torch.empty_like(rows).index_copy_(0, order, rows)
+    return out
 
 
 def save_assistant(model, out_dir, info: dict | None = None, max_mb: float = 16.0) -> pathlib.Path:
