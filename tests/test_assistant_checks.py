@@ -9,7 +9,6 @@ import torch
 from transformers import AutoConfig, Gemma4AssistantForCausalLM
 
 import nanospec.loader as loader
-import nanospec.model_runner as model_runner
 from nanospec import LLM
 from nanospec.tools.checkpoints import assistant_config_for
 
@@ -36,7 +35,7 @@ def test_mismatch_refused_before_any_weights_load(tiny_llama_dir, tmp_path, monk
         setattr(wrong, k, v)
     path = save(tmp_path / field, assistant_config_for(wrong, num_layers=1, hidden_size=32, num_heads=4))
     loads = []
-    monkeypatch.setattr(model_runner, "load_weights", lambda *a, **k: loads.append("target"))
+    monkeypatch.setattr(loader, "load_weights", lambda *a, **k: loads.append("target"))
     monkeypatch.setattr(loader, "load_checkpoint", lambda *a, **k: loads.append("assistant"))
     with pytest.raises(ValueError, match=field.split("_")[0]):
         LLM(str(tiny_llama_dir), assistant=path, device="cpu", dtype="float32")
