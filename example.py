@@ -3,10 +3,13 @@ access), drafted by its shipped Frozen-KV MTP assistant.
 
     python example.py                       # default model; the shipped assistant when present
     python example.py --model DIR --assistant none --temperature 0.7
+    python example.py --trace --verbose     # each verify step as text; where the start-up time goes
 
 Every option is checked before a model is loaded (nanospec/tools/cli.py, example_options).
 """
 
+import logging
+import sys
 import time
 
 from nanospec.tools.cli import example_options
@@ -20,12 +23,19 @@ PROMPTS = [
 
 
 def main(argv=None):
+    started = time.perf_counter()
     options = example_options(argv, __doc__)
     from nanospec import LLM, SamplingParams
 
+    if options.verbose:  # where the start-up time goes: options and imports, then LLM() phase by phase
+        took = time.perf_counter() - started
+        print(f"nanospec: options, CPU threads and imports took {took:.2f} s", file=sys.stderr)
+        logging.getLogger("nanospec").setLevel(logging.INFO)
+        logging.getLogger("nanospec").addHandler(logging.StreamHandler())
+
     try:  # what the engine rejects (an assistant that does not fit the model, ...) is a usage error too
         params = SamplingParams(temperature=options.temperature, max_tokens=options.max_tokens)
-        llm = LLM(options.model, **options.engine)
+        llm = LLM(options.model, max_num_seqs=len(PROMPTS), **options.engine)  # a KV pool for 4 requests
     except (TypeError, ValueError) as e:
         options.error(str(e))
     chat = dict(tokenize=False, add_generation_prompt=True)

@@ -1,6 +1,7 @@
 """LLM: the user-facing engine (vLLM / nano-vllm style): add_request / step / generate."""
 
 import itertools
+import logging
 import random
 import sys
 import time
@@ -20,6 +21,8 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .structured import Grammars, StepMasks
 
+logger = logging.getLogger(__name__)
+
 
 class LLM:
     """Offline engine over one target model, optionally with a Frozen-KV MTP assistant.
@@ -31,6 +34,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs):
+        self._lap_start = time.perf_counter()
+        self.startup_seconds: dict[str, float] = {}  # where LLM() spent its time, phase by phase (_lap)
         self.config = c = EngineConfig.from_kwargs(model, kwargs)
         model_dir = loader.resolve_model_dir(model, need_weights=c.load_format != "dummy")
         hf_config = loader.load_config(model_dir)
@@ -44,6 +49,7 @@ class LLM:
             assistant_config = loader.read_assistant_config(assistant)
             check_assistant_config(assistant_config, hf_config)
         parallel.check_sizes(c, hf_config, assistant_config)
+        self._lap("config, tokenizer, checks")
         self.ranks = parallel.start(c, LLM, str(model_dir), kwargs)
         try:  # a failure from here on closes the ranks already started
             self._build(c, hf_config, model_dir, assistant, self.ranks.tp)
@@ -52,9 +58,19 @@ class LLM:
             raise
         if self.ranks.tp.rank > 0:  # a rank of a tensor-parallel engine: rank 0's calls, then exit
             self.ranks.serve(self, self.persistent_batch.release)
+        phases = ", ".join(f"{name} {seconds:.2f}" for name, seconds in self.startup_seconds.items())
+        logger.info("LLM() took %.2f s: %s", sum(self.startup_seconds.values()), phases)
+
+    def _lap(self, phase: str) -> None:
+        """Book the seconds since the previous phase ended to ``phase`` (``startup_seconds``, logged at INFO
+        level once the engine is ready: ``python example.py --verbose`` prints it)."""
+        now = time.perf_counter()
+        self.startup_seconds[phase] = now - self._lap_start
+        self._lap_start = now
 
     def _build(self, c, hf_config, model_dir, assistant, tp) -> None:
         self.runner = runner = ModelRunner(c, hf_config, model_dir, tp)
+        self._lap("target weights")
         self.grammars = Grammars(self.tokenizer, runner.vocab_size, self.eos_token_ids)
         self.worker = None
         self.num_steps_run = 0
@@ -75,7 +91,9 @@ class LLM:
             )
         if runner.device.type == "cpu":
             cpu.default_cpu_threads()
+        self._lap("assistant")
         allocator = runner.allocate_kv_cache()
+        self._lap("KV cache")
         if self.worker is not None:
             self.worker.bind(runner.kv_pools)
         memory = torch.cuda.memory_reserved if runner.device.type == "cuda" else lambda: 0
@@ -86,6 +104,7 @@ class LLM:
             self.worker.capture_graphs(*runner.graph_shape())
         if memory() > before:  # planned in the KV budget (memory.memory_plan): what capture took
             print(f"nanospec: CUDA graphs took {(memory() - before) / 2**30:.2f} GiB", file=sys.stderr)
+        self._lap("bind, CUDA graphs")
         self.scheduler = Scheduler(c, allocator, runner.lookahead, self._on_release)
         self.overlap = c.overlap_schedule if c.overlap_schedule is not None else runner.device.type == "cuda"
         self._inflight = None  # (batch, output) launched but not yet committed

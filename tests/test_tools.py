@@ -54,6 +54,17 @@ def test_example_help_imports_neither_torch_nor_the_engine():
     assert "--max-tokens" in r.stdout and r.stdout.strip().endswith("[]")
 
 
+def test_example_verbose_names_where_start_up_time_goes():
+    """``python example.py --verbose``: the options and imports, then ``LLM()`` phase by phase (its INFO log,
+    ``LLM.startup_seconds``); the figures themselves are not asserted (speed belongs in bench.py)."""
+    r = run_example("--verbose", "--max-tokens", "2")
+    assert r.returncode == 0, r.stderr
+    assert "nanospec: options, CPU threads and imports took " in r.stderr
+    line = next(line for line in r.stderr.splitlines() if line.startswith("LLM() took "))
+    phases = ("config, tokenizer, checks", "target weights", "assistant", "KV cache", "bind, CUDA graphs")
+    assert all(f"{phase} " in line for phase in phases), line
+
+
 @pytest.fixture
 def two_threads(monkeypatch):
     if torch.cuda.is_available():

@@ -152,6 +152,7 @@ def example_options(argv=None, doc: str = "") -> argparse.Namespace:
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     add_tensor_parallel_size(ap)
     ap.add_argument("--trace", action="store_true", help="show each verify step's drafts as text, marked")
+    ap.add_argument("--verbose", action="store_true", help="print where the start-up time goes")
     add_deterministic(ap)
     args = ap.parse_args(argv)
     if args.model is not None and not os.path.isdir(args.model):
