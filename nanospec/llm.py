@@ -250,7 +250,7 @@ class LLM:
 
     def abort_request(self, request_id: int) -> bool:
         """Stop a queued or running request now (finish_reason "abort"; the next ``step`` returns it). Its KV
-        blocks and draft input are released at once. Returns False for an unknown or finished id."""
+        blocks and next input are released at once. Returns False for an unknown or finished id."""
         req = self.scheduler.abort(request_id)
         if req is not None:
             self._stash.append(req)
@@ -265,10 +265,11 @@ class LLM:
         return next((r for r in queued if r.request_id == request_id), None)
 
     def stats(self) -> dict:
-        """The engine's load now: ``num_running`` and ``num_waiting`` (requests), ``kv_cache_usage`` (the
-        fraction of usable KV blocks held by requests, in [0, 1]; prefix-cached blocks nobody holds count as
-        free, so it is 0 when idle), ``num_draft_inputs`` (requests holding a draft input; 0 when idle) and
-        ``num_preemptions`` (preemptions by recompute since the engine started)."""
+        """The engine's load now: ``num_running`` and ``num_waiting`` (requests), ``kv_cache_usage``
+        (the fraction of usable KV blocks held by requests, in [0, 1]; prefix-cached blocks nobody
+        holds count as free, so it is 0 when idle), ``num_draft_inputs`` (requests holding a next
+        input under speculation; 0 when idle) and ``num_preemptions`` (preemptions by recompute since
+        the engine started)."""
         allocator = self.scheduler.allocator
         return {
             "num_running": len(self.scheduler.running),

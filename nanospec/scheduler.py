@@ -62,7 +62,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def abort(self, request_id: int) -> Request | None:
-        """Drop a waiting or running request (its blocks and draft input go); returns it, or None if
+        """Drop a waiting or running request (its blocks and next input go); returns it, or None if
         unknown."""
         for req in [*self.waiting, *self.running]:
             if req.request_id == request_id:

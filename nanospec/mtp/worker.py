@@ -1,9 +1,9 @@
 """Frozen-KV MTP worker: the one owner of the drafter, its CUDA graphs and its draft-length policy.
 
-The lifecycle, hook by hook, in the order ``LLM`` calls them (DESIGN §4 rule in brackets). Each request's
-draft input (bonus token, committed length, seed hidden) lives in its row of ``LLM``'s ``PersistentBatch``,
-beside its block table and sampling parameters: born at the end of the request's prefill, dropped at its
-release; a step reads and replaces it there.
+The lifecycle, hook by hook, in the order ``LLM`` calls them (DESIGN §4 rule in brackets). Each request's next
+input (bonus token, committed length, seed hidden: what its next draft starts from) lives in its row of
+``LLM``'s ``PersistentBatch``, beside its block table and sampling parameters: born at the end of the
+request's prefill, dropped at its release; a step reads and replaces it there.
 
 1. ``FrozenKVMTPWorker(config, target, assistant_path, persistent_batch, split_size, trace)``:
    load the assistant (``LLM`` checked its config against the target's first); no KV pool yet.    [rule 2]
@@ -14,7 +14,7 @@ release; a step reads and replaces it there.
    everything is bound.
 4. ``plan(reqs)`` (rank 0, at launch) -> ``step(reqs, plan) -> StepOutput``: one speculative decode step for
    every running request, drafting the plan's s steps from exactly KV rows [0, L), writing nothing [rule 3];
-   verify the tree, writing rows [L, L + N); accept per row [rule 6]; the next draft input is each row's
+   verify the tree, writing rows [L, L + N); accept per row [rule 6]; the next input is each row's
    bonus token and the hidden of its last accepted node, also when s = 0 [rules 1, 7]. An empty batch does
    nothing [rule 4]. The scheduler then commits ``tokens`` and ``accept_lengths`` [rule 5].
 5. ``observe(out)`` (at commit): the step's accept lengths and time, for the policy.
@@ -109,7 +109,7 @@ class FrozenKVMTPWorker:
 
     @torch.inference_mode()
     def step(self, reqs, plan, masks=None) -> StepOutput:
-        """Draft, verify over the tree, accept, and keep the next draft inputs (see the module docstring).
+        """Draft, verify over the tree, accept, and keep the next inputs (see the module docstring).
         ``plan`` = (s, estimate) from ``self.plan`` (on rank 0, at launch). The inputs, committed lengths
         included, are gathered on the device: no host sync until the output is read. ``masks`` (structured
         output: the batch's ``structured.StepMasks``, or None): the constrained rows run eagerly, the host
@@ -141,7 +141,7 @@ class FrozenKVMTPWorker:
         if wants_logprobs:  # emitted token j: the target's at node path[j]
             node_logits = logits[torch.arange(len(reqs), device=self.device)[:, None], path.clamp(min=0)]
             logprobs = emitted_logprobs(reqs, node_logits, out)
-        # a step that drafts nothing (s = 0) verifies the bonus token alone: the draft input stays fresh
+        # a step that drafts nothing (s = 0) verifies the bonus token alone: the next input stays fresh
         self.persistent_batch.advance(StepInput(inp.req_ids, bonus, hidden, L + accept_length.int()))
         result = StepOutput(
             torch.cat([accept_length[:, None], out], 1),

@@ -31,7 +31,7 @@ class Reply(StreamingResponse):
     error after the start as one more event), then [DONE]. Not streamed: one JSON body once every choice
     has finished. Either way Starlette cancels the reply when the client disconnects (it listens for that
     while a StreamingResponse runs, under ASGI spec < 2.4 as uvicorn advertises), and what has not finished
-    is aborted (its KV blocks and draft input go) before the next engine step."""
+    is aborted (its KV blocks and next input go) before the next engine step."""
 
     def __init__(self, engine: Engine, job: Job, parsed: Parsed, chat: bool, model_name: str):
         super().__init__((), media_type="text/event-stream")

@@ -24,7 +24,8 @@ class Metrics:
     only with an assistant (``num_positions`` = num_steps). The time-per-output-token histogram is
     ``inter_token_latency_seconds``, vLLM's name for it since 0.11 (one observation per engine step that
     delivers tokens). ``num_preemptions``: preemptions by recompute (``LLM.stats()``'s count, read after every
-    step). Plus ``nanospec:num_draft_inputs`` (requests holding a draft input: 0 when idle)."""
+    step). Plus ``nanospec:num_draft_inputs`` (requests holding a next input, under speculation: 0 when
+    idle)."""
 
     def __init__(self, model_name: str, num_positions: int):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -40,7 +41,7 @@ class Metrics:
         self.running = make(Gauge, "num_requests_running", "Number of requests in model execution batches.")
         self.waiting = make(Gauge, "num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_usage = make(Gauge, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.draft_inputs = make(Gauge, "nanospec:num_draft_inputs", "Requests holding a draft input.")
+        self.draft_inputs = make(Gauge, "nanospec:num_draft_inputs", "Requests holding a next input.")
         self.prompt_tokens = make(Counter, "prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = make(Counter, "generation_tokens", "Number of generation tokens processed.")
         self.queries = make(Counter, "prefix_cache_queries", "Prefix cache queries, in queried tokens.")
