@@ -1,5 +1,6 @@
-"""Engine options and their validation: every user option is checked here, before any work starts; and a
-layer's attention geometry as an HF config gives it (``layer_geometry``)."""
+"""Engine options and their validation: every user option is checked here, before any work starts; and what
+the engine reads of a model's HF config in one place: a layer's attention geometry (``layer_geometry``) and
+RoPE parameters (``layer_rope_parameters``)."""
 
 from dataclasses import dataclass, fields
 
@@ -169,3 +170,13 @@ def layer_geometry(hf_config, i: int) -> tuple[int, int]:
     layer = hf_config.per_layer_config[i] if hasattr(hf_config, "per_layer_config") else hf_config
     head_dim = getattr(layer, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     return head_dim, getattr(layer, "num_key_value_heads", None) or hf_config.num_attention_heads
+
+
+def layer_rope_parameters(c, layer_type: str) -> dict:
+    """The RoPE parameters (a new dict: rope_type, rope_theta, ...) of ``layer_type`` ("sliding_attention"
+    or "full_attention") in HF config ``c``: Gemma 4 holds one dict per layer type, Llama/Qwen3 one for all
+    (or only ``rope_theta``, default 10000). Raises nothing."""
+    rp = dict(getattr(c, "rope_parameters", None) or {})
+    if isinstance(rp.get(layer_type), dict):
+        rp = dict(rp[layer_type])
+    return rp or {"rope_type": "default", "rope_theta": getattr(c, "rope_theta", 10000.0)}

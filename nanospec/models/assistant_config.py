@@ -5,7 +5,7 @@ map from each assistant layer to the target layer whose KV it reads.
 
 import torch
 
-from ..config import layer_geometry
+from ..config import layer_geometry, layer_rope_parameters
 from ..kernels.activation import gelu_and_mul, silu_and_mul
 from ..kernels.rope import rope_cos_sin
 
@@ -53,16 +53,6 @@ def check_assistant_alone(config) -> None:
             bad("num_centroids", f"= {C!r} must be a positive divisor of vocab_size {tc.vocab_size}")
         if not (isinstance(K, int) and 1 <= K <= C):
             bad("centroid_intermediate_top_k", f"= {K!r} must be in [1, num_centroids = {C}]")
-
-
-def layer_rope_parameters(c, layer_type: str) -> dict:
-    """The RoPE parameters (a new dict: rope_type, rope_theta, ...) of ``layer_type`` ("sliding_attention"
-    or "full_attention") in HF config ``c``: Gemma 4 holds one dict per layer type, Llama/Qwen3 one for all
-    (or only ``rope_theta``, default 10000). Raises nothing."""
-    rp = dict(getattr(c, "rope_parameters", None) or {})
-    if isinstance(rp.get(layer_type), dict):
-        rp = dict(rp[layer_type])
-    return rp or {"rope_type": "default", "rope_theta": getattr(c, "rope_theta", 10000.0)}
 
 
 def target_layers(layer_types, target_kv_types) -> list[int]:

@@ -20,6 +20,7 @@ What differs from llama.py, each as HF ``modeling_gemma4.py`` computes it:
 import torch
 from torch import nn
 
+from ..config import layer_rope_parameters
 from ..context import get_attn_metadata, paged_attention
 from ..kernels.activation import gelu_and_mul
 from ..kernels.moe import fused_moe, moe_route
@@ -281,7 +282,7 @@ class Gemma4ForCausalLM(nn.Module):
     def init_buffers(self, device) -> None:
         """Build the fp32 cos/sin table ``[max_position, head_dim]`` of each layer type on ``device``."""
         for lt in sorted(set(self.kv_layer_types)):
-            params = dict(self.config.rope_parameters[lt])
+            params = layer_rope_parameters(self.config, lt)
             head_dim = self.config.per_layer_config[lt].head_dim
             self.rope_tables[lt] = rope_cos_sin(
                 head_dim, self.max_position, params["rope_theta"], params, device

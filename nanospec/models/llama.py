@@ -8,6 +8,7 @@ Parameter names follow HF except the packed ``qkv_proj`` and ``gate_up_proj`` (s
 import torch
 from torch import nn
 
+from ..config import layer_rope_parameters
 from ..context import get_attn_metadata, paged_attention
 from ..kernels.activation import silu_and_mul
 from ..kernels.norm import rms_norm
@@ -140,8 +141,8 @@ class LlamaForCausalLM(nn.Module):
         self.kv_geometry = [(self.num_kv_heads, self.head_dim)] * cfg.num_hidden_layers
         self.kv_owner = list(range(cfg.num_hidden_layers))
         self.embed_scale = 1.0
-        rope = dict(getattr(cfg, "rope_parameters", None) or {})
-        self.rope_theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        rope = layer_rope_parameters(cfg, "full_attention")
+        self.rope_theta = rope.get("rope_theta", 10000.0)
         self.rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
         self.max_position = max_position
         self.cos_sin = None  # made by init_buffers, once the device is known

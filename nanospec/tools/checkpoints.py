@@ -10,9 +10,9 @@ import pathlib
 
 import torch
 
-from ..config import layer_geometry
+from ..config import layer_geometry, layer_rope_parameters
 from ..loader import assistant_slots
-from ..models.assistant_config import check_assistant_alone, layer_rope_parameters
+from ..models.assistant_config import check_assistant_alone
 
 S = "sliding_attention"
 F = "full_attention"
