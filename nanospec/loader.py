@@ -6,7 +6,7 @@ drafter's checkpoints (``load_assistant``). No model hub is ever contacted; the 
 The drafter's checkpoints (HF ``gemma4_assistant`` dirs: config.json + *.safetensors) follow HF
 ``Gemma4AssistantForCausalLM``'s names; its packed ``gate_up_proj`` is split back into ``gate_proj`` /
 ``up_proj``. With ``use_ordered_embeddings`` the drafter keeps its LM-head rows in cluster order (row j holds
-token ``token_ordering[j]``, see ``Gemma4Assistant.set_token_ordering``); checkpoints hold them in token
+token ``token_ordering[j]``, see ``set_token_ordering``); checkpoints hold them in token
 order, as HF does, so loading reorders them once and ``nanospec.tools.checkpoints.hf_tensors`` puts them
 back (the tensors ``save_assistant`` writes)."""
 
@@ -260,6 +260,29 @@ def _copy(name, dst, t):
         dst.copy_(t)
 
 
+@torch.no_grad()
+def set_token_ordering(model, order: torch.Tensor) -> None:
+    """Set the clusters of drafter ``model``'s centroid head: ``order [V]`` int, a permutation of range(V);
+    cluster c holds tokens ``order[c*S:(c+1)*S]``. Its own LM head's rows move along (row j holds token
+    ``order[j]``, so a cluster is one contiguous slice); a bound target LM head is gathered again. ValueError
+    if ``order`` is not a permutation of range(V) or the drafter has no centroid head."""
+    me = model.masked_embedding
+    if me is None:
+        raise ValueError("assistant: use_ordered_embeddings is false: there is no token_ordering to set")
+    order = order.to(me.token_ordering.device, torch.long)
+    V = model.vocab_size
+    if order.shape != (V,) or not torch.equal(order.sort().values, torch.arange(V, device=order.device)):
+        raise ValueError(
+            f"assistant: masked_embedding.token_ordering must be a permutation of range({V}); got one of "
+            f"shape {tuple(order.shape)} that is not"
+        )
+    if model.lm_head is not None:
+        w = model.lm_head.weight
+        w.copy_(torch.empty_like(w).index_copy_(0, me.token_ordering, w)[order])
+    me.token_ordering.copy_(order)
+    model.gather_target_rows()
+
+
 def load_checkpoint(model, tensors) -> None:
     """Strict load of HF-named ``(name, tensor)`` pairs into ``model`` (freshly constructed): packs gate/up,
     takes ``lm_head`` from ``lm_head.weight`` or (tied) ``model.embed_tokens.weight``, then applies the
@@ -303,7 +326,7 @@ def load_checkpoint(model, tensors) -> None:
         )
     if order is not None:
         model.masked_embedding.token_ordering.copy_(torch.arange(model.vocab_size))  # rows are in token order
-        model.set_token_ordering(order)
+        set_token_ordering(model, order)
 
 
 def read_assistant_config(path):

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from test_assistant import gemma_assistant_config, gemma_text, target_config
 from transformers import Gemma4AssistantForCausalLM
 
-from nanospec import LLM, SamplingParams
+from nanospec import LLM, SamplingParams, loader
 from nanospec.kernels.centroid import centroid_logits_ref, centroid_logits_triton
 from nanospec.loader import load_config
 from nanospec.models.assistant_config import check_assistant_config
@@ -101,14 +101,15 @@ def test_bad_centroid_inputs(tmp_path):
         Gemma4Assistant.from_pretrained(tmp_path / "dup")
     dense = Gemma4Assistant(gemma_assistant_config())
     with pytest.raises(ValueError, match="use_ordered_embeddings"):
-        dense.set_token_ordering(torch.arange(128))
+        loader.set_token_ordering(dense, torch.arange(128))
 
 
 @pytest.mark.parametrize("use_target_lm_head", [False, True])
 @torch.no_grad()
 def test_dense_logits_are_the_full_head_in_token_order(tmp_path, use_target_lm_head):
     """forward(dense=True) (what a trainer scores) is the plain LM head over all tokens, whatever the
-    ordering; set_token_ordering moves the own rows (or re-gathers the target's) without changing it."""
+    ordering; loader.set_token_ordering moves the own rows (or re-gathers the target's) without changing
+    it."""
     from test_assistant import GemmaTarget
 
     target = GemmaTarget({})
@@ -128,7 +129,7 @@ def test_dense_logits_are_the_full_head_in_token_order(tmp_path, use_target_lm_h
     a.model.norm.register_forward_hook(lambda m, i, out: hooks.append(out))
     before = a(*args, attn_fn=attn, dense=True)[0]
     torch.testing.assert_close(before, hooks[-1] @ head.T)
-    a.set_token_ordering(torch.randperm(128, generator=torch.Generator().manual_seed(1)))
+    loader.set_token_ordering(a, torch.randperm(128, generator=torch.Generator().manual_seed(1)))
     torch.testing.assert_close(a(*args, attn_fn=attn, dense=True)[0], before)
     masked = a(*args, attn_fn=attn)[0]  # HF's tensor: the candidates keep the dense logits
     keep = masked > masked.amin(-1, keepdim=True)

@@ -146,29 +146,9 @@ class Gemma4Assistant(nn.Module):
         problem)."""
         return loader.load_assistant(cls, path, device, dtype, tp)
 
-    @torch.no_grad()
-    def set_token_ordering(self, order: torch.Tensor) -> None:
-        """Set the centroid head's clusters: ``order [V]`` int, a permutation of range(V); cluster c holds
-        tokens ``order[c*S:(c+1)*S]``. The own LM head's rows move along (row j holds token ``order[j]``, so a
-        cluster is one contiguous slice); a bound target LM head is gathered again. ValueError if ``order`` is
-        not a permutation of range(V) or the assistant has no centroid head."""
-        me = self.masked_embedding
-        if me is None:
-            bad("use_ordered_embeddings", "is false: there is no token_ordering to set")
-        order = order.to(me.token_ordering.device, torch.long)
-        V = self.vocab_size
-        if order.shape != (V,) or not torch.equal(order.sort().values, torch.arange(V, device=order.device)):
-            bad(
-                "masked_embedding.token_ordering",
-                f"must be a permutation of range({V}); got one of shape {tuple(order.shape)} that is not",
-            )
-        if self.lm_head is not None:
-            w = self.lm_head.weight
-            w.copy_(torch.empty_like(w).index_copy_(0, me.token_ordering, w)[order])
-        me.token_ordering.copy_(order)
-        self._gather_target_rows()
-
-    def _gather_target_rows(self):
+    def gather_target_rows(self) -> None:
+        """With the target's LM head and a centroid head: keep the head's rows in cluster order
+        (``token_ordering``), gathered once (``bind_target``, ``loader.set_token_ordering``)."""
         me = self.masked_embedding
         head = self._target_lm_head
         if me is not None and head is not None:
@@ -195,7 +175,7 @@ class Gemma4Assistant(nn.Module):
         # a vocabulary-parallel target head is gathered whole once (the drafter's head is replicated)
         head = None if self.lm_head is not None else self.tp.gather(target.lm_head_weight.detach())
         self._target_lm_head = head
-        self._gather_target_rows()
+        self.gather_target_rows()
         if not kv:
             return
         kvs = []

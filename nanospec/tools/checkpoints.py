@@ -99,7 +99,7 @@ def assistant_config_for(
     ``use_target_lm_head`` (needs hidden_size == target hidden) makes the checkpoint carry no LM head.
     ``use_ordered_embeddings`` adds a centroid head: ``num_centroids`` equal-size clusters of the LM-head rows
     (the target's with ``use_target_lm_head``), ``centroid_top_k`` of them scored per draft row; the clusters
-    start as contiguous token-id ranges (``Gemma4Assistant.set_token_ordering`` sets others). Raises
+    start as contiguous token-id ranges (``loader.set_token_ordering`` sets others). Raises
     ValueError naming the field for a centroid count that does not divide the vocabulary or a top-k outside
     [1, num_centroids].
     """

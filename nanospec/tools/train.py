@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from .. import loader
 from ..context import AttnMetadata, attn_metadata
 from ..kernels.backend import using_backend
 from ..models.gemma4_assistant import Gemma4Assistant
@@ -263,7 +264,7 @@ def add_centroid_head(assistant, target, num_centroids: int, top_k: int = 32) ->
     new.bind_target(target, kv=False)
     rows = (target.lm_head_weight if new.lm_head is None else new.lm_head.weight).detach()
     order = balanced_clusters(rows, num_centroids)
-    new.set_token_ordering(order)
+    loader.set_token_ordering(new, order)
     new.masked_embedding.centroids.weight.copy_(rows[order].view(num_centroids, -1, rows.shape[1]).mean(1))
     return new
 
