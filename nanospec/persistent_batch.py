@@ -75,18 +75,27 @@ class PersistentBatch:
         self.has_input: dict[int, None] = {}  # request ids whose next input is born, in birth order
         self.free = list(range(capacity))
         self.trace = trace
+        self.sent_ids = None  # the request ids whose rows were sent last, and those rows on the device
+        self.sent_rows = None
 
     def __len__(self) -> int:
         """Requests holding a next input."""
         return len(self.has_input)
 
     def _index(self, req_ids: list[int]) -> torch.Tensor:
-        return to_device([self.row[i] for i in req_ids], torch.long, self.block_table.device)
+        """The rows of ``req_ids`` on the device, sent once for the take, tables, sampling and advance of a
+        step (a birth or a release sends them again: a preempted request's next row differs)."""
+        if tuple(req_ids) != self.sent_ids:
+            self.sent_ids = tuple(req_ids)
+            self.sent_rows = to_device([self.row[i] for i in req_ids], torch.long, self.block_table.device)
+        return self.sent_rows
 
     def block_tables(self, reqs: list[Request]) -> torch.Tensor:
         """[B, W] int32 block tables of ``reqs`` in batch order, padded with the dummy block; W is the longest
         table (at least 1). A request's first call gives it a row."""
         born = [r for r in reqs if r.request_id not in self.row]
+        if born:
+            self.sent_ids = None
         for r in born:
             assert self.free, "more requests hold rows than there are (max_num_seqs)"
             self.row[r.request_id] = self.free.pop()
@@ -152,6 +161,7 @@ class PersistentBatch:
         """Free ``req``'s row (reason: "finished" | "aborted" | "preempted"); a request without one is
         skipped."""
         row = self.row.pop(req.request_id, None)
+        self.sent_ids = None
         if row is not None:
             self.free.append(row)
             del self.blocks_written[req.request_id]
