@@ -28,11 +28,6 @@ def set_backend(name: str) -> None:
     _backend = name
 
 
-def get_backend() -> str:
-    """The current backend name ("auto", "torch" or "triton")."""
-    return _backend
-
-
 @contextlib.contextmanager
 def using_backend(name: str):
     """``with using_backend("torch"): ...`` runs the block on that backend and restores the previous one (the

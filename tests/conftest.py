@@ -32,12 +32,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def triton_backend():
     """Force every kernel through Triton (the interpreter on CPU) for one test."""
-    from nanospec.kernels.backend import get_backend, set_backend
+    from nanospec.kernels.backend import using_backend
 
-    old = get_backend()
-    set_backend("triton")
-    yield
-    set_backend(old)
+    with using_backend("triton"):
+        yield
 
 
 # --------------------------------------------------------------------------------------------- tiny HF models

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from nanospec.kernels import attention as A
 from nanospec.kernels import attention_decode, attention_extend
-from nanospec.kernels.backend import get_backend, set_backend
+from nanospec.kernels.backend import set_backend, using_backend
 
 
 def cdiv(a, b):
@@ -367,12 +367,8 @@ def test_draft_attention_is_readonly_decode(backend):
     r2r = torch.tensor([0, 0, 0, 1, 1, 1], dtype=torch.int32)  # B=2, k=3
     q = torch.randn(6, 4, 32)
     k0, v0 = kc.clone(), vc.clone()
-    old = get_backend()
-    set_backend(backend)
-    try:
+    with using_backend(backend):
         got = A.draft_attention(q, kc, vc, bt, sl, r2r)
-    finally:
-        set_backend(old)
     assert torch.equal(kc, k0) and torch.equal(vc, v0)
     want = A.decode_attention_ref(q, kc, vc, bt, sl, 1.0, r2r)  # default scale is 1.0
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
