@@ -2,6 +2,7 @@
 the engine reads of a model's HF config in one place: a layer's attention geometry (``layer_geometry``) and
 RoPE parameters (``layer_rope_parameters``)."""
 
+import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -46,6 +47,14 @@ class EngineConfig:
     trace: object = None
 
     def __post_init__(self):
+        for name in ("model", "assistant"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (str, os.PathLike)):
+                raise TypeError(f"{name} must be a path (str or os.PathLike) or None, got {v!r}")
+        for name in ("gpu_memory_utilization", "cpu_kv_cache_gb"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"{name} must be a number, got {v!r}")
         for name, lo in (
             ("max_model_len", 2),
             ("max_num_seqs", 1),
@@ -79,11 +88,11 @@ class EngineConfig:
                 raise TypeError(f"{name} must be {kinds}, got {v!r}")
         if self.seed >= 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        if self.trace is not None and self.trace is not True and not callable(self.trace):
+        if not (self.trace is None or isinstance(self.trace, bool) or callable(self.trace)):
             raise TypeError(
-                f"trace must be None, True or a callable (step, event, fields), got {self.trace!r}"
+                f"trace must be None, a bool or a callable (step, event, fields), got {self.trace!r}"
             )
-        if self.trace is not None and self.assistant is None:
+        if self.trace and self.assistant is None:
             raise ValueError("trace shows the Frozen-KV MTP lifecycle: it needs an assistant")
         if self.draft_position_offset > 0:
             raise ValueError(f"draft_position_offset must be -1 or 0, got {self.draft_position_offset}")

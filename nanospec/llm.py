@@ -104,7 +104,7 @@ class LLM:
             self.worker.capture_graphs(*runner.graph_shape())
         if memory() > before:  # planned in the KV budget (memory.memory_plan): what capture took
             print(f"nanospec: CUDA graphs took {(memory() - before) / 2**30:.2f} GiB", file=sys.stderr)
-        self._lap("bind, CUDA graphs")
+        self._lap("bind, graphs")
         self.scheduler = Scheduler(c, allocator, runner.lookahead, self._on_release)
         self.overlap = c.overlap_schedule if c.overlap_schedule is not None else runner.device.type == "cuda"
         self._inflight = None  # (batch, output) launched but not yet committed

@@ -14,19 +14,20 @@ def print_event(step: int, event: str, fields: dict) -> None:
     print(f"[step {step}] {event:<12} " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
 
 
-def speculative_step(trace, reqs, s: int, expected: float, estimate, lens, tree_tokens, emitted) -> None:
+def speculative_step(trace, reqs, s: int, tree: bool, expected: float, estimate, lens, tree_tokens, emitted):
     """The events of one speculative step: "draft_len" (the draft length ``s``, the batch size, the policy's
     ``expected`` accept length and its throughput ``estimate`` in tokens/s, or None), then per request
-    "draft" (its committed length L, ``lens[i]``, and the tokens drafted after its bonus token,
-    ``tree_tokens[i][1:]``) and "verify" (the KV rows the verify wrote, the drafts accepted, the bonus token,
-    the accept length and the new committed length; ``emitted[i]``: the tokens it emitted)."""
+    "draft" (its committed length L, ``lens[i]``, the tokens drafted after its bonus token,
+    ``tree_tokens[i][1:]``, in tree order when ``tree``, else a chain) and "verify" (the KV rows the verify
+    wrote, the drafts accepted, the bonus token, the accept length and the committed length after it; a stop
+    or ``max_tokens`` may keep fewer of ``emitted[i]``, the tokens it emitted)."""
     tok_per_s = None if estimate is None else round(estimate, 1)
     trace(
         "draft_len",
         {"s": s, "batch": len(reqs), "expected_accept": round(expected, 3), "tok_per_s": tok_per_s},
     )
     for r, L, tokens, out in zip(reqs, lens, tree_tokens, emitted):
-        trace("draft", {"req": r.request_id, "L": L, "tokens": tokens[1:]})
+        trace("draft", {"req": r.request_id, "L": L, "tokens": tokens[1:], "tree": tree})
         verify = {
             "req": r.request_id,
             "kv_rows": (L, L + len(tokens)),
@@ -48,27 +49,31 @@ class TextView:
     the tokens it drafted, each as its text, marked accepted ``+``, rejected ``x`` (the first draft the target
     disagreed with; tokens drafted after it ``.``, never reached) and the bonus token ``>`` (the target's own
     token where the drafts stopped); in a terminal colours replace the marks (green, red struck through, grey,
-    bold cyan). ``histogram()``: the acceptance per draft position so far (accepted / drafted, as vLLM counts
-    it), as a text histogram. ``tokenizer``: the model's (its ``decode``); ``out``: where lines go (stdout);
-    ``colour``: None to colour only when ``out`` is a terminal."""
+    bold cyan). A tree step (``topk`` > 1) shows its accepted path, the count of its drafts and the bonus
+    token. A step's line is what the verify committed, before a stop or ``max_tokens`` trims the request's
+    output. ``histogram()``: the acceptance per draft position (tree: per depth) so far, accepted / drafted
+    as vLLM counts it, as a text histogram. ``tokenizer``: the model's (its ``decode``); ``out``: where lines
+    go (stdout); ``colour``: None to colour only when ``out`` is a terminal."""
 
     def __init__(self, tokenizer, out=None, colour: bool | None = None):
         self.tokenizer = tokenizer
         self.out = out or sys.stdout
         self.colour = self.out.isatty() if colour is None else colour
-        self.drafts: dict[int, list[int]] = {}  # request id -> the tokens it drafted this step
+        self.drafts: dict[int, dict] = {}  # request id -> its "draft" event of this step
+        self.draft_length = 0  # this step's s (its "draft_len" event)
         self.drafted: Counter = Counter()  # draft position (1-based) -> drafts made there
         self.accepted: Counter = Counter()  # draft position -> drafts accepted there
 
     def __call__(self, step: int, event: str, fields: dict) -> None:
         req = fields.get("req")
         if event == "draft":
-            self.drafts[req] = fields["tokens"]
+            self.drafts[req] = fields
             return
         if event == "prefill_done":
             first = self._show(fields["bonus"], "bonus")
             line = f"req {req} prefill done, L={fields['L']}, first token {first}"
         elif event == "draft_len":
+            self.draft_length = fields["s"]
             line = f"draft length {fields['s']} for {fields['batch']} request(s)"
         elif event == "release":
             line = f"req {req} released ({fields['reason']})"
@@ -77,16 +82,20 @@ class TextView:
         print(f"[step {step}] {line}", file=self.out, flush=True)
 
     def _verify(self, req: int, fields: dict) -> str:
-        drafts = self.drafts.pop(req)
+        draft = self.drafts.pop(req, {"tokens": [], "tree": False})
         accepted = fields["accepted"]
         n = len(accepted)
+        # a chain drafts one token per position; a tree drafts at depths 1..s, its nodes shown only as a count
+        depths = self.draft_length if draft["tree"] else len(draft["tokens"])
+        for j in range(1, depths + 1):
+            self.drafted[j] += 1
+            if j <= n:
+                self.accepted[j] += 1
         shown = [self._show(t, "accepted") for t in accepted]
-        if drafts[:n] == accepted:  # a chain (a tree's accepted path is not a prefix of its node order)
-            for j in range(1, len(drafts) + 1):
-                self.drafted[j] += 1
-                if j <= n:
-                    self.accepted[j] += 1
-            for j, token in enumerate(drafts[n:], n):
+        if draft["tree"]:
+            shown.append(f"(a tree of {len(draft['tokens'])} drafts)")
+        else:
+            for j, token in enumerate(draft["tokens"][n:], n):
                 shown.append(self._show(token, "rejected" if j == n else "unreached"))
         shown.append(self._show(fields["bonus"], "bonus"))
         L = fields["kv_rows"][0]

@@ -2,9 +2,9 @@
 
 python scripts/code_lines.py          # every budget, a request's path and every file over 400 code lines;
                                       # exit 1 if one is over
-
-A budget the core issue lowers prints its goal beside the limit enforced until then.
 python scripts/code_lines.py --files  # also every file, largest first
+
+A budget with a goal not reached yet prints the goal beside the limit enforced until then.
 """
 
 import argparse

@@ -176,6 +176,10 @@ def test_prompts_must_be_a_list(llm):
         (dict(gpu_memory_utilization=0.0), ValueError, "gpu_memory_utilization"),
         (dict(gpu_memory_utilization=1.5), ValueError, "gpu_memory_utilization"),
         (dict(cpu_kv_cache_gb=0), ValueError, "cpu_kv_cache_gb"),
+        (dict(cpu_kv_cache_gb=None), TypeError, "cpu_kv_cache_gb"),
+        (dict(cpu_kv_cache_gb=True), TypeError, "cpu_kv_cache_gb"),
+        (dict(gpu_memory_utilization="0.5"), TypeError, "gpu_memory_utilization"),
+        (dict(assistant=5), TypeError, "assistant"),
         (dict(seed=-1), ValueError, "seed"),
         (dict(seed=2**70), ValueError, "seed"),  # used to fail late inside torch, not naming seed
         (dict(load_format="pt"), ValueError, "load_format"),
@@ -194,6 +198,11 @@ def test_bad_engine_options(tiny_llama_dir, monkeypatch, kw, exc, field):
     monkeypatch.setattr(llm_mod, "ModelRunner", lambda *a, **k: pytest.fail("a model was built"))
     with pytest.raises(exc, match=field):
         LLM(str(tiny_llama_dir), **{"device": "cpu", **kw})
+
+
+def test_model_must_be_a_path():
+    with pytest.raises(TypeError, match="model must be a path"):
+        LLM(5)
 
 
 def test_pool_too_small_for_one_request(tiny_llama_dir):

@@ -171,10 +171,28 @@ def test_text_view_marks_agree_with_accept_lengths(tiny_llama_dir, asst_dir, dev
     assert f"({accepted[1]}/{drafted[1]})" in view.histogram()
 
 
+def test_text_view_counts_a_tree_by_depth(tiny_llama_dir, asst_dir):
+    """topk > 1: a verify line shows the accepted path, the tree's draft count and the bonus token; the
+    histogram counts depths 1..s, not tree nodes (the accepted path is no prefix of the node order)."""
+    out = io.StringIO()
+    view = trace.TextView(DigitTokenizer(), out, colour=False)
+    tree = dict(num_steps=2, topk=2, num_draft_tokens=4, adaptive_speculation=False)
+    llm = make_llm(tiny_llama_dir, asst_dir, trace=view, **tree)
+    outputs = llm.generate(PROMPTS[:3], greedy(12), use_tqdm=False)
+    lines = [line for line in out.getvalue().splitlines() if "accept_length" in line]
+    accept_lengths = [int(line.split("accept_length ")[1].split(",")[0]) for line in lines]
+    assert sorted(accept_lengths) == sorted(a for o in outputs for a in o["accept_lengths"])
+    for line, a in zip(lines, accept_lengths):
+        marks = re.findall(r"([+x.>])'t\d+'", line)
+        assert marks == ["+"] * (a - 1) + [">"] and "(a tree of 3 drafts)" in line, line
+    assert sorted(view.drafted) == [1, 2] and view.drafted[1] == view.drafted[2] == len(lines)
+    assert [view.accepted[j] for j in (1, 2)] == [sum(a > j for a in accept_lengths) for j in (1, 2)]
+
+
 def test_text_view_colours_in_a_terminal():
     out = io.StringIO()
     view = trace.TextView(DigitTokenizer(), out, colour=True)
-    view(1, "draft", {"req": 0, "L": 5, "tokens": [7, 8, 9]})
+    view(1, "draft", {"req": 0, "L": 5, "tokens": [7, 8, 9], "tree": False})
     verify = {"req": 0, "kv_rows": (5, 9), "accepted": [7], "bonus": 3, "accept_length": 2, "committed_L": 7}
     view(1, "verify", verify)
     line = out.getvalue()

@@ -154,7 +154,10 @@ class FrozenKVMTPWorker:
         if self.trace is not None:
             expected = self.policy.expected_accept(s, _is_sampled(reqs))
             tokens = tree_tokens.tolist()
-            trace.speculative_step(self.trace, reqs, s, expected, estimate, L.tolist(), tokens, result.tokens)
+            tree = self.topk > 1 and s > 0
+            trace.speculative_step(
+                self.trace, reqs, s, tree, expected, estimate, L.tolist(), tokens, result.tokens
+            )
         return result
 
     def _run(self, s: int, inputs: dict, num_splits: int, masks=None, logprobs: bool = False) -> tuple:
