@@ -7,7 +7,7 @@ import re
 from collections import Counter
 
 import pytest
-from helpers import HB, PROMPTS, greedy, make_llm
+from helpers import HB, PROMPTS, greedy, install_drafter, make_llm
 
 from nanospec import LLM, trace
 
@@ -171,20 +171,27 @@ def test_text_view_marks_agree_with_accept_lengths(tiny_llama_dir, asst_dir, dev
     assert f"({accepted[1]}/{drafted[1]})" in view.histogram()
 
 
-def test_text_view_counts_a_tree_by_depth(tiny_llama_dir, asst_dir):
-    """topk > 1: a verify line shows the accepted path, the tree's draft count and the bonus token; the
-    histogram counts depths 1..s, not tree nodes (the accepted path is no prefix of the node order)."""
+def test_text_view_counts_a_tree_by_depth(monkeypatch, tiny_llama_dir, asst_dir, reference):
+    """topk > 1 under an oracle tree drafter (``test_spec_lossless.oracle_draft``: the right token at a random
+    sibling slot, wrong at some depths) that is accepted whole in some steps and not in others: a verify line
+    shows the accepted path, the tree's draft count and the bonus token; the histogram counts depths 1..s,
+    not tree nodes (the accepted path is no prefix of the node order)."""
+    from test_spec_lossless import oracle_draft
+
+    prompts = PROMPTS[:3]
+    install_drafter(monkeypatch, oracle_draft([reference(p) for p in prompts], prompts, 2, 5))
     out = io.StringIO()
     view = trace.TextView(DigitTokenizer(), out, colour=False)
-    tree = dict(num_steps=2, topk=2, num_draft_tokens=4, adaptive_speculation=False)
+    tree = dict(num_steps=2, topk=2, num_draft_tokens=5, adaptive_speculation=False)
     llm = make_llm(tiny_llama_dir, asst_dir, trace=view, **tree)
-    outputs = llm.generate(PROMPTS[:3], greedy(12), use_tqdm=False)
+    outputs = llm.generate(prompts, greedy(12), use_tqdm=False)
     lines = [line for line in out.getvalue().splitlines() if "accept_length" in line]
     accept_lengths = [int(line.split("accept_length ")[1].split(",")[0]) for line in lines]
     assert sorted(accept_lengths) == sorted(a for o in outputs for a in o["accept_lengths"])
+    assert 3 in accept_lengths and min(accept_lengths) < 3  # whole trees accepted, and paths cut short
     for line, a in zip(lines, accept_lengths):
         marks = re.findall(r"([+x.>])'t\d+'", line)
-        assert marks == ["+"] * (a - 1) + [">"] and "(a tree of 3 drafts)" in line, line
+        assert marks == ["+"] * (a - 1) + [">"] and "(a tree of 4 drafts)" in line, line
     assert sorted(view.drafted) == [1, 2] and view.drafted[1] == view.drafted[2] == len(lines)
     assert [view.accepted[j] for j in (1, 2)] == [sum(a > j for a in accept_lengths) for j in (1, 2)]
 
