@@ -84,19 +84,10 @@ class ModelRunner:
         """One pool ``[layers, 2, num_blocks, page_size, Hkv, D]`` per KV geometry of the KV-owning layers
         (one block table serves all of them); the target's layers are bound to their views."""
         geometry = self.model.kv_geometry
-        shapes = sorted({g for g in geometry if g is not None})
-        pools = {
-            g: torch.zeros(
-                sum(x == g for x in geometry),
-                2,
-                num_blocks,
-                self.config.page_size,
-                *g,
-                dtype=self.dtype,
-                device=self.device,
-            )
-            for g in shapes
-        }
+        pools = {}
+        for g in sorted({g for g in geometry if g is not None}):
+            shape = (sum(x == g for x in geometry), 2, num_blocks, self.config.page_size, *g)
+            pools[g] = torch.zeros(shape, dtype=self.dtype, device=self.device)
         layers = {g: iter(pool) for g, pool in pools.items()}  # each layer's [2, blocks, page, H, D] view
         caches = [None if g is None else tuple(next(layers[g])) for g in geometry]  # (k_cache, v_cache)
         self.kv_pools = list(pools.values())
@@ -252,6 +243,11 @@ def select_bucket(batch_size: int, sizes: list[int]) -> int | None:
     return next((s for s in sizes if s >= batch_size), None)
 
 
+def front(buf: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The view of ``buf`` where a tensor of ``shape`` goes: its first ``shape[i]`` entries in each dim."""
+    return buf[tuple(slice(0, d) for d in shape)]
+
+
 class StaticBuffers:
     """Named static tensors of ``max_rows`` rows (times ``shape[0]`` for per-token buffers).
 
@@ -268,13 +264,8 @@ class StaticBuffers:
 
     def fill(self, name: str, live: torch.Tensor) -> None:
         buf = getattr(self, name)
-        n = live.shape[0]
-        if live.dim() == buf.dim() and live.shape[1:] != buf.shape[1:]:  # narrower rows (block tables)
-            buf[:n].fill_(self.pads[name])
-            buf[:n, : live.shape[1]].copy_(live)
-        else:
-            buf[:n].copy_(live)
-        buf[n:].fill_(self.pads[name])
+        buf.fill_(self.pads[name])
+        front(buf, live.shape).copy_(live)  # live rows may be narrower (block tables)
 
 
 class StaticOutputs:
@@ -293,25 +284,17 @@ class StaticOutputs:
             trailing = [max(dims) for dims in zip(*(x.shape[1:] for x in kept))]
             self.buffers.append(torch.empty(rows, *trailing, dtype=kept[0].dtype, device=kept[0].device))
 
-    def write(self, outputs: tuple, bs: int) -> tuple:
-        """Copy ``outputs`` (one phase's, ``bs`` rows) into their views; returns the views."""
-        views = []
-        for buf, x in zip(self.buffers, outputs):
-            if x is None:
-                views.append(None)
-                continue
-            view = buf[(slice(0, bs), *(slice(0, d) for d in x.shape[1:]))]
-            view.copy_(x)
-            views.append(view)
-        return tuple(views)
-
-
-def as_tuple(out) -> tuple:
-    return out if isinstance(out, tuple) else (out,)
+    def write(self, outputs: tuple) -> tuple:
+        """Copy ``outputs`` (one phase's) into their views; returns the views."""
+        views = tuple(None if x is None else front(buf, x.shape) for buf, x in zip(self.buffers, outputs))
+        for view, x in zip(views, outputs):
+            if x is not None:
+                view.copy_(x)
+        return views
 
 
 class BucketGraphs:
-    """``fn(bs)`` (reading static buffers, returning a tensor or a tuple of tensors and Nones) captured as one
+    """``fn(bs)`` (reading static buffers, returning a tuple of tensors and Nones) captured as one
     CUDA graph per bucket.
 
     ``capture(pool, outputs)`` warms every kernel specialization with an eager call first (a JIT compile
@@ -332,7 +315,7 @@ class BucketGraphs:
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
-                self.views[bs] = outputs.write(as_tuple(self.fn(bs)), bs)
+                self.views[bs] = outputs.write(self.fn(bs))
             self.graphs[bs] = g
 
     def run(self, bs: int):
@@ -374,9 +357,11 @@ class GraphRunner:
         }
         self.outputs: StaticOutputs | None = None
 
-    def _static_call(self, phase: str, bs: int):
+    def _static_call(self, phase: str, bs: int) -> tuple:
+        """The phase over the first ``bs`` rows of the static buffers; its outputs as a tuple."""
         fn, names = self.phases[phase]
-        return fn(num_splits=self.num_splits, **{k: getattr(self.buf, k)[:bs] for k in names})
+        out = fn(num_splits=self.num_splits, **{k: getattr(self.buf, k)[:bs] for k in names})
+        return out if isinstance(out, tuple) else (out,)
 
     def capture(self) -> None:
         """Capture every phase for every bucket into one memory pool, their outputs into one set of static
@@ -385,7 +370,7 @@ class GraphRunner:
         if not self.sizes:
             return
         largest = self.sizes[-1]
-        samples = [as_tuple(self._static_call(name, largest)) for name in self.phases]
+        samples = [self._static_call(name, largest) for name in self.phases]
         self.outputs = StaticOutputs(samples, largest)
         del samples
         pool = torch.cuda.graph_pool_handle()
@@ -405,8 +390,5 @@ class GraphRunner:
             return self.phases[phase][0](num_splits=num_splits, **(eager or {}), **inputs)
         for name, t in inputs.items():
             self.buf.fill(name, t)
-        out = self.graphs[phase].run(bucket)
-        if isinstance(out, torch.Tensor):
-            return out[:bs]
-        out = tuple(None if x is None else x[:bs] for x in out)
-        return out[0] if len(out) == 1 else out
+        out = tuple(None if x is None else x[:bs] for x in self.graphs[phase].run(bucket))
+        return out[0] if len(out) == 1 else out  # a phase returning one tensor (decode) gets it back
