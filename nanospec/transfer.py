@@ -14,6 +14,7 @@ allocator keeps a pinned buffer until the copy reading it has run. On a CPU it i
 """
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -21,14 +22,10 @@ import torch
 def to_device(data, dtype: torch.dtype, device) -> torch.Tensor:
     """``data`` (a number, a nested list or a host tensor) as a tensor of ``dtype`` on ``device``, sent
     without blocking the host."""
-    if isinstance(data, torch.Tensor):
-        data = data.to(dtype)
-        if torch.device(device).type != "cuda":
-            return data.to(device)
-        return data.pin_memory().to(device, non_blocking=True)
+    data = torch.as_tensor(data, dtype=dtype)
     if torch.device(device).type != "cuda":
-        return torch.tensor(data, dtype=dtype, device=device)
-    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+        return data.to(device)
+    return data.pin_memory().to(device, non_blocking=True)
 
 
 class HostCopy:
@@ -65,23 +62,21 @@ class StepOutput:
     timer: object = None  # the step's StepTimer (speculation), read when the step commits
     sampled: bool = False  # a row of the step sampled (the draft-length policy books it apart)
     logprobs: object = None  # logprobs.TokenLogprobs, or None
-    _host: list | None = None
 
     def __post_init__(self):
         self._copy = HostCopy(self.rows)
 
+    @cached_property
     def _rows(self) -> list[list[int]]:
-        if self._host is None:
-            self._host = self._copy.tolist()
-        return self._host
+        return self._copy.tolist()
 
     @property
     def tokens(self) -> list[list[int]]:
-        return [row[1 : 1 + row[0]] for row in self._rows()]
+        return [row[1 : 1 + row[0]] for row in self._rows]
 
     @property
     def accept_lengths(self) -> list[int]:
-        return [row[0] for row in self._rows()]
+        return [row[0] for row in self._rows]
 
 
 @dataclass
