@@ -184,17 +184,9 @@ class ModelRunner:
             logprobs = emitted_logprobs(reqs, logits[:, None], sampled[:, None], rows_bitmask)
         done_reqs = [batch.reqs[i] for i in done]
         done_hidden = hidden[self._tensor([last[i] for i in done])]
-        prompt_logprobs, prompt_logprob_rows = score_prompts(self.model, batch, hidden, last)
+        prompt_logprobs, prompt_rows = score_prompts(self.model, batch, hidden, last)
         return PrefillOutput(
-            len(batch.reqs),
-            done,
-            new,
-            done_reqs,
-            bonus,
-            done_hidden,
-            logprobs,
-            prompt_logprobs,
-            prompt_logprob_rows,
+            len(batch.reqs), done, new, done_reqs, bonus, done_hidden, logprobs, prompt_logprobs, prompt_rows
         )
 
     # ---- plain decode
