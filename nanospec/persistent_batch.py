@@ -84,7 +84,8 @@ class PersistentBatch:
 
     def _index(self, req_ids: list[int]) -> torch.Tensor:
         """The rows of ``req_ids`` on the device, sent once for the take, tables, sampling and advance of a
-        step (a birth or a release sends them again: a preempted request's next row differs)."""
+        step (a release sends them again: a preempted request's next row differs; a newborn request's id is in
+        no rows sent before)."""
         if tuple(req_ids) != self.sent_ids:
             self.sent_ids = tuple(req_ids)
             self.sent_rows = to_device([self.row[i] for i in req_ids], torch.long, self.block_table.device)
@@ -94,8 +95,6 @@ class PersistentBatch:
         """[B, W] int32 block tables of ``reqs`` in batch order, padded with the dummy block; W is the longest
         table (at least 1). A request's first call gives it a row."""
         born = [r for r in reqs if r.request_id not in self.row]
-        if born:
-            self.sent_ids = None
         for r in born:
             assert self.free, "more requests hold rows than there are (max_num_seqs)"
             self.row[r.request_id] = self.free.pop()
