@@ -86,14 +86,10 @@ def profile_peak(runner) -> None:
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     table = torch.arange(1, blocks, dtype=torch.int32, device=dev)
-    md = AttnMetadata.prefill(
-        table[None],
-        torch.tensor([T], dtype=torch.int32, device=dev),
-        torch.arange(c.page_size, c.page_size + T, device=dev),
-        torch.tensor([0, T], dtype=torch.int32, device=dev),
-        T,
-        runner.split_size,
-    )
+    seq_lens = torch.tensor([T], dtype=torch.int32, device=dev)
+    slots = torch.arange(c.page_size, c.page_size + T, device=dev)
+    cu_seqlens_q = torch.tensor([0, T], dtype=torch.int32, device=dev)
+    md = AttnMetadata.prefill(table[None], seq_lens, slots, cu_seqlens_q, T, runner.split_size)
     with attn_metadata(md):
         ids = torch.zeros(T, dtype=torch.long, device=dev)
         runner.model.compute_logits(runner.model(ids, torch.arange(T, device=dev))[-1:])
