@@ -4,6 +4,7 @@ CUDA graphs per batch-size bucket that plain decode and the speculative step rep
 one place that decides graph or eager)."""
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -145,13 +146,10 @@ class ModelRunner:
             lens.append(s + n)
         positions = self._tensor(pos)
         slots = slot_mapping(block_table, self._tensor(rows), positions, self.config.page_size)
+        seq_lens = self._tensor(lens, torch.int32)
+        cu_seqlens_q = self._tensor(cu, torch.int32)
         md = AttnMetadata.prefill(
-            block_table,
-            self._tensor(lens, torch.int32),
-            slots,
-            self._tensor(cu, torch.int32),
-            max(batch.num_new),
-            self.split_size,
+            block_table, seq_lens, slots, cu_seqlens_q, max(batch.num_new), self.split_size
         )
         return self._tensor(ids), positions, md, [c - 1 for c in cu[1:]]
 
@@ -241,18 +239,16 @@ def front(buf: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 
 class StaticBuffers:
-    """Named static tensors of ``max_rows`` rows (times ``shape[0]`` for per-token buffers).
+    """Named static tensors of ``max_rows`` rows; each spec is (a row's shape ``(1, *trailing)``, dtype, pad).
 
     ``fill(name, live)`` copies the live rows to the front and writes the buffer's pad value into the rest, so
     a captured graph always sees a fully defined batch.
     """
 
     def __init__(self, device, max_rows: int, specs: dict[str, tuple[tuple[int, ...], torch.dtype, float]]):
-        self.pads = {}
+        self.pads = {name: pad for name, (_, _, pad) in specs.items()}
         for name, (shape, dtype, pad) in specs.items():
-            buf = torch.full((max_rows * shape[0], *shape[1:]), pad, dtype=dtype, device=device)
-            setattr(self, name, buf)
-            self.pads[name] = pad
+            setattr(self, name, torch.full((max_rows, *shape[1:]), pad, dtype=dtype, device=device))
 
     def fill(self, name: str, live: torch.Tensor) -> None:
         buf = getattr(self, name)
@@ -344,9 +340,7 @@ class GraphRunner:
         self.num_splits = num_splits
         self.buffer_specs = buffers
         self.buf = StaticBuffers(device, sizes[-1], buffers) if sizes else None
-        self.graphs = {
-            name: BucketGraphs(lambda bs, name=name: self._static_call(name, bs), sizes) for name in phases
-        }
+        self.graphs = {name: BucketGraphs(partial(self._static_call, name), sizes) for name in phases}
         self.outputs: StaticOutputs | None = None
 
     def _static_call(self, phase: str, bs: int) -> tuple:
