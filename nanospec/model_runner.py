@@ -201,13 +201,9 @@ class ModelRunner:
         pos = inp.num_computed_tokens.long()
         slots = slot_mapping(bt, torch.arange(len(reqs), device=self.device), pos, self.config.page_size)
         bound = max(r.num_computed_tokens + r.num_inflight for r in reqs) + 1
-        inputs = {
-            "ids": inp.bonus_tokens,
-            "pos": pos,
-            "slots": slots,
-            "block_table": bt,
-            "seq_lens": inp.num_computed_tokens + 1,
-        }
+        inputs = dict(
+            ids=inp.bonus_tokens, pos=pos, slots=slots, block_table=bt, seq_lens=inp.num_computed_tokens + 1
+        )
         logits = self.graphs.run("decode", inputs, num_kv_splits(bound))
         bitmask = None if masks is None else masks.root(range(len(reqs)))
         toks = sample_tokens(reqs, logits, pos + 1, persistent_batch, bitmask)  # the token at position L + 1
@@ -355,9 +351,8 @@ class GraphRunner:
         capture). Each phase first runs eagerly at the largest bucket, which sizes the static outputs."""
         if not self.sizes:
             return
-        largest = self.sizes[-1]
-        samples = [self._static_call(name, largest) for name in self.phases]
-        self.outputs = StaticOutputs(samples, largest)
+        samples = [self._static_call(name, self.sizes[-1]) for name in self.phases]
+        self.outputs = StaticOutputs(samples, self.sizes[-1])
         del samples
         pool = torch.cuda.graph_pool_handle()
         for g in self.graphs.values():
