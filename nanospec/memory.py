@@ -28,17 +28,13 @@ def memory_plan(total: int, used: int, peak: int, step_logits: int, config) -> d
     return dict(total=total, used=used, activations=activations, graph_pool=graph_pool, kv_cache=kv_cache)
 
 
-def kv_bytes_per_block(runner) -> int:
-    """Bytes of one block over every KV-owning layer (KV-shared layers own none)."""
-    per_layer = [2 * runner.config.page_size * h * d for h, d in filter(None, runner.model.kv_geometry)]
-    return sum(per_layer) * torch.finfo(runner.dtype).bits // 8
-
-
 def num_kv_blocks(runner) -> int:
     """Pool size from the memory budget (GPU: ``gpu_memory_utilization`` after weights and a profiled
     activation peak; CPU: ``cpu_kv_cache_gb``), capped at what ``max_num_seqs`` full requests need."""
     c = runner.config
-    per_block = kv_bytes_per_block(runner)
+    # bytes of one block over every KV-owning layer (KV-shared layers own none)
+    per_layer = [2 * c.page_size * h * d for h, d in filter(None, runner.model.kv_geometry)]
+    per_block = sum(per_layer) * torch.finfo(runner.dtype).bits // 8
     per_req = cdiv(c.max_model_len + runner.lookahead, c.page_size)
     if c.num_kv_blocks is not None:
         n = c.num_kv_blocks
