@@ -209,10 +209,9 @@ class ModelRunner:
         toks = sample_tokens(reqs, logits, pos + 1, persistent_batch, bitmask)  # the token at position L + 1
         self.tp.agree(toks)
         persistent_batch.advance(StepInput(inp.req_ids, toks, inp.hidden, inp.num_computed_tokens + 1))
-        rows = torch.stack([torch.ones_like(toks), toks], 1)
         rows_bitmask = None if bitmask is None else bitmask[:, None]
         logprobs = emitted_logprobs(reqs, logits[:, None], toks[:, None], rows_bitmask)
-        return StepOutput(rows, logprobs=logprobs)
+        return StepOutput(torch.stack([torch.ones_like(toks), toks], 1), logprobs=logprobs)
 
 
 # ---- CUDA graphs per batch-size bucket: plain decode here, the whole speculative step in mtp/worker.py
