@@ -38,8 +38,7 @@ class HostCopy:
         self.t = t
         self.event = None
         if t.is_cuda:
-            self.t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            self.t.copy_(t, non_blocking=True)
+            self.t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
 
@@ -107,7 +106,6 @@ class PrefillOutput:
         out = [[] for _ in range(self.num_reqs)]
         if self.new_idx:
             toks = self._copy.tolist()
-            for j, i in enumerate(self.done_idx):
-                if i in self.new_idx:
-                    out[i] = [toks[j]]
+            for i in self.new_idx:
+                out[i] = [toks[self.done_idx.index(i)]]  # its first token: its bonus, in done order
         return out
