@@ -60,10 +60,8 @@ class Attention(nn.Module):
     def forward(self, positions, x, cos_sin):
         T = x.shape[0]
         d = self.head_dim
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, -1)
-        q = q.reshape(T, -1, d)
-        k = k.reshape(T, -1, d)
-        v = v.reshape(T, -1, d)
+        heads = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
+        q, k, v = self.qkv_proj(x).reshape(T, -1, d).split(heads, 1)
         if self.qk_norm:
             q = self.q_norm(q.reshape(-1, d)).view(T, -1, d)
             k = self.k_norm(k.reshape(-1, d)).view(T, -1, d)
