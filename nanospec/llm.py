@@ -146,7 +146,7 @@ class LLM:
     def _add(self, req: Request) -> None:
         """Queue a validated request; one without ``SamplingParams.seed`` gets a seed from the engine's
         generator (``LLM(seed=...)`` fixes a run)."""
-        req.draw_seed(self._seeds)
+        req.seed = req.params.seed if req.params.seed is not None else self._seeds.randrange(2**63)
         self.scheduler.add(req)
 
     def compile_grammar(self, params: SamplingParams) -> None:
@@ -324,17 +324,16 @@ class LLM:
             self._add(r)
         done = {}
         ntok = 0
-        bar = tqdm(total=len(reqs), desc="Generating", disable=not use_tqdm)
         t0 = time.perf_counter()
         ids = {r.request_id for r in reqs}
-        while len(done) < len(reqs):
-            for r in self.step():
-                if r.request_id not in ids:
-                    self._stash.append(r)
-                    continue
-                done[r.request_id] = r
-                ntok += len(r.output_token_ids)
-                bar.update(1)
-                bar.set_postfix(tok_s=f"{ntok / (time.perf_counter() - t0):.1f}")
-        bar.close()
+        with tqdm(total=len(reqs), desc="Generating", disable=not use_tqdm) as bar:
+            while len(done) < len(reqs):
+                for r in self.step():
+                    if r.request_id not in ids:
+                        self._stash.append(r)
+                        continue
+                    done[r.request_id] = r
+                    ntok += len(r.output_token_ids)
+                    bar.update(1)
+                    bar.set_postfix(tok_s=f"{ntok / (time.perf_counter() - t0):.1f}")
         return [self.output_dict(done[r.request_id]) for r in reqs]

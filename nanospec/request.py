@@ -1,6 +1,5 @@
 """Request state: tokens, KV bookkeeping, and the finish rules over multi-token commits (DESIGN §4 rule 5)."""
 
-import random
 from enum import Enum, auto
 
 from .sampling_params import SamplingParams
@@ -36,7 +35,7 @@ class Request:
     ):
         self.request_id = request_id
         self.params = params
-        self.seed = 0  # drawn when the request is queued (draw_seed)
+        self.seed = 0  # fixed when the request is queued (LLM._add)
         self.status = Status.WAITING
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -58,11 +57,6 @@ class Request:
         ends_at_eos = not params.ignore_eos or matcher is not None
         self._stop_ids = set(params.stop_token_ids) | (set(eos_token_ids) if ends_at_eos else set())
         self._tokenizer = tokenizer
-
-    def draw_seed(self, rng: random.Random) -> None:
-        """Fix ``seed`` when the request is queued: its ``SamplingParams.seed``, or one drawn from the
-        engine's generator ``rng`` (``LLM(seed=...)`` fixes a run)."""
-        self.seed = self.params.seed if self.params.seed is not None else rng.randrange(2**63)
 
     @property
     def num_tokens(self) -> int:
@@ -104,9 +98,7 @@ class Request:
             self.output_token_ids.append(tok)
             if self.logprobs is not None:
                 self.logprobs.append(logprobs[i])
-            if p.stop and self._match_stop_string():
-                self.finish_reason = "stop"
-            elif tok in self._stop_ids:
+            if (p.stop and self._match_stop_string()) or tok in self._stop_ids:
                 self.finish_reason = "stop"
             elif len(self.output_token_ids) >= p.max_tokens:
                 self.finish_reason = "length"
