@@ -51,10 +51,14 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and not isinstance(v, (str, os.PathLike)):
                 raise TypeError(f"{name} must be a path (str or os.PathLike) or None, got {v!r}")
-        for name in ("gpu_memory_utilization", "cpu_kv_cache_gb"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise TypeError(f"{name} must be a number, got {v!r}")
+        for f in fields(self):  # the options typed bool or float; the int options below
+            v = getattr(self, f.name)
+            if f.type is bool and not isinstance(v, bool):
+                raise TypeError(f"{f.name} must be a bool, got {v!r}")
+            if f.type is float and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise TypeError(f"{f.name} must be a number, got {v!r}")
+        if self.overlap_schedule is not None and not isinstance(self.overlap_schedule, bool):
+            raise TypeError(f"overlap_schedule must be a bool or None, got {self.overlap_schedule!r}")
         for name, lo in (
             ("max_model_len", 2),
             ("max_num_seqs", 1),
@@ -75,17 +79,6 @@ class EngineConfig:
                 raise TypeError(f"{name} must be an int, got {v!r}")
             if v < lo:
                 raise ValueError(f"{name} must be >= {lo}, got {v}")
-        for name in (
-            "enforce_eager",
-            "enable_prefix_caching",
-            "overlap_schedule",
-            "adaptive_speculation",
-            "deterministic",
-        ):
-            v = getattr(self, name)
-            if not isinstance(v, bool) and not (v is None and name == "overlap_schedule"):
-                kinds = "a bool or None" if name == "overlap_schedule" else "a bool"
-                raise TypeError(f"{name} must be {kinds}, got {v!r}")
         if self.seed >= 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if not (self.trace is None or isinstance(self.trace, bool) or callable(self.trace)):
