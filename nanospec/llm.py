@@ -34,7 +34,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs):
-        self._lap_start = time.perf_counter()
+        self._lap_start = time.perf_counter()  # when LLM() started
         self.startup_seconds: dict[str, float] = {}  # where LLM() spent its time, phase by phase (_lap)
         self.config = c = EngineConfig.from_kwargs(model, kwargs)
         model_dir = loader.resolve_model_dir(model, need_weights=c.load_format != "dummy")
@@ -64,9 +64,8 @@ class LLM:
     def _lap(self, phase: str) -> None:
         """Book the seconds since the previous phase ended to ``phase`` (``startup_seconds``, logged at INFO
         level once the engine is ready: ``python example.py --verbose`` prints it)."""
-        now = time.perf_counter()
-        self.startup_seconds[phase] = now - self._lap_start
-        self._lap_start = now
+        booked = sum(self.startup_seconds.values())
+        self.startup_seconds[phase] = time.perf_counter() - self._lap_start - booked
 
     def _build(self, c, hf_config, model_dir, assistant, tp) -> None:
         self.runner = runner = ModelRunner(c, hf_config, model_dir, tp)
