@@ -321,18 +321,17 @@ class LLM:
         reqs = [self._make_request(p, sp) for p, sp in zip(prompts, params)]
         for r in reqs:
             self._add(r)
-        done = {}
+        pending = {r.request_id for r in reqs}
         ntok = 0
         t0 = time.perf_counter()
-        ids = {r.request_id for r in reqs}
         with tqdm(total=len(reqs), desc="Generating", disable=not use_tqdm) as bar:
-            while len(done) < len(reqs):
+            while pending:
                 for r in self.step():
-                    if r.request_id not in ids:
+                    if r.request_id not in pending:  # another caller's request (add_request)
                         self._stash.append(r)
                         continue
-                    done[r.request_id] = r
+                    pending.remove(r.request_id)
                     ntok += len(r.output_token_ids)
                     bar.update(1)
                     bar.set_postfix(tok_s=f"{ntok / (time.perf_counter() - t0):.1f}")
-        return [self.output_dict(done[r.request_id]) for r in reqs]
+        return [self.output_dict(r) for r in reqs]
