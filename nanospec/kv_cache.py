@@ -116,8 +116,7 @@ class BlockAllocator:
             block = self.cached.get(h)
             if block is None:
                 break
-            if self.ref_count[block] == 0:
-                del self.evictable[block]
+            self.evictable.pop(block, None)  # a cached block nobody held is no longer evictable
             self.ref_count[block] += 1
             req.block_table.append(block)
         return len(req.block_table) * self.page_size
