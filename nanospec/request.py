@@ -122,8 +122,7 @@ class Request:
         if not any(s in tail for s in self.params.stop):
             return False
         text = self._tokenizer.decode(self.output_token_ids, skip_special_tokens=True)
-        hits = [text.find(s) for s in self.params.stop if s in text]
-        self.stop_str_index = min(hits)
+        self.stop_str_index = min(text.find(s) for s in self.params.stop if s in text)
         return True
 
     def __getstate__(self) -> dict:
@@ -140,6 +139,5 @@ class Request:
         return self.__dict__ | drop
 
     def output_text(self) -> str:
-        """The decoded output; cut before a matched stop string."""
-        text = self._tokenizer.decode(self.output_token_ids, skip_special_tokens=True)
-        return text if self.stop_str_index is None else text[: self.stop_str_index]
+        """The decoded output; cut before a matched stop string (``stop_str_index`` None: not cut)."""
+        return self._tokenizer.decode(self.output_token_ids, skip_special_tokens=True)[: self.stop_str_index]
