@@ -269,11 +269,10 @@ class LLM:
         holds count as free, so it is 0 when idle), ``num_draft_inputs`` (requests holding a next
         input under speculation; 0 when idle) and ``num_preemptions`` (preemptions by recompute since
         the engine started)."""
-        allocator = self.scheduler.allocator
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
-            "kv_cache_usage": 1 - allocator.num_free / allocator.num_usable,
+            "kv_cache_usage": 1 - self.scheduler.allocator.num_free / self.scheduler.allocator.num_usable,
             "num_draft_inputs": len(self.persistent_batch) if self.worker is not None else 0,
             "num_preemptions": self.scheduler.num_preemptions,
         }
