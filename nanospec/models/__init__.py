@@ -22,6 +22,4 @@ def target_class(hf_config) -> tuple[type[nn.Module], object]:
         tc = hf_config.get_text_config() if mt == "gemma4" else hf_config
         check_config(tc)
         return Gemma4ForCausalLM, tc
-    raise ValueError(
-        f"model_type: {mt!r} is not supported; allowed values: llama, qwen3, gemma4_text, gemma4"
-    )
+    raise ValueError(f"model_type: {mt!r} is not supported; use llama, qwen3, gemma4_text or gemma4")
