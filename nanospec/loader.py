@@ -50,14 +50,11 @@ def resolve_model_dir(model: str | os.PathLike | None, need_weights: bool = True
     d = pathlib.Path(model).expanduser()
     if not d.is_dir():
         raise ValueError(f"model: {str(model)!r} is not an existing directory (expected an HF model dir)")
-    missing = [
-        w
-        for w, ok in (
-            ("config.json", (d / "config.json").is_file()),
-            ("*.safetensors weights", not need_weights or any(d.glob("*.safetensors"))),
-        )
-        if not ok
-    ]
+    missing = []
+    if not (d / "config.json").is_file():
+        missing.append("config.json")
+    if need_weights and not any(d.glob("*.safetensors")):
+        missing.append("*.safetensors weights")
     if missing:
         raise ValueError(f"model: directory {str(d)!r} is missing {' and '.join(missing)}")
     return d
@@ -209,12 +206,8 @@ def load_weights(
         loaded.add((target, shard))
     check_complete(loaded)
     if skipped:
-        logger.info(
-            "%s: skipped %d checkpoint tensors it does not use, e.g. %r",
-            type(model).__name__,
-            len(skipped),
-            skipped[0],
-        )
+        message = "%s: skipped %d checkpoint tensors it does not use, e.g. %r"
+        logger.info(message, type(model).__name__, len(skipped), skipped[0])
 
 
 def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
@@ -333,8 +326,6 @@ def read_assistant_config(path):
     """The HF ``Gemma4AssistantConfig`` of a checkpoint dir, reading no tensor (for ``check_assistant_config``
     before any weights load). Raises ValueError naming the problem: not a dir with a config.json, wrong
     model_type, no *.safetensors."""
-    from transformers import AutoConfig
-
     d = pathlib.Path(path).expanduser()
     if not (d / "config.json").is_file():
         raise ValueError(f"assistant: {str(path)!r} is not a directory with a config.json")
