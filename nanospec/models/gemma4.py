@@ -298,22 +298,18 @@ class Gemma4ForCausalLM(nn.Module):
 
     def bind_kv_cache(self, caches) -> None:
         """Bind per-layer pool views: ``caches[i]`` is (k_cache, v_cache) ``[num_blocks, page_size, Hkv_i,
-        D_i]`` for owning layers, None for KV-shared ones, which then point at their owner's views.
-        ValueError on a missing, unexpected or mis-shaped entry."""
+        D_i]`` for owning layers (shaped by ``kv_geometry``, which the caller builds them from), None for
+        KV-shared ones, which then point at their owner's views. ValueError on a missing or unexpected
+        entry."""
         if len(caches) != len(self.layers):
             raise ValueError(f"bind_kv_cache: got {len(caches)} entries for {len(self.layers)} layers")
-        for i, (_, geo) in enumerate(zip(self.layers, self.kv_geometry)):
+        for i, geo in enumerate(self.kv_geometry):
             if (caches[i] is None) != (geo is None):
                 raise ValueError(
                     f"bind_kv_cache: layer {i} needs {'no cache' if geo is None else 'a cache'} (kv_geometry)"
                 )
-        for i, layer in enumerate(self.layers):
-            k, v = caches[self.kv_owner[i]]
-            if tuple(k.shape[2:]) != self.kv_geometry[self.kv_owner[i]] or v.shape != k.shape:
-                raise ValueError(
-                    f"bind_kv_cache: layer {i} caches {tuple(k.shape)}, {tuple(v.shape)} do not "
-                    f"match (num_kv_heads, head_dim) = {self.kv_geometry[self.kv_owner[i]]}"
-                )
+        for layer, owner in zip(self.layers, self.kv_owner):
+            k, v = caches[owner]
             layer.self_attn.k_cache = k
             layer.self_attn.v_cache = v
 
