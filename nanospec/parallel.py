@@ -5,7 +5,8 @@ Layers: ``ColumnLinear`` keeps this rank's output rows of each packed part (q | 
 ``RowLinear`` its input columns, summing the partial products with one all-reduce; ``VocabEmbedding`` and a
 column-parallel LM head this rank's vocabulary rows (``gather`` joins the logits where sampling happens).
 Heads are split evenly; KV heads fewer than the ranks are replicated (``span``: max(1, H / N) per rank, as
-vLLM and SGLang). ``Linear`` is the replicated layer; every GEMM of the engine goes through ``linear``.
+vLLM and SGLang). ``Linear`` is the replicated layer; every GEMM of the engine goes through ``linear``
+(``kernels.matmul.linear``: ``F.linear``'s signature; up to 4 rows on a CPU cost about what one row costs).
 Models build these from the ``TensorParallel`` (rank, size) they are given and never branch on the rank.
 
 Process model: rank 0 is the caller's process and owns the scheduler; it sends each step (and each release
@@ -31,13 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import layer_geometry
-from .kernels import matmul
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``: the engine's one GEMM call (x [T, K] @ weight [N, K].T + bias [N] -> [T, N]); fp32 on a
-    CPU through ``kernels.matmul.linear`` (up to 4 rows cost about what one row costs)."""
-    return matmul.linear(x, weight, bias)
+from .kernels.matmul import linear  # the engine's one GEMM call (F.linear's signature)
 
 
 class TensorParallel(NamedTuple):
