@@ -244,15 +244,6 @@ def assistant_slots(model) -> dict[str, torch.Tensor]:
     return slots
 
 
-def _copy(name, dst, t):
-    if tuple(dst.shape) != tuple(t.shape):
-        raise ValueError(
-            f"assistant: checkpoint tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(dst.shape)}"
-        )
-    with torch.no_grad():
-        dst.copy_(t)
-
-
 @torch.no_grad()
 def set_token_ordering(model, order: torch.Tensor) -> None:
     """Set the clusters of drafter ``model``'s centroid head: ``order [V]`` int, a permutation of range(V);
@@ -284,42 +275,38 @@ def load_checkpoint(model, tensors) -> None:
     permutation."""
     slots = assistant_slots(model)
     modules = dict(model.named_modules())
-    tied = bool(getattr(model.config, "tie_word_embeddings", True))
-    got = set()
-    embed = None
-    order = None
-    for name, t in tensors:
+    tensors = dict(tensors)
+    embed = tensors.pop("model.embed_tokens.weight", None)  # only the LM head's (tied) source
+    if model.lm_head is None:
+        tensors.pop("lm_head.weight", None)  # use_target_lm_head: the assistant's own table is unused
+    elif getattr(model.config, "tie_word_embeddings", True) and embed is not None:
+        tensors.setdefault("lm_head.weight", embed)
+    for name, t in tensors.items():
         if any(s in name for s in _IGNORED) or (name.startswith("masked_embedding.") and name not in slots):
-            continue
-        if name in ("lm_head.weight", "model.embed_tokens.weight") and model.lm_head is None:
-            continue  # use_target_lm_head: the assistant's own table is unused
-        if name == "model.embed_tokens.weight":
-            embed = t  # only the LM head's (tied) source; HF never embeds with it here
             continue
         if name not in slots:
             raise ValueError(f"assistant: checkpoint tensor {name!r} matches no parameter")
         if name == _ORDER:  # applied last, to the rows loaded in token order (it moves them)
-            order = t
-        else:
-            _copy(name, slots[name], parallel.shard_of(modules.get(name.rsplit(".", 1)[0]), name, t))
-        got.add(name)
-    if model.lm_head is not None and "lm_head.weight" not in got and tied and embed is not None:
-        _copy("model.embed_tokens.weight", slots["lm_head.weight"], embed)
-        got.add("lm_head.weight")
-    missing = [n for n in slots if n not in got]
+            continue
+        dst = slots[name]
+        t = parallel.shard_of(modules.get(name.rsplit(".", 1)[0]), name, t)
+        if dst.shape != t.shape:
+            raise ValueError(
+                f"assistant: checkpoint tensor {name!r} has shape {tuple(t.shape)}, "
+                f"expected {tuple(dst.shape)}"
+            )
+        with torch.no_grad():
+            dst.copy_(t)
+    missing = [n for n in slots if n not in tensors]
     if missing:
-        hint = (
-            ' (a checkpoint without an LM head must set "use_target_lm_head": true in config.json)'
-            if "lm_head.weight" in missing
-            else ""
-        )
-        raise ValueError(
-            f"assistant: checkpoint is missing tensor {missing[0]!r}{hint}"
-            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
-        )
-    if order is not None:
+        hint = ""
+        if "lm_head.weight" in missing:
+            hint = ' (a checkpoint without an LM head must set "use_target_lm_head": true in config.json)'
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ValueError(f"assistant: checkpoint is missing tensor {missing[0]!r}{hint}{more}")
+    if model.masked_embedding is not None:
         model.masked_embedding.token_ordering.copy_(torch.arange(model.vocab_size))  # rows are in token order
-        set_token_ordering(model, order)
+        set_token_ordering(model, tensors[_ORDER])
 
 
 def read_assistant_config(path):
