@@ -100,15 +100,14 @@ class StructuredOutputsParams:
 
     def __post_init__(self):
         where = "SamplingParams.structured_outputs"
-        names = ("json", "json_object", "regex", "choice", "grammar")
-        given = [name for name in names if getattr(self, name) not in (None, False)]
+        kinds = {"json": (dict, str), "json_object": bool, "regex": str, "choice": list, "grammar": str}
+        given = [name for name in kinds if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise ValueError(
                 f"{where}: set exactly one of json, json_object, regex, choice, grammar; got {given}"
             )
         name = given[0]
         value = getattr(self, name)
-        kinds = {"json": (dict, str), "json_object": bool, "regex": str, "choice": list, "grammar": str}
         if not isinstance(value, kinds[name]):
             raise TypeError(f"{where}.{name} has the wrong type: {type(value).__name__}")
         if name == "choice" and (not value or any(not isinstance(s, str) or not s for s in value)):
@@ -188,27 +187,19 @@ class StepMasks:
         self.device = device
         self.seen: dict[tuple, tuple[torch.Tensor, int]] = {}
 
-    def constrained_rows(self) -> list[int]:
-        """Indices of the batch's rows whose request has a constraint."""
-        return [b for b, matcher in enumerate(self.matchers) if matcher is not None]
-
     def run_apart(self, run, inputs: dict) -> tuple:
         """One speculative step whose constrained rows run apart from the others, eagerly with their masks,
         so one constrained request does not take the batch off its CUDA graphs (DESIGN §5). ``inputs``: name
         -> [B, ...] tensor; ``run(part, eager)`` runs the step over the rows of ``part`` (``eager``: None, or
         the arguments only an eager call takes: these rows' masks). Returns its outputs in batch order."""
-        constrained = self.constrained_rows()
+        constrained = [b for b, matcher in enumerate(self.matchers) if matcher is not None]
         if len(constrained) in (0, len(self.matchers)):
             return run(inputs, dict(masks=self) if constrained else None)
         free = sorted(set(range(len(self.matchers))) - set(constrained))
         rows = to_device(free + constrained, torch.long, self.device)  # one transfer for both parts
-        parts = []
-        for index, eager in (
-            (rows[: len(free)], None),
-            (rows[len(free) :], dict(masks=self.select(constrained))),
-        ):
-            part = {k: t.index_select(0, index) for k, t in inputs.items()}
-            parts.append(run(part, eager))
+        free_inputs = {k: t.index_select(0, rows[: len(free)]) for k, t in inputs.items()}
+        constrained_inputs = {k: t.index_select(0, rows[len(free) :]) for k, t in inputs.items()}
+        parts = [run(free_inputs, None), run(constrained_inputs, dict(masks=self.select(constrained)))]
         order = rows.argsort()
         return tuple(None if a is None else torch.cat([a, b]).index_select(0, order) for a, b in zip(*parts))
 
