@@ -87,10 +87,8 @@ class TextView:
         n = len(accepted)
         # a chain drafts one token per position; a tree drafts at depths 1..s, its nodes shown only as a count
         depths = self.draft_length if draft["tree"] else len(draft["tokens"])
-        for j in range(1, depths + 1):
-            self.drafted[j] += 1
-            if j <= n:
-                self.accepted[j] += 1
+        self.drafted.update(range(1, depths + 1))
+        self.accepted.update(range(1, n + 1))
         shown = [self._show(t, "accepted") for t in accepted]
         if draft["tree"]:
             shown.append(f"(a tree of {len(draft['tokens'])} drafts)")
