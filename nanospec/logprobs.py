@@ -52,48 +52,45 @@ def emitted_logprobs(reqs: list[Request], logits: torch.Tensor, tokens: torch.Te
     return TokenLogprobs(rows, tokens[idx].clamp(min=0).flatten(), k)
 
 
-def logprobs_per_request(logprobs, reqs, tokens: list[list[int]], width: int) -> list:
-    """Split ``emitted_logprobs``' rows (``width`` per request that asked) over the batch: per request None,
-    or one dict per token it emitted (``tokens[i]``)."""
-    out = [None] * len(reqs)
+def per_request(logprobs, rows, n: int) -> list:
+    """Split ``logprobs``' rows over a batch of ``n`` requests: per request None, or one dict per row it has.
+    ``rows``: (batch index, the row tokens, k) per request that has rows, in row order (or None when
+    ``logprobs`` is None: no request asked)."""
+    out = [None] * n
     if logprobs is None:
         return out
-    wanted = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-    row_tokens = []
-    ks = []
-    for i in wanted:
-        row_tokens += (tokens[i] + [0] * width)[:width]  # rows past what a request emitted are not read
-        ks += [reqs[i].params.logprobs] * width
-    dicts = logprobs.dicts(row_tokens, ks)
-    for j, i in enumerate(wanted):
-        out[i] = dicts[j * width : j * width + len(tokens[i])]
+    tokens = [t for _, ids, _ in rows for t in ids]
+    ks = [k for _, ids, k in rows for _ in ids]
+    dicts = logprobs.dicts(tokens, ks)
+    start = 0
+    for i, ids, _ in rows:
+        out[i] = dicts[start : start + len(ids)]
+        start += len(ids)
     return out
 
 
 def step_logprobs(reqs: list[Request], out) -> list:
-    """A decode or speculative step's (``out``: its ``transfer.StepOutput``): per request None, or one dict
-    per token it emitted."""
-    return logprobs_per_request(out.logprobs, reqs, out.tokens, out.rows.shape[1] - 1)
+    """A decode or speculative step's (``out``: its ``transfer.StepOutput``, whose ``logprobs`` has
+    ``width`` = K rows per request that asked): per request None, or one dict per token it emitted."""
+    tokens = out.tokens
+    width = out.rows.shape[1] - 1
+    rows = [
+        (i, (tokens[i] + [0] * width)[:width], r.params.logprobs)  # rows past what it emitted are not read
+        for i, r in enumerate(reqs)
+        if r.params.logprobs is not None
+    ]
+    dicts = per_request(out.logprobs, rows, len(reqs))
+    return [None if d is None else d[: len(t)] for d, t in zip(dicts, tokens)]
 
 
 def prefill_logprobs(reqs: list[Request], out) -> tuple[list, list]:
     """A prefill step's (``out``: its ``transfer.PrefillOutput``), per request of the batch: (None, or the
     dict of the first token it emits; None, or one dict per prompt token this chunk scored)."""
-    new = [reqs[i] for i in out.new_idx]
-    firsts = logprobs_per_request(out.logprobs, new, [t for t in out.tokens if t], 1)
-    logprobs = [None] * out.num_reqs
-    for i, entry in zip(out.new_idx, firsts):
-        logprobs[i] = entry
-    prompt_logprobs = [None] * out.num_reqs
-    if out.prompt_logprobs is None:
-        return logprobs, prompt_logprobs
-    tokens = [t for _, ids, _ in out.prompt_logprob_rows for t in ids]
-    ks = [k for _, ids, k in out.prompt_logprob_rows for _ in ids]
-    dicts = out.prompt_logprobs.dicts(tokens, ks)
-    start = 0
-    for i, ids, _ in out.prompt_logprob_rows:
-        prompt_logprobs[i] = dicts[start : start + len(ids)]
-        start += len(ids)
+    tokens = out.tokens
+    asked = [i for i in out.new_idx if reqs[i].params.logprobs is not None]
+    firsts = [(i, tokens[i], reqs[i].params.logprobs) for i in asked]  # a new request's first token
+    logprobs = per_request(out.logprobs, firsts, out.num_reqs)
+    prompt_logprobs = per_request(out.prompt_logprobs, out.prompt_logprob_rows, out.num_reqs)
     return logprobs, prompt_logprobs
 
 
