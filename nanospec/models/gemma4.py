@@ -122,7 +122,6 @@ class Gemma4Attention(nn.Module):
         k_eq_v = tc.attention_k_eq_v and self.layer_type == "full_attention"
         parts = [q] if self.is_kv_shared else [q, kv] if k_eq_v else [q, kv, kv]
         self.qkv_proj = ColumnLinear(tp, tc.hidden_size, parts, tc.attention_bias, gemm)
-        self.num_heads = tp.span(tc.num_attention_heads)[1]
         self.num_kv_heads = tp.span(lc.num_key_value_heads)[1]
         self.q_norm = gemma_rms_norm(self.head_dim, self.eps)
         if not self.is_kv_shared:
