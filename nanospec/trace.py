@@ -22,10 +22,8 @@ def speculative_step(trace, reqs, s: int, tree: bool, expected: float, estimate,
     wrote, the drafts accepted, the bonus token, the accept length and the committed length after it; a stop
     or ``max_tokens`` may keep fewer of ``emitted[i]``, the tokens it emitted)."""
     tok_per_s = None if estimate is None else round(estimate, 1)
-    trace(
-        "draft_len",
-        {"s": s, "batch": len(reqs), "expected_accept": round(expected, 3), "tok_per_s": tok_per_s},
-    )
+    draft_len = {"s": s, "batch": len(reqs), "expected_accept": round(expected, 3), "tok_per_s": tok_per_s}
+    trace("draft_len", draft_len)
     for r, L, tokens, out in zip(reqs, lens, tree_tokens, emitted):
         trace("draft", {"req": r.request_id, "L": L, "tokens": tokens[1:], "tree": tree})
         verify = {
