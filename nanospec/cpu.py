@@ -16,7 +16,23 @@ import torch.nn.functional as F
 _probed = False  # configure_cpu_threads ran in this process: its thread count stands
 
 
-def configure_cpu_threads(probe=None) -> int:
+def _time_small_gemms(threads: int, limit_s: float, reps: int = 10) -> float:
+    """Seconds for ``reps`` MLP blocks of SmolLM2's width on 16 rows (a decode step's op sizes) with
+    ``threads`` threads; stops early (returning what it took so far) once past ``limit_s``."""
+    torch.set_num_threads(threads)
+    x = torch.full((16, 576), 0.1)
+    w_up = torch.full((1536, 576), 0.01)
+    w_down = torch.full((576, 1536), 0.01)
+    F.linear(x, w_up)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        F.linear(F.silu(F.linear(x, w_up)), w_down)
+        if time.perf_counter() - t0 > limit_s:
+            break
+    return time.perf_counter() - t0
+
+
+def configure_cpu_threads(probe=_time_small_gemms) -> int:
     """Pick torch's intra-op CPU thread count for this process at start-up and return it.
 
     With torch's default (one OpenMP thread per core), every op of a small model ends on a barrier that waits
@@ -33,7 +49,6 @@ def configure_cpu_threads(probe=None) -> int:
     n = torch.get_num_threads()
     if n == 1 or torch.cuda.is_available() or {"OMP_NUM_THREADS", "MKL_NUM_THREADS"} & os.environ.keys():
         return n
-    probe = probe or _time_small_gemms
     best = 1
     best_seconds = probe(1, float("inf"))
     threads = 1
@@ -52,22 +67,6 @@ def configure_cpu_threads(probe=None) -> int:
             flush=True,
         )
     return best
-
-
-def _time_small_gemms(threads: int, limit_s: float, reps: int = 10) -> float:
-    """Seconds for ``reps`` MLP blocks of SmolLM2's width on 16 rows (a decode step's op sizes) with
-    ``threads`` threads; stops early (returning what it took so far) once past ``limit_s``."""
-    torch.set_num_threads(threads)
-    x = torch.full((16, 576), 0.1)
-    w_up = torch.full((1536, 576), 0.01)
-    w_down = torch.full((576, 1536), 0.01)
-    F.linear(x, w_up)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        F.linear(F.silu(F.linear(x, w_up)), w_down)
-        if time.perf_counter() - t0 > limit_s:
-            break
-    return time.perf_counter() - t0
 
 
 def default_cpu_threads() -> int:
