@@ -24,6 +24,7 @@ import os
 import sys
 import tempfile
 from datetime import timedelta
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -87,6 +88,12 @@ class Linear(nn.Linear):
     def forward(self, x):
         return self.gemm(x, self.weight, self.bias)
 
+    def pack(self) -> None:
+        """Multiply through a packed copy of the weight where ``matmul.pack`` makes one (fp32 on a CPU)."""
+        packed = matmul.pack(self.weight)
+        if packed is not None:
+            self.gemm = partial(matmul.linear, packed=packed)
+
 
 class ColumnLinear(Linear):
     """Column-parallel linear over packed parts ``[(n, unit), ...]`` (n heads of ``unit`` rows, or n rows of
@@ -110,6 +117,19 @@ class RowLinear(Linear):
 
     def forward(self, x):
         return self.tp.all_reduce(self.gemm(x, self.weight, self.bias if self.tp.rank == 0 else None))
+
+
+def pack_weights(model: nn.Module) -> None:
+    """On a CPU in fp32 every GEMM of ``model`` (a target: its ``Linear`` layers and its LM head, its ``gemm``
+    over ``model.lm_head_weight``) multiplies more than 2 rows through a oneDNN-packed copy of its weight
+    (``kernels.matmul.pack``; about 1.7x faster at 8 rows). The plain weights stay (1-2 rows, the embedding
+    and the drafter read them), so the weights take twice their memory. Elsewhere nothing changes."""
+    for module in model.modules():
+        if isinstance(module, Linear) and module is not getattr(model, "lm_head", None):
+            module.pack()
+    packed = matmul.pack(model.lm_head_weight)
+    if packed is not None:
+        model.gemm = partial(matmul.linear, packed=packed)
 
 
 class VocabEmbedding(nn.Embedding):

@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import AutoConfig
 
 from nanospec import cpu, parallel
 from nanospec.cpu import default_cpu_threads
@@ -41,6 +42,44 @@ def test_cpu_linear_takes_the_transposed_product_for_a_few_fp32_rows():
         assert torch.equal(matmul.linear(t, w.to(t.dtype)), F.linear(t, w.to(t.dtype)))
     empty = torch.zeros(0, 24)
     assert matmul.linear(empty, w).shape == (0, 40)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (torch.backends.mkldnn)")
+def test_cpu_linear_takes_the_packed_weight_from_3_rows():
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
+    other = torch.randn(40, 24, generator=g)
+    packed = matmul.pack(other)  # another weight's copy: the result shows which path ran
+    for m in (1, 2, 3, 8, 48):
+        x = torch.randn(m, 24, generator=g)
+        got = matmul.linear(x, w, b, packed=packed)
+        want = F.linear(x, other if m > 2 else w, b)
+        assert got.shape == (m, 40)
+        assert float((got - want).abs().max() / want.abs().max()) <= 1e-5
+    batched = torch.randn(2, 4, 24, generator=g)  # [B, N, K] rows keep their shape
+    assert torch.allclose(matmul.linear(batched, w, b, matmul.pack(w)), F.linear(batched, w, b), atol=1e-5)
+    assert matmul.pack(w.bfloat16()) is None and matmul.pack(w.double()) is None  # fp32 only
+
+
+def test_model_runner_packs_its_weights_on_a_cpu_in_fp32_only(tiny_llama_dir):
+    from nanospec.config import EngineConfig
+    from nanospec.model_runner import ModelRunner
+    from nanospec.parallel import Linear
+
+    for deterministic in (False, True):
+        config = EngineConfig(str(tiny_llama_dir), device="cpu", deterministic=deterministic)
+        runner = ModelRunner(config, AutoConfig.from_pretrained(tiny_llama_dir), tiny_llama_dir)
+        head = runner.model.lm_head  # untied: its product is the model's own gemm over lm_head_weight
+        linears = [m for m in runner.model.modules() if isinstance(m, Linear) and m is not head]
+        assert linears
+        for module in linears + [runner.model]:
+            packed = getattr(module.gemm, "keywords", {}).get("packed")
+            assert (packed is not None) == (not deterministic)
+        ids = torch.tensor([1, 2, 3, 4])
+        x = runner.model.embed(ids)
+        for module in linears:  # the packed product equals the plain one
+            if module.in_features == x.shape[-1]:
+                assert torch.allclose(module(x), F.linear(x, module.weight, module.bias), atol=1e-5)
 
 
 def test_default_cpu_threads_only_overrides_the_default(monkeypatch):
