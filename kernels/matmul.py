@@ -33,35 +33,30 @@ from .attention_common import dot_precision
 from .backend import use_triton
 
 FEW_ROWS = 6  # the most rows that take the transposed product (measured above)
-FEW_ROWS_PLAIN = 2  # with a packed weight, the most rows that still take the transposed product
-PACK_ROWS = 8  # the row count oneDNN lays the packed weight out for
+ONEDNN_FROM_ROWS = 3  # with a oneDNN weight, the fewest rows that go through it (measured above)
+ONEDNN_ROWS = 8  # the row count oneDNN lays its weight out for
 _TILES = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64)  # one config for every M; narrow N: more programs
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's blocked copy of ``weight`` [N, K] for :func:`linear`'s ``packed`` (an opaque tensor of the
-    same size), or None unless ``weight`` is fp32 on a CPU with oneDNN (module docstring: why)."""
-    if (
-        weight.device.type != "cpu"
-        or weight.dtype != torch.float32
-        or not torch.backends.mkldnn.is_available()
-    ):
+def to_onednn(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's reordered copy of ``weight`` [N, K] for :func:`linear`'s ``onednn_weight`` (an opaque
+    tensor of the same size), or None unless ``weight`` is fp32 on a CPU with oneDNN (module docstring)."""
+    cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32
+    if not cpu_fp32 or not torch.backends.mkldnn.is_available():
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_ROWS)
 
 
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed=None
-) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, onednn_weight=None):
     """``F.linear(x, weight, bias)`` (x [..., K], weight [N, K], bias [N] or None -> [..., N], x's dtype),
-    equal to it to fp32 rounding. An fp32 CPU ``x`` of at most ``FEW_ROWS`` rows is computed as
-    ``(weight @ x.t()).t()`` over an even number of rows (the last row repeated); with ``packed`` (``pack``'s
-    copy of ``weight``) one of more than ``FEW_ROWS_PLAIN`` rows goes through oneDNN's packed GEMM instead
-    (module docstring: why)."""
+    equal to it to fp32 rounding. With ``onednn_weight`` (:func:`to_onednn`'s copy of ``weight``) an ``x``
+    of at least ``ONEDNN_FROM_ROWS`` rows goes through oneDNN's GEMM on that copy; otherwise an fp32 CPU
+    ``x`` of at most ``FEW_ROWS`` rows is computed as ``(weight @ x.t()).t()`` over an even number of rows
+    (the last row repeated). Module docstring: why."""
     rows = x.reshape(-1, x.shape[-1])
     m = len(rows)
-    if packed is not None and m > FEW_ROWS_PLAIN:
-        out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    if onednn_weight is not None and m >= ONEDNN_FROM_ROWS:
+        out = torch.ops.mkldnn._linear_pointwise(rows, onednn_weight, bias, "none", [], "")
         return out.view(*x.shape[:-1], -1)
     if x.device.type != "cpu" or x.dtype != torch.float32 or not 0 < m <= FEW_ROWS:
         return F.linear(x, weight, bias)

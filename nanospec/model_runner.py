@@ -16,7 +16,7 @@ from .kernels.matmul import linear_invariant
 from .kernels.sampling import mask_logits, sample
 from .kv_cache import DUMMY_BLOCK, BlockAllocator, cdiv, slot_mapping
 from .logprobs import emitted_logprobs, score_prompts
-from .parallel import SINGLE, TensorParallel, linear, pack_weights
+from .parallel import SINGLE, TensorParallel, linear, use_onednn_weights
 from .persistent_batch import PersistentBatch, StepInput
 from .request import Request
 from .scheduler import Batch
@@ -64,7 +64,7 @@ class ModelRunner:
         )
         self.split_size = KV_SPLIT_SIZE if config.deterministic else None
         if not config.deterministic:
-            pack_weights(self.model)  # CPU fp32 only: oneDNN-packed weights
+            use_onednn_weights(self.model)  # a CPU in fp32 only
         self.vocab_size = self.model.config.vocab_size
         self.lookahead = config.num_draft_tokens if config.speculative else 1
         self.kv_pools: list[torch.Tensor] = []

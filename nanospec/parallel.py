@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import layer_geometry
-from .kernels.matmul import linear  # the engine's one GEMM call (F.linear's signature)
+from .kernels.matmul import linear, to_onednn  # linear: the engine's one GEMM call
 
 
 class TensorParallel(NamedTuple):
@@ -88,11 +88,11 @@ class Linear(nn.Linear):
     def forward(self, x):
         return self.gemm(x, self.weight, self.bias)
 
-    def pack(self) -> None:
-        """Multiply through a packed copy of the weight where ``matmul.pack`` makes one (fp32 on a CPU)."""
-        packed = matmul.pack(self.weight)
-        if packed is not None:
-            self.gemm = partial(matmul.linear, packed=packed)
+    def use_onednn(self) -> None:
+        """Multiply through a oneDNN copy of the weight where ``kernels.matmul.to_onednn`` makes one."""
+        weight = to_onednn(self.weight)
+        if weight is not None:
+            self.gemm = partial(linear, onednn_weight=weight)
 
 
 class ColumnLinear(Linear):
@@ -119,17 +119,17 @@ class RowLinear(Linear):
         return self.tp.all_reduce(self.gemm(x, self.weight, self.bias if self.tp.rank == 0 else None))
 
 
-def pack_weights(model: nn.Module) -> None:
-    """On a CPU in fp32 every GEMM of ``model`` (a target: its ``Linear`` layers and its LM head, its ``gemm``
-    over ``model.lm_head_weight``) multiplies more than 2 rows through a oneDNN-packed copy of its weight
-    (``kernels.matmul.pack``; about 1.7x faster at 8 rows). The plain weights stay (1-2 rows, the embedding
-    and the drafter read them), so the weights take twice their memory. Elsewhere nothing changes."""
+def use_onednn_weights(model: nn.Module) -> None:
+    """On a CPU in fp32 every GEMM of the target ``model`` (its ``Linear`` layers; its LM head: its ``gemm``
+    over ``lm_head_weight``) multiplies 3 rows or more through a oneDNN copy of its weight
+    (``kernels.matmul.to_onednn``: about 1.7x faster at 8 rows). The plain weights stay (1-2 rows, the
+    embedding and the drafter read them): the weights take twice their memory. Elsewhere nothing changes."""
     for module in model.modules():
         if isinstance(module, Linear) and module is not getattr(model, "lm_head", None):
-            module.pack()
-    packed = matmul.pack(model.lm_head_weight)
-    if packed is not None:
-        model.gemm = partial(matmul.linear, packed=packed)
+            module.use_onednn()
+    weight = to_onednn(model.lm_head_weight)
+    if weight is not None:
+        model.gemm = partial(linear, onednn_weight=weight)
 
 
 class VocabEmbedding(nn.Embedding):

@@ -45,23 +45,26 @@ def test_cpu_linear_takes_the_transposed_product_for_a_few_fp32_rows():
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (torch.backends.mkldnn)")
-def test_cpu_linear_takes_the_packed_weight_from_3_rows():
+def test_cpu_linear_takes_the_onednn_weight_from_3_rows():
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
     other = torch.randn(40, 24, generator=g)
-    packed = matmul.pack(other)  # another weight's copy: the result shows which path ran
+    onednn = matmul.to_onednn(other)  # another weight's copy: the result shows which path ran
     for m in (1, 2, 3, 8, 48):
         x = torch.randn(m, 24, generator=g)
-        got = matmul.linear(x, w, b, packed=packed)
+        got = matmul.linear(x, w, b, onednn_weight=onednn)
         want = F.linear(x, other if m > 2 else w, b)
         assert got.shape == (m, 40)
         assert float((got - want).abs().max() / want.abs().max()) <= 1e-5
     batched = torch.randn(2, 4, 24, generator=g)  # [B, N, K] rows keep their shape
-    assert torch.allclose(matmul.linear(batched, w, b, matmul.pack(w)), F.linear(batched, w, b), atol=1e-5)
-    assert matmul.pack(w.bfloat16()) is None and matmul.pack(w.double()) is None  # fp32 only
+    assert torch.allclose(
+        matmul.linear(batched, w, b, matmul.to_onednn(w)), F.linear(batched, w, b), atol=1e-5
+    )
+    assert matmul.to_onednn(w.bfloat16()) is None  # fp32 only
+    assert matmul.to_onednn(w.double()) is None
 
 
-def test_model_runner_packs_its_weights_on_a_cpu_in_fp32_only(tiny_llama_dir):
+def test_model_runner_uses_onednn_weights_on_a_cpu_in_fp32_outside_deterministic_mode(tiny_llama_dir):
     from nanospec.config import EngineConfig
     from nanospec.model_runner import ModelRunner
     from nanospec.parallel import Linear
@@ -73,11 +76,11 @@ def test_model_runner_packs_its_weights_on_a_cpu_in_fp32_only(tiny_llama_dir):
         linears = [m for m in runner.model.modules() if isinstance(m, Linear) and m is not head]
         assert linears
         for module in linears + [runner.model]:
-            packed = getattr(module.gemm, "keywords", {}).get("packed")
-            assert (packed is not None) == (not deterministic)
+            onednn = getattr(module.gemm, "keywords", {}).get("onednn_weight")
+            assert (onednn is not None) == (not deterministic)
         ids = torch.tensor([1, 2, 3, 4])
         x = runner.model.embed(ids)
-        for module in linears:  # the packed product equals the plain one
+        for module in linears:  # the oneDNN product equals the plain one
             if module.in_features == x.shape[-1]:
                 assert torch.allclose(module(x), F.linear(x, module.weight, module.bias), atol=1e-5)
 
