@@ -87,11 +87,11 @@ def _check_store(k, v, k_cache, v_cache, slot_mapping):
     fits = tuple(k_cache.shape[-2:]) == tuple(k.shape[1:])
     if v.shape != k.shape or k_cache.shape != v_cache.shape or not fits:
         raise ValueError(
-            f"store_kv: k/v {tuple(k.shape)}, {tuple(v.shape)} do not fit caches "
+            f"rope_store_kv: k/v {tuple(k.shape)}, {tuple(v.shape)} do not fit caches "
             f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
         )
     if slot_mapping.shape != (k.shape[0],):
-        raise ValueError(f"store_kv: slot_mapping shape {tuple(slot_mapping.shape)} != ({k.shape[0]},)")
+        raise ValueError(f"rope_store_kv: slot_mapping shape {tuple(slot_mapping.shape)} != ({k.shape[0]},)")
 
 
 def apply_rope_ref(q, k, positions, cos_sin):
@@ -100,9 +100,9 @@ def apply_rope_ref(q, k, positions, cos_sin):
     return _rotate_ref(q, positions, cos_sin), None if k is None else _rotate_ref(k, positions, cos_sin)
 
 
-def store_kv_ref(k, v, k_cache, v_cache, slot_mapping):
-    """Torch reference of :func:`store_kv`."""
-    _check_store(k, v, k_cache, v_cache, slot_mapping)
+def _store_kv_ref(k, v, k_cache, v_cache, slot_mapping):
+    """Write ``k, v`` ``[T, Hk, D]`` to flat slots ``slot_mapping`` of the caches, cast to the cache dtype; a
+    negative slot skips the token."""
     kc = k_cache.view(-1, *k.shape[1:])
     vc = v_cache.view(-1, *k.shape[1:])
     slots = slot_mapping.long()
@@ -118,13 +118,14 @@ def store_kv_ref(k, v, k_cache, v_cache, slot_mapping):
 def rope_store_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
     """Torch reference of :func:`rope_store_kv`."""
     _check(q, k, positions, cos_sin)
+    _check_store(k, v, k_cache, v_cache, slot_mapping)
     if q.dtype != k.dtype:
         q_out, k_out = apply_rope_ref(q, k, positions, cos_sin)
     else:  # one rotation over q and k side by side: the same elementwise math in half the ops
         qk = _rotate_ref(torch.cat([q, k], 1), positions, cos_sin)
         q_out = qk[:, : q.shape[1]].contiguous()
         k_out = qk[:, q.shape[1] :]
-    store_kv_ref(k_out, v, k_cache, v_cache, slot_mapping)
+    _store_kv_ref(k_out, v, k_cache, v_cache, slot_mapping)
     return q_out
 
 
@@ -275,39 +276,38 @@ def _rows(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _launch(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, do_q, do_k, rope_k, store):
-    ref = q if q is not None else k
-    T = ref.shape[0]
-    D = ref.shape[2]
-    Hq = q.shape[1] if q is not None else 1
+def _launch(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
+    """Rotate ``q`` and, without caches, ``k`` into new tensors; with caches (``rope_store_kv``), rotate ``k``
+    into ``k_cache`` and copy ``v`` into ``v_cache`` instead. Returns ``(q_out, k_out)``."""
+    T, Hq, D = q.shape
+    store = k_cache is not None
     Hk = k.shape[1] if k is not None else 1
-    q_out = torch.empty_like(q, memory_format=torch.contiguous_format) if do_q else None
+    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    do_k = k is not None and not store  # apply_rope returns the rotated k
     k_out = torch.empty_like(k, memory_format=torch.contiguous_format) if do_k else None
-    kc = k_cache.view(-1, Hk, D) if store else ref.new_empty(1, 1, 1)
+    kc = k_cache.view(-1, Hk, D) if store else q.new_empty(1, 1, 1)
     vc = v_cache.view(-1, Hk, D) if store else kc
     if T == 0:
         return q_out, k_out
     if store and (kc.stride(-1) != 1 or vc.stride() != kc.stride()):
-        raise ValueError("store_kv: caches must have unit last-dim stride and identical layouts")
-    rot = cos_sin.shape[1] if cos_sin is not None else 0
+        raise ValueError("rope_store_kv: caches must have unit last-dim stride and identical layouts")
+    rot = cos_sin.shape[1]
     BLOCK_D = triton.next_power_of_2(D)
     BLOCK_H = min(triton.next_power_of_2(max(Hq, Hk)), max(1, 2048 // BLOCK_D))
-    dummy = ref
-    q_, k_, v_ = (_rows(x) if x is not None else dummy for x in (q, k, v))
-    qo, ko = (x if x is not None else dummy for x in (q_out, k_out))
-    pos = positions if positions is not None else slot_mapping
-    cs = cos_sin.float().contiguous() if cos_sin is not None else dummy
+    q_, k_, v_ = (_rows(x) if x is not None else q for x in (q, k, v))
+    ko = k_out if do_k else q
+    cs = cos_sin.float().contiguous()
     _rope_kv_kernel[(T,)](
         q_,
         k_,
         v_,
-        qo,
+        q_out,
         ko,
-        pos,
+        positions,
         cs,
         kc,
         vc,
-        slot_mapping if store else pos,
+        slot_mapping if store else positions,
         Hq,
         Hk,
         D,
@@ -319,16 +319,16 @@ def _launch(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, do_q, d
         k_.stride(1),
         v_.stride(0),
         v_.stride(1),
-        qo.stride(0),
-        qo.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
         ko.stride(0),
         ko.stride(1),
-        cs.stride(0) if cos_sin is not None else 0,
+        cs.stride(0),
         kc.stride(0),
         kc.stride(1),
-        DO_Q=do_q,
+        DO_Q=True,
         DO_K=do_k,
-        ROPE_K=rope_k,
+        ROPE_K=store,
         STORE=store,
         BLOCK_H=BLOCK_H,
         BLOCK_D=BLOCK_D,
@@ -340,20 +340,14 @@ def _launch(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, do_q, d
 def apply_rope_triton(q, k, positions, cos_sin):
     """Triton implementation of :func:`apply_rope` (one program per token)."""
     _check(q, k, positions, cos_sin)
-    return _launch(q, k, None, positions, cos_sin, None, None, None, True, k is not None, False, False)
-
-
-def store_kv_triton(k, v, k_cache, v_cache, slot_mapping):
-    """Triton implementation of :func:`store_kv` (one program per token)."""
-    _check_store(k, v, k_cache, v_cache, slot_mapping)
-    _launch(None, k, v, None, None, k_cache, v_cache, slot_mapping, False, False, False, True)
+    return _launch(q, k, None, positions, cos_sin, None, None, None)
 
 
 def rope_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
     """Triton implementation of :func:`rope_store_kv`: rope on q and k plus the KV store, fused per token."""
     _check(q, k, positions, cos_sin)
     _check_store(k, v, k_cache, v_cache, slot_mapping)
-    return _launch(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, True, False, True, True)[0]
+    return _launch(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)[0]
 
 
 # ---- public ops ----------------------------------------------------------------------------------------
@@ -376,22 +370,14 @@ def apply_rope(q, k, positions, cos_sin):
     return fn(q, k, positions, cos_sin)
 
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping):
-    """Write ``k, v`` ``[T, Hk, D]`` into the paged caches ``[num_blocks, page_size, Hk, D]`` in place.
+def rope_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
+    """:func:`apply_rope` on ``q`` and ``k``, then the rotated ``k`` and ``v`` ``[T, Hk, D]`` written into the
+    paged caches ``[num_blocks, page_size, Hk, D]`` in place; returns ``q_out``.
 
     Token ``t`` goes to flat slot ``slot_mapping[t]`` (int32/int64 ``[T]``); a negative slot skips the token.
-    Values are cast to the cache dtype. Raises ValueError on mismatched shapes.
-    """
-    fn = store_kv_triton if use_triton(k) else store_kv_ref
-    fn(k, v, k_cache, v_cache, slot_mapping)
-
-
-def rope_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
-    """:func:`apply_rope` on ``q`` and ``k`` then :func:`store_kv` of the rotated ``k`` and ``v``; returns
-    ``q_out``.
-
     The rotated ``k`` is rounded to ``k.dtype`` before the cast to the cache dtype (as the two-step reference
-    does). The Triton path fuses everything in one kernel, one program per token.
+    does). The Triton path fuses everything in one kernel, one program per token. Raises ValueError on
+    mismatched shapes.
     """
     fn = rope_store_kv_triton if use_triton(q) else rope_store_kv_ref
     return fn(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
