@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .backend import use_triton
+from .backend import last_dim_contiguous, use_triton
 
 
 @triton.jit
@@ -49,9 +49,7 @@ def gelu_and_mul_ref(x):
 
 def _act_and_mul_triton(x, gelu):
     N = _split(x)
-    x2 = x.reshape(-1, 2 * N)
-    if x2.numel() and x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = last_dim_contiguous(x.reshape(-1, 2 * N))
     out = torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)
     if x2.shape[0] > 0 and N > 0:
         BLOCK = min(triton.next_power_of_2(N), 1024)

@@ -5,7 +5,8 @@ as a top-level ``kernels``.
 Backend choice: the Triton kernel runs for CUDA tensors, the torch reference for CPU tensors.
 ``set_backend("triton")`` forces the Triton path everywhere (with ``TRITON_INTERPRET=1`` set before the first
 launch, CPU tensors then run through Triton's interpreter); ``set_backend("torch")`` forces the references.
-The environment variable ``NANOSPEC_BACKEND`` sets the initial choice.
+The environment variable ``NANOSPEC_BACKEND`` sets the initial choice. :func:`last_dim_contiguous` is the
+layout step the ops' Triton paths share.
 """
 
 import contextlib
@@ -38,6 +39,11 @@ def using_backend(name: str):
         yield
     finally:
         set_backend(old)
+
+
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with a unit stride on the last dim, as the kernels index it (copies only if needed)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def use_triton(t: torch.Tensor) -> bool:

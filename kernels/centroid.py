@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import use_triton
+from .backend import last_dim_contiguous, use_triton
 
 
 def _check(hidden, rows, clusters):
@@ -83,10 +83,8 @@ def centroid_logits_triton(hidden, rows, clusters):
     out = torch.empty(R, K * S, dtype=torch.float32, device=hidden.device)
     if out.numel() == 0:
         return out
-    if hidden.stride(1) != 1:
-        hidden = hidden.contiguous()
-    if rows.stride(2) != 1:
-        rows = rows.contiguous()
+    hidden = last_dim_contiguous(hidden)
+    rows = last_dim_contiguous(rows)
     BLOCK_S = min(64, triton.next_power_of_2(S))
     _centroid_kernel[(R, K, triton.cdiv(S, BLOCK_S))](
         hidden,

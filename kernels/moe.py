@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import use_triton
+from .backend import last_dim_contiguous, use_triton
 
 
 @triton.jit
@@ -158,7 +158,7 @@ def moe_route_triton(scores, per_expert_scale, top_k):
     weights = torch.empty(T, top_k, dtype=torch.float32, device=scores.device)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=scores.device)
     if T:
-        scores = scores if scores.stride(1) == 1 else scores.contiguous()
+        scores = last_dim_contiguous(scores)
         _route_kernel[(T,)](
             scores,
             per_expert_scale,
@@ -286,7 +286,7 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids):
     E, two_i, H = w13.shape
     if T == 0:
         return x.new_zeros(0, H)
-    x = x if x.stride(1) == 1 else x.contiguous()
+    x = last_dim_contiguous(x)
     tiles = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), _tiles(T, E, x.dtype)))
     align = (*_align(topk_ids, E, tiles["BLOCK_M"]), T * k)
     routing = topk_weights.float().contiguous()

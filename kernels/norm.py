@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .backend import use_triton
+from .backend import last_dim_contiguous, use_triton
 
 
 @triton.jit
@@ -84,15 +84,11 @@ def rms_norm_triton(x, weight, eps, residual=None, fp32_weight=False):
     """Triton implementation of :func:`rms_norm`: one program per row, BLOCK = next_pow2(H)."""
     _check(x, weight, residual)
     H = x.shape[-1]
-    x2 = x.reshape(-1, H)
-    if x2.numel() and x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = last_dim_contiguous(x.reshape(-1, H))
     out = torch.empty_like(x2, memory_format=torch.contiguous_format)
     r2 = res_out = x2  # placeholders when there is no residual
     if residual is not None:
-        r2 = residual.reshape(-1, H)
-        if r2.numel() and r2.stride(-1) != 1:
-            r2 = r2.contiguous()
+        r2 = last_dim_contiguous(residual.reshape(-1, H))
         res_out = torch.empty_like(out)
     T = x2.shape[0]
     if T > 0:

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import use_triton
+from .backend import last_dim_contiguous, use_triton
 
 
 # ---- cos/sin table -------------------------------------------------------------------------------------
@@ -271,11 +271,6 @@ def _rope_kv_kernel(
             )
 
 
-def _rows(x):
-    """``x`` with a unit stride on the last dim (copies only if needed)."""
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def _launch(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
     """Rotate ``q`` and, without caches, ``k`` into new tensors; with caches (``rope_store_kv``), rotate ``k``
     into ``k_cache`` and copy ``v`` into ``v_cache`` instead. Returns ``(q_out, k_out)``."""
@@ -294,7 +289,7 @@ def _launch(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
     rot = cos_sin.shape[1]
     BLOCK_D = triton.next_power_of_2(D)
     BLOCK_H = min(triton.next_power_of_2(max(Hq, Hk)), max(1, 2048 // BLOCK_D))
-    q_, k_, v_ = (_rows(x) if x is not None else q for x in (q, k, v))
+    q_, k_, v_ = (last_dim_contiguous(x) if x is not None else q for x in (q, k, v))
     ko = k_out if do_k else q
     cs = cos_sin.float().contiguous()
     _rope_kv_kernel[(T,)](

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import use_triton
+from .backend import last_dim_contiguous, use_triton
 
 _BLOCK = 4096  # vocabulary chunk per pass (tests lower it to exercise chunking under the interpreter)
 
@@ -296,7 +296,7 @@ def sample_triton(logits, temperature, top_k, top_p, seeds, positions, token_ids
     out = torch.empty((R,), dtype=torch.int64, device=logits.device)
     if R == 0:
         return out
-    lg = logits if logits.stride(-1) == 1 else logits.contiguous()
+    lg = last_dim_contiguous(logits)
     ids = lg if token_ids is None else token_ids.contiguous()
     words = out if bitmask is None else bitmask.contiguous()
     _sampling_kernel[(R,)](
