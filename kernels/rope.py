@@ -83,7 +83,9 @@ def _check(q, k, positions, cos_sin):
         raise ValueError(f"rope: positions shape {tuple(positions.shape)} != ({q.shape[0]},)")
 
 
-def _check_store(k, v, k_cache, v_cache, slot_mapping):
+def _check_rope_store(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
+    """The checks of :func:`rope_store_kv`: :func:`_check`'s, then k, v and the caches fit each other."""
+    _check(q, k, positions, cos_sin)
     fits = tuple(k_cache.shape[-2:]) == tuple(k.shape[1:])
     if v.shape != k.shape or k_cache.shape != v_cache.shape or not fits:
         raise ValueError(
@@ -117,8 +119,7 @@ def _store_kv_ref(k, v, k_cache, v_cache, slot_mapping):
 
 def rope_store_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
     """Torch reference of :func:`rope_store_kv`."""
-    _check(q, k, positions, cos_sin)
-    _check_store(k, v, k_cache, v_cache, slot_mapping)
+    _check_rope_store(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
     if q.dtype != k.dtype:
         q_out, k_out = apply_rope_ref(q, k, positions, cos_sin)
     else:  # one rotation over q and k side by side: the same elementwise math in half the ops
@@ -340,8 +341,7 @@ def apply_rope_triton(q, k, positions, cos_sin):
 
 def rope_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
     """Triton implementation of :func:`rope_store_kv`: rope on q and k plus the KV store, fused per token."""
-    _check(q, k, positions, cos_sin)
-    _check_store(k, v, k_cache, v_cache, slot_mapping)
+    _check_rope_store(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
     return _launch(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)[0]
 
 
