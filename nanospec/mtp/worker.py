@@ -256,14 +256,8 @@ class FrozenKVMTPWorker:
             compact_accepted_kv(self.kv_pools, block_table, L, path, accept_length, self.page_size)
         last = path.gather(1, (accept_length - 1)[:, None]).squeeze(1)
         seed_hidden = hidden.view(B, N, -1)[torch.arange(B, device=dev), last]
-        return (
-            emitted_tokens(tree, path, accept_length, bonus),
-            accept_length,
-            bonus,
-            seed_hidden,
-            path,
-            logits,
-        )
+        emitted = emitted_tokens(tree, path, accept_length, bonus)
+        return emitted, accept_length, bonus, seed_hidden, path, logits
 
     def draft_verify(
         self,
