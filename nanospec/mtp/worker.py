@@ -222,9 +222,9 @@ class FrozenKVMTPWorker:
         token, and the target token at the last accepted node is the bonus token (DESIGN §3, "Verify").
         Pure tensor code with no host sync (graph-capturable): slots come from the block table on device.
         ``sampling`` = (temperature [B] fp32, top_k [B] int32, top_p [B] fp32, seeds [B] int64);
-        ``draft_length``: the tree's depth (default: ``num_steps``, all); ``masks`` (structured output, or
-        None): every node's token is sampled inside the grammar after its path (and the returned logits are
-        masked when a request asked for logprobs).
+        ``draft_length``: the tree's depth (s); ``masks`` (structured output, or None): every node's token is
+        sampled inside the grammar after its path (and the returned logits are masked when a request asked
+        for logprobs).
         Returns (emitted [B, S+1] tokens padded with -1, accept_length [B], bonus [B], next seed hidden
         [B, Hb], path [B, S+1] (``accept``'s), logits [B, N, V]).
         """
@@ -240,7 +240,6 @@ class FrozenKVMTPWorker:
         with attn_metadata(md):
             hidden = self.target(tree.tokens.flatten(), (L.long()[:, None] + tree.depth).flatten())
         logits = self.target.compute_logits(hidden).view(B, N, -1)
-        s = self.num_steps if draft_length is None else draft_length
         positions = (L.long()[:, None] + tree.depth + 1).flatten()
         per_node = [x.repeat_interleave(N) for x in sampling]
         bitmask = None
@@ -250,7 +249,7 @@ class FrozenKVMTPWorker:
                 logits = mask_logits(logits.view(B * N, -1), bitmask).view(B, N, -1)
                 bitmask = None
         target_tokens = sample(logits.view(B * N, -1), *per_node, positions, bitmask=bitmask).view(B, N)
-        path, accept_length, bonus = accept(tree, target_tokens, s)
+        path, accept_length, bonus = accept(tree, target_tokens, draft_length)
         self.tp.agree(path, accept_length, bonus)  # rank 0's walk (tensor parallelism: DESIGN §4 rule 8)
         if not tree.is_chain:
             compact_accepted_kv(self.kv_pools, block_table, L, path, accept_length, self.page_size)
@@ -269,20 +268,20 @@ class FrozenKVMTPWorker:
         top_k,
         top_p,
         seeds,
+        draft_length,
         num_splits=None,
-        draft_length=None,
         masks=None,
         keep_logits=False,
     ):
-        """One whole speculative step of ``draft_length`` draft steps (default: ``num_steps``) from tensors
-        (bonus [B], hidden [B, Hb]) and the rows' sampling tensors (``PersistentBatch.sampling``): the
-        ``mtp:{s}`` phase, the same code whether a CUDA graph captures it or it runs eagerly (always eagerly
-        with ``masks`` or ``keep_logits``). Returns (tree tokens [B, N], then ``verify``'s outputs, its
-        logits None unless ``keep_logits``: a graph keeps only what the host reads)."""
-        s = self.num_steps if draft_length is None else draft_length
+        """One whole speculative step of ``draft_length`` draft steps (s) from tensors (bonus [B], hidden
+        [B, Hb]) and the rows' sampling tensors (``PersistentBatch.sampling``): the ``mtp:{s}`` phase, the
+        same code whether a CUDA graph captures it or it runs eagerly (always eagerly with ``masks`` or
+        ``keep_logits``). Returns (tree tokens [B, N], then ``verify``'s outputs, its logits None unless
+        ``keep_logits``: a graph keeps only what the host reads)."""
         sampling = (temperature, top_k, top_p, seeds)
-        tree = self.draft(StepInput([], bonus, hidden), block_table, L, num_splits, s, sampling, masks)
-        *outputs, logits = self.verify(tree, block_table, L, sampling, s, masks)
+        inp = StepInput([], bonus, hidden)
+        tree = self.draft(inp, block_table, L, num_splits, draft_length, sampling, masks)
+        *outputs, logits = self.verify(tree, block_table, L, sampling, draft_length, masks)
         return (tree.tokens, *outputs, logits if keep_logits else None)
 
 
