@@ -146,7 +146,7 @@ class FrozenKVMTPWorker:
         result = StepOutput(
             torch.cat([accept_length[:, None], out], 1),
             draft_length=s,
-            num_drafted=self._num_nodes(s) - 1,
+            num_drafted=tree_tokens.shape[1] - 1,
             timer=timer.stop(),
             sampled=_is_sampled(reqs),
             logprobs=logprobs,
@@ -179,40 +179,29 @@ class FrozenKVMTPWorker:
             accepted = out.accept_lengths
             self.policy.observe(out.draft_length, len(accepted), accepted, seconds, out.sampled)
 
-    def draft(
-        self,
-        inp,
-        block_table,
-        num_computed_tokens,
-        num_splits=None,
-        draft_length=None,
-        sampling=None,
-        masks=None,
-    ):
+    def draft(self, inp, block_table, L, num_splits=None, draft_length=None, sampling=None, masks=None):
         """The draft tree of the rows of ``inp`` (their bonus tokens and seed hiddens; reads KV rows [0, L),
-        L = ``num_computed_tokens``, writes nothing): ``draft_length`` steps (default: ``num_steps``, all);
+        L = the rows' ``num_computed_tokens``, writes nothing): ``draft_length`` steps (default:
+        ``num_steps``, all) of ``num_draft_tokens`` nodes, or a chain of s + 1 nodes when s is shorter;
         ``sampling`` and ``masks`` as ``run_draft``'s. The one draft path, eager or captured
         (``draft_verify``)."""
         s = self.num_steps if draft_length is None else draft_length
+        num_nodes = self.num_draft_tokens if s == self.num_steps else s + 1
         return run_draft(
             self.assistant,
             inp,
             block_table,
-            num_computed_tokens,
+            L,
             s,
             self.topk,
-            self._num_nodes(s),
+            num_nodes,
             self.position_offset,
             num_splits,
             sampling,
             masks,
         )
 
-    def _num_nodes(self, s: int) -> int:
-        """Tree nodes verified per request when drafting s steps (a shorter draft is a chain)."""
-        return self.num_draft_tokens if s == self.num_steps else s + 1
-
-    def verify(self, tree, block_table, L, sampling, draft_length=None, masks=None):
+    def verify(self, tree, block_table, L, sampling, draft_length, masks=None):
         """Target forward over the tree (K/V written to rows [L, L+N)), the target's token at every node,
         accept, compact, next seed hidden.
 
