@@ -82,18 +82,15 @@ class FrozenKVMTPWorker:
         """The ``mtp:{s}`` phases for every draft length the policy may choose, with their static inputs
         (``model_runner.GraphRunner``: bucket ``sizes``, empty for eager; block tables ``width`` blocks wide).
         Padding rows are greedy: no sampling work."""
-        i64 = torch.long
-        i32 = torch.int32
-        f32 = torch.float32
         buffers = {
-            "bonus": ((1,), i64, 0),
+            "bonus": ((1,), torch.long, 0),
             "hidden": ((1, self.target.config.hidden_size), self.persistent_batch.hidden.dtype, 0),
-            "block_table": ((1, width), i32, DUMMY_BLOCK),
-            "L": ((1,), i32, 0),
-            "temperature": ((1,), f32, 0.0),
-            "top_k": ((1,), i32, -1),
-            "top_p": ((1,), f32, 1.0),
-            "seeds": ((1,), i64, 0),
+            "block_table": ((1, width), torch.int32, DUMMY_BLOCK),
+            "L": ((1,), torch.int32, 0),
+            "temperature": ((1,), torch.float32, 0.0),
+            "top_k": ((1,), torch.int32, -1),
+            "top_p": ((1,), torch.float32, 1.0),
+            "seeds": ((1,), torch.long, 0),
         }
         phases = {}
         for s in self.policy.candidates:
@@ -121,13 +118,12 @@ class FrozenKVMTPWorker:
         timer = StepTimer(self.device)
         inp = self.persistent_batch.take(reqs)
         L = inp.num_computed_tokens
-        bt = self.persistent_batch.block_tables(reqs)
         bound = max(r.num_computed_tokens + r.num_inflight * self.num_draft_tokens for r in reqs)
         temperature, top_k, top_p, seeds = self.persistent_batch.sampling(reqs)
         inputs = {
             "bonus": inp.bonus_tokens,
             "hidden": inp.hidden,
-            "block_table": bt,
+            "block_table": self.persistent_batch.block_tables(reqs),
             "L": L,
             "temperature": temperature,
             "top_k": top_k,
