@@ -357,16 +357,16 @@ class DraftLength:
         b = (1 << (batch_size - 1).bit_length(), sampled)
         self.steps[b] += 1
         todo = [s for s in self.candidates if (s, b) not in self.cost]
+        estimate = None
         if not self.adaptive or todo:
             s = self.candidates[-1] if not self.adaptive else todo[-1]
         elif self.steps[b] % self.probe_every == 0:
             s = min(self.candidates, key=lambda c: self.measured_at[c, b])
         else:
             s = max(self.candidates, key=lambda c: self.expected_accept(c, sampled) / self.cost[c, b])
-            self.counts[s] += 1
-            return s, self.expected_accept(s, sampled) / (self.cost[s, b] * self.pace[b])
+            estimate = self.expected_accept(s, sampled) / (self.cost[s, b] * self.pace[b])
         self.counts[s] += 1
-        return s, None
+        return s, estimate
 
     def observe(
         self, s: int, batch_size: int, accept_lengths: list[int], seconds: float, sampled: bool = False
