@@ -134,7 +134,6 @@ def run_draft(
     toks = [tok]
     scs = [scores]
     pars = [torch.full((B, k), -1, device=dev, dtype=torch.long)]
-    deps = [1]
     frontier = torch.arange(k, device=dev).expand(B, k)  # pool index of each frontier node
     base = k
     rows = torch.arange(B, device=dev, dtype=torch.int32).repeat_interleave(k)
@@ -150,7 +149,6 @@ def run_draft(
         toks.append(child_tok.view(B, k * k))
         scs.append(cum)
         pars.append(frontier.repeat_interleave(k, 1))
-        deps.append(step + 1)
         scores, best = cum.topk(k, dim=-1)
         tok = toks[-1].gather(1, best)
         Hb = h.shape[-1]  # explicit: a 0-row (idle) input cannot infer a -1 dim (DESIGN §4 rule 4)
@@ -160,18 +158,13 @@ def run_draft(
             paths = torch.cat([paths, tok[..., None]], 2)
         frontier = base + best
         base += k * k
-    depth = torch.cat([torch.full_like(t, d) for t, d in zip(toks, deps)], 1)
+    depth = torch.cat([torch.full_like(t, i + 1) for i, t in enumerate(toks)], 1)  # step i drafts depth i + 1
     return build_tree(
         inp.bonus_tokens, torch.cat(toks, 1), torch.cat(scs, 1), torch.cat(pars, 1), depth, num_draft_tokens
     )
 
 
 # ---- verify: the accept walk and the accepted path's KV
-def _children(tree: DraftTree, cur: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-    """[B, N] bool: the children of each row's current node (rows that stopped have none)."""
-    return (tree.parents == cur[:, None]) & active[:, None]
-
-
 def accept(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int):
     """From the root, accept the child whose token equals the target's token at the current node.
 
@@ -189,7 +182,8 @@ def accept(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int):
     path = [cur]
     for _ in range(max_depth):
         want = target_tokens.gather(1, cur[:, None])
-        match = _children(tree, cur, active) & (tree.tokens == want)
+        children = (tree.parents == cur[:, None]) & active[:, None]  # rows that stopped have none
+        match = children & (tree.tokens == want)
         has = match.any(1)
         cur = torch.where(has, match.int().argmax(1), cur)
         active &= has
