@@ -178,19 +178,15 @@ class Gemma4Assistant(nn.Module):
         self.gather_target_rows()
         if not kv:
             return
-        kvs = []
-        windows = []
-        for i in layer_map:
-            attn = target.layers[i].self_attn
+        attns = [target.layers[i].self_attn for i in layer_map]
+        for i, attn in zip(layer_map, attns):
             if attn.k_cache is None or attn.v_cache is None:
                 raise RuntimeError(
                     f"assistant: target layer {i} has no KV cache bound yet: allocate the "
                     "pool before bind_target (construct -> allocate -> bind)"
                 )
-            kvs.append((attn.k_cache, attn.v_cache))
-            windows.append(attn.sliding_window)
-        self._kv = kvs
-        self._windows = windows
+        self._kv = [(attn.k_cache, attn.v_cache) for attn in attns]
+        self._windows = [attn.sliding_window for attn in attns]
 
     # ---- forward -------------------------------------------------------------------------------------
     def _paged_attention(self):
