@@ -202,16 +202,9 @@ class Gemma4Assistant(nn.Module):
 
         def attn(layer_idx, q):
             k, v = self._kv[layer_idx]
+            window = self._windows[layer_idx]
             return draft_attention(
-                q,
-                k,
-                v,
-                md.block_table,
-                md.seq_lens,
-                md.row_to_req,
-                1.0,
-                md.num_splits,
-                sliding_window=self._windows[layer_idx],
+                q, k, v, md.block_table, md.seq_lens, md.row_to_req, 1.0, md.num_splits, sliding_window=window
             )
 
         return attn
