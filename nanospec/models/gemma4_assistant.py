@@ -307,11 +307,9 @@ class Gemma4Assistant(nn.Module):
         1 <= k <= V (M for the centroid head).
         """
         me = self.masked_embedding
-        limit = (
-            self.vocab_size
-            if me is None
-            else self.config.centroid_intermediate_top_k * (self.vocab_size // self.config.num_centroids)
-        )
+        limit = self.vocab_size
+        if me is not None:  # the candidates: top-k clusters of S tokens each
+            limit = self.config.centroid_intermediate_top_k * (self.vocab_size // self.config.num_centroids)
         if not 1 <= k <= limit:
             bad("propose k", f"must be in [1, {limit}], got {k}")
         if me is None:
