@@ -121,16 +121,12 @@ def check_assistant_config(assistant_config, target_text_config) -> list[int]:
                 f"rope_parameters[{lt!r}].rope_theta",
                 f"{mine.get('rope_theta')} != target rope_theta {theirs.get('rope_theta')}",
             )
-        try:  # one position past 0 compares every frequency (cos/sin of f); rtol only: f may be tiny
-            same = torch.allclose(
-                rope_cos_sin(hd, 2, mine["rope_theta"], mine),
-                rope_cos_sin(hd, 2, theirs["rope_theta"], theirs),
-                rtol=1e-5,
-                atol=1e-12,
-            )
+        try:  # one position past 0 compares every frequency (cos/sin of f)
+            ours = rope_cos_sin(hd, 2, mine["rope_theta"], mine)
+            target_rope = rope_cos_sin(hd, 2, theirs["rope_theta"], theirs)
         except (ValueError, KeyError) as e:
             bad(f"rope_parameters[{lt!r}]", f"unsupported: {e}")
-        if not same:
+        if not torch.allclose(ours, target_rope, rtol=1e-5, atol=1e-12):  # rtol only: f may be tiny
             bad(f"rope_parameters[{lt!r}]", f"{mine} do not match the target's RoPE {theirs}")
         if lt == "sliding_attention" and ac.sliding_window != t.sliding_window:
             bad("sliding_window", f"{ac.sliding_window} != target sliding_window {t.sliding_window}")
