@@ -126,11 +126,10 @@ class Gemma4Assistant(nn.Module):
         self.vocab_size = tc.vocab_size
         self.hidden_size = tc.hidden_size
         self.backbone_hidden_size = config.backbone_hidden_size
-        self.use_target_lm_head = bool(getattr(config, "use_target_lm_head", False))
         self.pre_projection = Linear(2 * self.backbone_hidden_size, self.hidden_size, bias=False)
         self.post_projection = Linear(self.hidden_size, self.backbone_hidden_size, bias=False)
         self.model = Gemma4Model(tc, tp)
-        own_head = not self.use_target_lm_head
+        own_head = not getattr(config, "use_target_lm_head", False)
         self.lm_head = Linear(self.hidden_size, self.vocab_size, bias=False) if own_head else None
         ordered = getattr(config, "use_ordered_embeddings", False)
         self.masked_embedding = MaskedEmbedding(config) if ordered else None
