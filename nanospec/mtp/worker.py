@@ -171,9 +171,8 @@ class FrozenKVMTPWorker:
     def observe(self, out: StepOutput) -> None:
         """A committed step's accept lengths and measured time, for the draft-length policy."""
         if out.timer is not None:
-            seconds = out.timer.seconds()
             accepted = out.accept_lengths
-            self.policy.observe(out.draft_length, len(accepted), accepted, seconds, out.sampled)
+            self.policy.observe(out.draft_length, len(accepted), accepted, out.timer.seconds(), out.sampled)
 
     def draft(self, inp, block_table, L, num_splits=None, draft_length=None, sampling=None, masks=None):
         """The draft tree of the rows of ``inp`` (their bonus tokens and seed hiddens; reads KV rows [0, L),
