@@ -217,10 +217,8 @@ class Gemma4Assistant(nn.Module):
         dtype = self.pre_projection.weight.dtype
         R = tokens.shape[0]
         if R == 0:  # DESIGN §4 rule 4: no attention metadata, no reductions
-            return (
-                torch.empty(0, self.hidden_size, dtype=dtype, device=tokens.device),
-                torch.empty(0, self.backbone_hidden_size, dtype=dtype, device=tokens.device),
-            )
+            hn = torch.empty(0, self.hidden_size, dtype=dtype, device=tokens.device)
+            return hn, hn.new_empty(0, self.backbone_hidden_size)
         attn_fn = attn_fn or self._paged_attention()
         # the target's input embedding (Gemma targets scale it by sqrt(Hb) themselves)
         e = self._embed(tokens)
