@@ -216,15 +216,14 @@ class FrozenKVMTPWorker:
         dev = tree.tokens.device
         self.tp.agree(tree.tokens, *(() if tree.is_chain else (tree.parents, tree.depth, tree.tree_mask)))
         rows = torch.arange(B, device=dev)[:, None]
-        slots = slot_mapping(
-            block_table, rows, L.long()[:, None] + torch.arange(N, device=dev), self.page_size
-        )
+        start = L.long()[:, None]  # each row's first verify position
+        slots = slot_mapping(block_table, rows, start + torch.arange(N, device=dev), self.page_size)
+        positions = (start + tree.depth).flatten()
         md = AttnMetadata.verify(block_table, L, slots.flatten(), N, tree.tree_mask, self.split_size)
         fetched = None if masks is None else masks.fetch(tree.tokens, tree.parents)  # read after the launch
         with attn_metadata(md):
-            hidden = self.target(tree.tokens.flatten(), (L.long()[:, None] + tree.depth).flatten())
+            hidden = self.target(tree.tokens.flatten(), positions)
         logits = self.target.compute_logits(hidden).view(B, N, -1)
-        positions = (L.long()[:, None] + tree.depth + 1).flatten()
         per_node = [x.repeat_interleave(N) for x in sampling]
         bitmask = None
         if masks is not None:
@@ -232,7 +231,7 @@ class FrozenKVMTPWorker:
             if masks.logprobs:  # logprobs read the masked logits: mask them once, here
                 logits = mask_logits(logits.view(B * N, -1), bitmask).view(B, N, -1)
                 bitmask = None
-        target_tokens = sample(logits.view(B * N, -1), *per_node, positions, bitmask=bitmask).view(B, N)
+        target_tokens = sample(logits.view(B * N, -1), *per_node, positions + 1, bitmask=bitmask).view(B, N)
         path, accept_length, bonus = accept(tree, target_tokens, draft_length)
         self.tp.agree(path, accept_length, bonus)  # rank 0's walk (tensor parallelism: DESIGN §4 rule 8)
         if not tree.is_chain:
