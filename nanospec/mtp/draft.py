@@ -63,12 +63,10 @@ def build_tree(bonus, pool_tokens, pool_scores, pool_parents, pool_depth, num_dr
     parents = torch.cat([torch.full((B, 1), -1, device=dev, dtype=torch.long), par], 1)
     tokens = torch.cat([bonus[:, None], pool_tokens.gather(1, keep)], 1)
     depth = torch.cat([torch.zeros(B, 1, device=dev, dtype=torch.long), pool_depth.gather(1, keep)], 1)
-    mask = torch.zeros(B, N, N, dtype=torch.bool, device=dev)
-    mask[:, 0, 0] = True
+    mask = torch.eye(N, dtype=torch.bool, device=dev).repeat(B, 1, 1)  # every node sees itself
     rows = torch.arange(B, device=dev)
-    for i in range(1, N):  # a node sees what its parent sees, plus itself
-        mask[:, i] = mask[rows, parents[:, i]]
-        mask[:, i, i] = True
+    for i in range(1, N):  # and what its parent sees
+        mask[:, i] |= mask[rows, parents[:, i]]
     return DraftTree(tokens, parents, depth, mask)
 
 
