@@ -32,10 +32,7 @@ def check_assistant_alone(config) -> None:
         ("num_kv_shared_layers", tc.num_kv_shared_layers == tc.num_hidden_layers),
     ):
         if not ok:
-            bad(
-                field,
-                f"= {getattr(tc, field)!r} is not supported (every layer must be a plain KV-shared layer)",
-            )
+            bad(field, f"= {getattr(tc, field)!r} is not supported (every layer must be plain KV-shared)")
     if getattr(tc, "attn_logit_softcapping", None):
         bad("attn_logit_softcapping", "is set; attention logit softcapping is not supported")
     if tc.hidden_activation not in ACTIVATIONS:
