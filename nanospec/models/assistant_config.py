@@ -84,11 +84,9 @@ def check_assistant_config(assistant_config, target_text_config) -> list[int]:
     t = t.get_text_config() if hasattr(t, "get_text_config") else t
     if ac.vocab_size != t.vocab_size:
         bad("vocab_size", f"{ac.vocab_size} != target vocab_size {t.vocab_size}")
-    if assistant_config.backbone_hidden_size != t.hidden_size:
-        bad(
-            "backbone_hidden_size",
-            f"{assistant_config.backbone_hidden_size} != target hidden_size {t.hidden_size}",
-        )
+    Hb = assistant_config.backbone_hidden_size
+    if Hb != t.hidden_size:
+        bad("backbone_hidden_size", f"{Hb} != target hidden_size {t.hidden_size}")
     types = list(getattr(t, "layer_types", None) or ["full_attention"] * t.num_hidden_layers)
     kv_types = types[: len(types) - (getattr(t, "num_kv_shared_layers", 0) or 0)]
     layer_map = target_layers(ac.layer_types, kv_types)
