@@ -267,6 +267,17 @@ class Gemma4Assistant(nn.Module):
         fill = (cand.amin(-1, keepdim=True) - 1.0).expand(-1, self.vocab_size)
         return fill.contiguous().scatter_(1, ids, cand), h_next
 
+    def _draft_logits(self, tokens, h_prev, positions):
+        """One draft step's ``(logits [R, M] fp32, their token ids [R, M] int64, h_next [R, Hb])``: the dense
+        head's over the whole vocabulary in token-id order (ids None, M = V; through ``forward``, so its hooks
+        see the step), the centroid head's over its M candidates only."""
+        if self.masked_embedding is None:
+            logits, h_next = self(tokens, h_prev, positions)
+            return logits, None, h_next
+        hn, h_next = self.body(tokens, h_prev, positions)
+        logits, ids = self._candidates(hn)
+        return logits, ids, h_next
+
     def draft_token(self, tokens, h_prev, positions, sampling, token_positions, bitmask=None):
         """One chain draft step: ``tokens [R]``, ``h_prev [R, Hb]``, ``positions [R]`` -> ``(token [R] int64,
         h_next [R, Hb])``, the token ``kernels.sampling.sample`` draws from the assistant's logits with the
@@ -275,12 +286,7 @@ class Gemma4Assistant(nn.Module):
         only (nothing of size V is built). ``bitmask`` [R, W] int32 (structured output): the tokens each row
         may draft (a row the grammar leaves no candidate, possible with the centroid head, drafts unmasked:
         the verify, which samples inside the grammar, rejects that draft)."""
-        if self.masked_embedding is None:
-            logits, h_next = self(tokens, h_prev, positions)
-            ids = None
-        else:
-            hn, h_next = self.body(tokens, h_prev, positions)
-            logits, ids = self._candidates(hn)
+        logits, ids, h_next = self._draft_logits(tokens, h_prev, positions)
         if bitmask is not None:
             masked = mask_logits(logits, bitmask, ids)
             no_candidate = masked.amax(-1, keepdim=True) == float("-inf")
@@ -303,22 +309,16 @@ class Gemma4Assistant(nn.Module):
         built and nothing syncs with the host. ``bitmask``: as ``draft_token``'s. Raises ValueError unless
         1 <= k <= V (M for the centroid head).
         """
-        me = self.masked_embedding
-        limit = self.vocab_size
-        if me is not None:  # the candidates: top-k clusters of S tokens each
-            limit = self.config.centroid_intermediate_top_k * (self.vocab_size // self.config.num_centroids)
-        if not 1 <= k <= limit:
-            bad("propose k", f"must be in [1, {limit}], got {k}")
-        if me is None:
-            logits, h_next = self(tokens, h_prev, positions)
-            top_lp, top_tok = torch.log_softmax(mask_logits(logits, bitmask), -1).topk(k, dim=-1)
+        logits, ids, h_next = self._draft_logits(tokens, h_prev, positions)
+        if not 1 <= k <= logits.shape[-1]:
+            bad("propose k", f"must be in [1, {logits.shape[-1]}], got {k}")
+        logits = mask_logits(logits, bitmask, ids)
+        if ids is None:
+            top_lp, top_tok = torch.log_softmax(logits, -1).topk(k, dim=-1)
             return top_lp, top_tok, h_next
-        hn, h_next = self.body(tokens, h_prev, positions)
-        cand, ids = self._candidates(hn)
-        cand = mask_logits(cand, bitmask, ids)
-        top, j = cand.topk(k, dim=-1)
-        hi = cand.amax(-1, keepdim=True)
-        lo = cand.amin(-1, keepdim=True)
-        rest = self.vocab_size - cand.shape[-1]  # tokens HF fills with lo - 1
-        lse = hi + ((cand - hi).exp().sum(-1, keepdim=True) + rest * (lo - 1.0 - hi).exp()).log()
+        top, j = logits.topk(k, dim=-1)
+        hi = logits.amax(-1, keepdim=True)
+        lo = logits.amin(-1, keepdim=True)
+        rest = self.vocab_size - logits.shape[-1]  # tokens HF fills with lo - 1
+        lse = hi + ((logits - hi).exp().sum(-1, keepdim=True) + rest * (lo - 1.0 - hi).exp()).log()
         return top - lse, ids.gather(1, j), h_next
