@@ -22,10 +22,9 @@ import time
 import torch
 
 from nanospec import LLM, SamplingParams
-from nanospec.cpu import configure_cpu_threads
 from nanospec.loader import load_tokenizer, resolve_model_dir
 from nanospec.tools.bench import sharegpt_workload
-from nanospec.tools.cli import number
+from nanospec.tools.cli import configure_cpu_threads, number
 
 
 def compare(ref, out):

@@ -30,10 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nanospec import LLM, SamplingParams, cpu, loader  # noqa: E402
+from nanospec import LLM, SamplingParams, loader  # noqa: E402
 from nanospec.config import EngineConfig  # noqa: E402
 from nanospec.tools import bench  # noqa: E402
-from nanospec.tools.cli import number  # noqa: E402
+from nanospec.tools.cli import configure_cpu_threads, number  # noqa: E402
 
 SETS = [("sharegpt", False), ("sharegpt", True), ("chat", False), ("chat", True)]
 
@@ -89,7 +89,7 @@ def main(argv=None) -> dict:
     turn_help = "engine steps per turn, 0: whole requests (default: 8 on cpu, 0 on cuda)"
     ap.add_argument("--turn", type=number(int, 0), help=turn_help)
     args = ap.parse_args(argv)
-    cpu.configure_cpu_threads()
+    configure_cpu_threads()
     S = args.num_steps or EngineConfig(assistant="default", device=args.device).num_steps
     configs = {"plain": dict(assistant=None), "adaptive": dict(assistant="default", num_steps=S)}
     for s in range(1, S + 1):

@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig
 
-from nanospec import cpu, parallel
+from nanospec import parallel
 from nanospec.cpu import default_cpu_threads
 from nanospec.kernels import matmul
+from nanospec.tools.cli import configure_cpu_threads
 
 
 @pytest.mark.parametrize("shape", [(576, 576), (960, 576), (576, 1536), (49152, 576)])
@@ -89,7 +90,6 @@ def test_default_cpu_threads_only_overrides_the_default(monkeypatch):
     old = torch.get_num_threads()
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(cpu, "_probed", False)  # as in a process where no script probed
     try:
         torch.set_num_threads(2)
         assert default_cpu_threads() == 1
@@ -100,8 +100,9 @@ def test_default_cpu_threads_only_overrides_the_default(monkeypatch):
         monkeypatch.setattr(os, "cpu_count", lambda: 8)
         assert default_cpu_threads() == 2  # more cores: untouched
         monkeypatch.setattr(os, "cpu_count", lambda: 2)
-        monkeypatch.setattr(cpu, "_probed", True)
-        assert default_cpu_threads() == 2  # a script's start-up probe already chose: it stands
+        torch.set_num_threads(2)
+        assert configure_cpu_threads(lambda threads, limit_s: 1.0 / threads) == 2  # the probe keeps 2
+        assert default_cpu_threads() == 2  # a tool's start-up probe already chose: it stands
     finally:
         torch.set_num_threads(old)
 

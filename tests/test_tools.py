@@ -10,7 +10,8 @@ import zipfile
 import pytest
 import torch
 
-from nanospec import cpu, default_model
+from nanospec import default_model
+from nanospec.tools.cli import configure_cpu_threads
 
 _spec = importlib.util.spec_from_file_location(
     "offline_bundle", pathlib.Path(__file__).parent.parent / "scripts" / "offline_bundle.py"
@@ -69,7 +70,8 @@ def test_example_verbose_names_where_start_up_time_goes():
 def two_threads(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("configure_cpu_threads leaves CUDA machines alone")
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # recorded, so the value the probe writes goes after the test
+    monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
     old = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -87,14 +89,14 @@ def test_configure_cpu_threads_drops_threads_only_when_clearly_slower(two_thread
         calls.append((threads, limit_s))
         return seconds[threads]
 
-    assert cpu.configure_cpu_threads(probe) == want == torch.get_num_threads()
+    assert configure_cpu_threads(probe) == want == torch.get_num_threads()
     assert calls == [(1, float("inf")), (2, 1.25)]  # one thread first; two give up once 25% slower than that
     assert ("1 torch thread(s), not 2" in capsys.readouterr().err) == (want == 1)
 
 
 def test_configure_cpu_threads_respects_the_environment(two_threads, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert cpu.configure_cpu_threads(lambda *a: pytest.fail("probed")) == 2 == torch.get_num_threads()
+    assert configure_cpu_threads(lambda *a: pytest.fail("probed")) == 2 == torch.get_num_threads()
 
 
 def fake_pip(monkeypatch, member, data):

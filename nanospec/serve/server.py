@@ -21,7 +21,7 @@ import socket
 from dataclasses import fields
 
 from ..config import EngineConfig
-from ..tools.cli import auto_assistant, number, or_error, parser
+from ..tools.cli import auto_assistant, configure_cpu_threads, number, or_error, parser
 
 KEY_ENV = "NANOSPEC_API_KEY"
 
@@ -58,14 +58,14 @@ def main(argv=None) -> None:
     uvicorn = or_error(ap, hint, importlib.import_module, "uvicorn", errors=ImportError)
     app_module = or_error(ap, hint, importlib.import_module, "nanospec.serve.app", errors=ImportError)
 
-    from .. import LLM, cpu, default_model
+    from .. import LLM, default_model
 
     # bound before the weights load (a taken port fails at once), listening once the engine is ready; a port
     # over 65535: OverflowError
     sock = socket.socket()  # IPv4
     where = f"cannot listen on --host {args.host} --port {args.port}: "
     or_error(ap, where, sock.bind, (args.host, args.port), errors=(OSError, OverflowError))
-    cpu.configure_cpu_threads()
+    configure_cpu_threads()
     llm = or_error(ap, "", LLM, args.model, errors=ValueError, **kw)
     name = args.model or default_model.DEFAULT_MODEL_NAME  # what clients send as `model`
     app = app_module.build_app(llm, name, args.api_key, args.max_n, args.max_waiting)

@@ -61,11 +61,11 @@ from unittest import mock
 
 import torch
 
-from .. import LLM, SamplingParams, cpu, loader
+from .. import LLM, SamplingParams, loader
 from ..structured import StepMasks
 from . import cli
 from .checkpoints import GEMMA4, QWEN3_0_6B, assistant_config_for, gemma4_configs, save_assistant
-from .cli import ENGINE, SPEC, add_tensor_parallel_size, number
+from .cli import ENGINE, SPEC, add_tensor_parallel_size, configure_cpu_threads, number
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 # the default: nanovllm; over HTTP: sharegpt
@@ -457,7 +457,7 @@ def main(argv=None) -> dict:
     """``bench.py`` / ``nanospec-bench``: ``parse_args``, then ``run``; prints the
     figures as one JSON line last and returns them."""
     args = parse_args(argv)
-    cpu.configure_cpu_threads()
+    configure_cpu_threads()
     with tempfile.TemporaryDirectory(prefix="nanospec-bench-") as tmp:
         res = run(args, Path(tmp))
     print(json.dumps(res))

@@ -1,10 +1,13 @@
 """Argument checks of nanospec's command-line tools (train, eval, bench): every bad value stops argparse with
-a message naming the option and its allowed range, before any model or data is loaded."""
+a message naming the option and its allowed range, before any model or data is loaded; and the CPU thread
+count they, example.py and the server pick at start-up (:func:`configure_cpu_threads`)."""
 
 import argparse
 import math
 import os
 import pathlib
+import sys
+import time
 
 LOAD_ERRORS = (ValueError, OSError)  # what a bad model or checkpoint dir raises while loading
 # the LLM options bench.py passes on (to LLM, or as flags to nanospec-serve); SPEC only with an assistant
@@ -139,7 +142,7 @@ def load_target(ap, option: str, model: str | None, assistant_option: str, assis
 
 def example_options(argv=None, doc: str = "") -> argparse.Namespace:
     """example.py's options, each checked before a model loads (``--help`` imports no torch), then torch's
-    CPU threads picked (``cpu.configure_cpu_threads``). Adds ``engine`` (the ``LLM`` keyword arguments they
+    CPU threads picked (``configure_cpu_threads``). Adds ``engine`` (the ``LLM`` keyword arguments they
     give; ``--assistant auto`` is the shipped assistant on the default model, else none) and ``error``
     (``ArgumentParser.error``: what ``LLM`` rejects, before any weights load, is a usage error too)."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
@@ -159,8 +162,6 @@ def example_options(argv=None, doc: str = "") -> argparse.Namespace:
         ap.error(f"--model must be an HF-format model dir, got {args.model!r} (no such dir)")
     if args.assistant not in ("auto", "default", "none") and not os.path.isdir(args.assistant):
         ap.error(f"--assistant must be auto, default, none or a gemma4_assistant dir, got {args.assistant!r}")
-    from ..cpu import configure_cpu_threads
-
     if args.assistant == "auto":  # the shipped assistant on the default model
         args.assistant = auto_assistant(args.model)
     args.engine = dict(  # the engine names what does not fit (--num-steps without an assistant, ...)
@@ -176,3 +177,62 @@ def example_options(argv=None, doc: str = "") -> argparse.Namespace:
     args.error = ap.error
     configure_cpu_threads()
     return args
+
+
+def _time_small_gemms(threads: int, limit_s: float, reps: int = 10) -> float:
+    """Seconds for ``reps`` MLP blocks of SmolLM2's width on 16 rows (a decode step's op sizes) with
+    ``threads`` threads; stops early (returning what it took so far) once past ``limit_s``."""
+    import torch  # here: the tools' --help imports no torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(threads)
+    x = torch.full((16, 576), 0.1)
+    w_up = torch.full((1536, 576), 0.01)
+    w_down = torch.full((576, 1536), 0.01)
+    F.linear(x, w_up)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        F.linear(F.silu(F.linear(x, w_up)), w_down)
+        if time.perf_counter() - t0 > limit_s:
+            break
+    return time.perf_counter() - t0
+
+
+def configure_cpu_threads(probe=_time_small_gemms) -> int:
+    """Pick torch's intra-op CPU thread count for this process at start-up and return it.
+
+    With torch's default (one OpenMP thread per core), every op of a small model ends on a barrier that waits
+    for the slowest thread; when other processes keep a core busy, that thread waits for a time slice and
+    decoding slows down 5-20x (measured on a loaded 2-core machine: `python example.py` 0.9-3 tok/s with 2
+    threads, 10-16 with one; idle, 31 vs 21). So 1, 2, 4 ... up to the current count n threads are timed on
+    decode-sized GEMMs (``probe(threads, limit_s) -> seconds``, giving up past ``limit_s``; tens of ms, ~1 s
+    on a loaded machine) and the most threads that are not 25% slower than fewer are kept; fewer than n is
+    printed on stderr. The choice is recorded as ``OMP_NUM_THREADS``, the user's way to choose, so ``LLM``'s
+    own default (``nanospec.cpu``) and the processes started later (tensor-parallel ranks) keep it. Nothing
+    changes when n is 1, when OMP_NUM_THREADS / MKL_NUM_THREADS set it, or when CUDA is available (GPU runs
+    barely use the CPU).
+    """
+    import torch
+
+    n = torch.get_num_threads()
+    if n == 1 or torch.cuda.is_available() or {"OMP_NUM_THREADS", "MKL_NUM_THREADS"} & os.environ.keys():
+        return n
+    best = 1
+    best_seconds = probe(1, float("inf"))
+    threads = 1
+    while threads < n:  # more threads unless clearly slower (idle, 2 threads decode ~1.5x faster than one)
+        threads = min(2 * threads, n)
+        seconds = probe(threads, 1.25 * best_seconds)
+        if seconds < 1.25 * best_seconds:
+            best = threads
+            best_seconds = seconds
+    torch.set_num_threads(best)
+    os.environ["OMP_NUM_THREADS"] = str(best)
+    if best < n:
+        print(
+            f"nanospec: {best} torch thread(s), not {n}: more were slower just now (other processes keep "
+            "the CPU busy); set OMP_NUM_THREADS to choose",
+            file=sys.stderr,
+            flush=True,
+        )
+    return best
