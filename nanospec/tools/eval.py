@@ -67,8 +67,6 @@ def measure(model, assistant, prompts, S, k, temperature, max_tokens, tree_token
 
 def main(argv=None):
     """The evaluation CLI (module docstring); every value is checked before any model or data work."""
-    from ..cpu import configure_cpu_threads
-
     ap, add = cli.parser("nanospec-eval", __doc__)
     add("--model", help="target dir (default: SmolLM2-135M-Instruct)")
     add("--assistant", default="default", help="gemma4_assistant dir or 'default'")
@@ -90,7 +88,7 @@ def main(argv=None):
         ap.error(f"--datasets must name sharegpt, sharegpt-train and/or humaneval, got {a.datasets!r}")
     cli.load_assistant(ap, "--assistant", a.assistant)  # a few MB: fails before the target
     model_dir, _, tok = cli.load_target(ap, "--model", a.model, "--assistant", a.assistant)
-    configure_cpu_threads()
+    cli.configure_cpu_threads()
     sets = build_prompts(tok, datasets, a.num_prompts, a.max_prompt_tokens)
     engine = {k: getattr(a, k) for k in ("dtype", "tensor_parallel_size", "deterministic")}
     engine["max_model_len"] = max(map(len, sum(sets.values(), []))) + a.max_tokens + 16

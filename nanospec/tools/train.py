@@ -40,7 +40,7 @@ from ..kernels.backend import using_backend
 from ..models.gemma4_assistant import Gemma4Assistant
 from . import cli
 from .checkpoints import assistant_config_for, save_assistant
-from .cli import number
+from .cli import configure_cpu_threads, number
 
 # train()'s options: (name, argparse type with its range check, default, help); CLI flag: --name-with-dashes
 OPTIONS = [
@@ -373,7 +373,6 @@ def train(target, seqs, out_dir=None, assistant=None, starts=None, info=None, pr
 
 def main(argv=None):
     """The trainer's CLI (module docstring); every value is checked before any model or data work."""
-    from ..cpu import configure_cpu_threads
     from ..loader import build_target
     from . import datasets as data
 
