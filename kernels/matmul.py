@@ -12,6 +12,13 @@ weights, kept here before, gave 25 ms at 1 row but 41-48 ms at 2.) A verify step
 costs about what a decode row costs (6 rows about twice), which is what lets speculation pay on a CPU. CUDA
 and other dtypes go to ``F.linear`` untouched.
 
+**oneDNN weights on a CPU** (:func:`to_onednn`, ``linear``'s ``onednn_weight``). From 3 rows on, oneDNN's GEMM
+on a copy of the weight that oneDNN has reordered once into its own blocked layout (``torch.ops.mkldnn``, what
+torch.compile's CPU freezing uses) beats both products above: the same SmolLM2-135M GEMMs measured
+ONEDNN_FIGURES. One or 2 rows stay with the transposed product. ``parallel.use_onednn_weights`` gives every
+target GEMM such a copy (the weights then take twice their memory); a step of 3 rows or more (plain decode of
+3+ requests, every verify step, every prefill) goes through it.
+
 **Batch-invariant** (:func:`linear_invariant`): each output row is bitwise a function of its own input row,
 whatever the number of rows M (the other rows, a batch of 1 or of 256, one decode row or N verify rows).
 Triton: one kernel with one fixed tile config, no split-K: every output tile accumulates its K tiles in the
