@@ -122,7 +122,8 @@ class Gemma4Attention(nn.Module):
         k_eq_v = tc.attention_k_eq_v and self.layer_type == "full_attention"
         parts = [q] if self.is_kv_shared else [q, kv] if k_eq_v else [q, kv, kv]
         self.qkv_proj = ColumnLinear(tp, tc.hidden_size, parts, tc.attention_bias, gemm)
-        self.num_kv_heads = tp.span(lc.num_key_value_heads)[1]
+        # (num_kv_heads on this rank, head_dim) of the KV it stores; None on KV-shared layers
+        self.kv_geometry = None if self.is_kv_shared else (tp.span(lc.num_key_value_heads)[1], d)
         self.q_norm = gemma_rms_norm(self.head_dim, self.eps)
         if not self.is_kv_shared:
             self.k_norm = gemma_rms_norm(self.head_dim, self.eps)
@@ -265,10 +266,7 @@ class Gemma4ForCausalLM(nn.Module):
         if not self.tied:
             self.lm_head = ColumnLinear(tp, H, [(V, 1)], gemm=gemm)
         self.kv_layer_types = list(cfg.layer_types)
-        self.kv_geometry = [
-            None if layer.self_attn.is_kv_shared else (layer.self_attn.num_kv_heads, layer.self_attn.head_dim)
-            for layer in self.layers
-        ]
+        self.kv_geometry = [layer.self_attn.kv_geometry for layer in self.layers]
         # checkpoint tensors HF also ignores: the multimodal towers and the K/V weights of KV-shared layers
         self.unused_weights = ("vision_tower.", "embed_vision.", "audio_tower.", "embed_audio.") + tuple(
             f"layers.{i}.self_attn.{n}."
@@ -282,10 +280,8 @@ class Gemma4ForCausalLM(nn.Module):
         """Build the fp32 cos/sin table ``[max_position, head_dim]`` of each layer type on ``device``."""
         for lt in sorted(set(self.kv_layer_types)):
             params = layer_rope_parameters(self.config, lt)
-            head_dim = self.config.per_layer_config[lt].head_dim
-            self.rope_tables[lt] = rope_cos_sin(
-                head_dim, self.max_position, params["rope_theta"], params, device
-            )
+            D = self.config.per_layer_config[lt].head_dim
+            self.rope_tables[lt] = rope_cos_sin(D, self.max_position, params["rope_theta"], params, device)
 
     def rope_for(self, layer_type: str) -> torch.Tensor:
         """The cos/sin table ``[max_position, head_dim]`` fp32 that layers of ``layer_type`` use."""
