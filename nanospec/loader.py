@@ -16,8 +16,7 @@ import json
 import logging
 import os
 import pathlib
-from collections.abc import Iterable
-from typing import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -193,21 +192,26 @@ def load_weights(
             continue
         name, target, shard = where
         module = modules.get(target.rsplit(".", 1)[0])
-        p = params[target]
+        p = params[target].data
         t = parallel.shard_of(module, target, t, shard or 0)
         if shard is not None:
-            p = p.data.narrow(0, sum(module.shard_sizes[:shard]), module.shard_sizes[shard])
-        if p.shape != t.shape:
-            raise ValueError(
-                f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)}"
-            )
-        with torch.no_grad():
-            p.copy_(t)
+            p = p.narrow(0, sum(module.shard_sizes[:shard]), module.shard_sizes[shard])
+        _copy_checked(p, t, name)
         loaded.add((target, shard))
     check_complete(loaded)
     if skipped:
         message = "%s: skipped %d checkpoint tensors it does not use, e.g. %r"
         logger.info(message, type(model).__name__, len(skipped), skipped[0])
+
+
+def _copy_checked(dst: torch.Tensor, t: torch.Tensor, name: str, who: str = "") -> None:
+    """Copy checkpoint tensor ``t`` (named ``name``) into ``dst``, a ``.data`` view; ValueError naming it when
+    the shapes differ (``who``: the message's prefix)."""
+    if dst.shape != t.shape:
+        raise ValueError(
+            f"{who}checkpoint tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(dst.shape)}"
+        )
+    dst.copy_(t)
 
 
 def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
@@ -288,15 +292,8 @@ def load_checkpoint(model, tensors) -> None:
             raise ValueError(f"assistant: checkpoint tensor {name!r} matches no parameter")
         if name == _ORDER:  # applied last, to the rows loaded in token order (it moves them)
             continue
-        dst = slots[name]
         t = parallel.shard_of(modules.get(name.rsplit(".", 1)[0]), name, t)
-        if dst.shape != t.shape:
-            raise ValueError(
-                f"assistant: checkpoint tensor {name!r} has shape {tuple(t.shape)}, "
-                f"expected {tuple(dst.shape)}"
-            )
-        with torch.no_grad():
-            dst.copy_(t)
+        _copy_checked(slots[name], t, name, "assistant: ")
     missing = [n for n in slots if n not in tensors]
     if missing:
         hint = ""
