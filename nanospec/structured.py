@@ -253,6 +253,8 @@ class StepMasks:
         bitmask = torch.full((len(rows), self.words), -1, dtype=torch.int32)
         forced = [-1] * len(rows)
         for i, (b, path) in enumerate(rows):
+            if self.matchers[b] is None:  # no constraint: the row allows everything
+                continue
             key = (b, *path)
             if key not in self.seen:
                 self.seen[key] = self.fill(self.matchers[b], path)
@@ -260,13 +262,10 @@ class StepMasks:
         return to_device(bitmask, torch.int32, self.device), to_device(forced, torch.long, self.device)
 
     def fill(self, matcher, path: list[int]) -> tuple[torch.Tensor, int]:
-        row = torch.full((1, self.words), -1, dtype=torch.int32)
-        if matcher is None:
-            return row[0], -1
-        row.zero_()
-        row[0, 0] = 1  # a dead path: token 0 alone
+        row = torch.zeros(self.words, dtype=torch.int32)
+        row[0] = 1  # a dead path: token 0 alone
         if self.eos_token_ids.intersection(path):
-            return row[0], -1
+            return row, -1
         n = matcher.try_consume_tokens(path)
         forced = -1
         if n == len(path):
@@ -274,4 +273,4 @@ class StepMasks:
             matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
             forced = (matcher.compute_ff_tokens() or [-1])[0]
         matcher.rollback(n)
-        return row[0], forced
+        return row, forced
