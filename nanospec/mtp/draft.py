@@ -103,7 +103,8 @@ def run_draft(
     """
     B = inp.hidden.shape[0]
     k = topk
-    pos = (num_computed_tokens.long() + position_offset).clamp(min=0)
+    L = num_computed_tokens.long()
+    pos = (L + position_offset).clamp(min=0)
     tok = inp.bonus_tokens
     h = inp.hidden
     draft_sampling = None
@@ -116,9 +117,7 @@ def run_draft(
                 bitmask = forced = None
                 if masks is not None:
                     bitmask, forced = masks(torch.stack(drafts, 1) if drafts else tok.new_zeros(B, 0))
-                tok, h = assistant.draft_token(
-                    tok, h, pos, draft_sampling, num_computed_tokens.long() + i, bitmask
-                )
+                tok, h = assistant.draft_token(tok, h, pos, draft_sampling, L + i, bitmask)
                 if forced is not None:
                     tok = torch.where(forced >= 0, forced, tok)
                 drafts.append(tok)
@@ -128,7 +127,8 @@ def run_draft(
     with attn_metadata(AttnMetadata.draft(block_table, num_computed_tokens, num_splits=num_splits)):
         # [B, k]: the seed step runs once per request
         scores, tok, h = assistant.propose(tok, h, pos, k, bitmask)
-    h = h.repeat_interleave(k, 0)
+    h = h.repeat_interleave(k, 0)  # every later step has a query row per frontier node
+    pos = pos.repeat_interleave(k)
     toks = [tok]
     scs = [scores]
     pars = [torch.full((B, k), -1, device=dev, dtype=torch.long)]
@@ -140,9 +140,7 @@ def run_draft(
     for step in range(1, draft_length):
         bitmask = None if masks is None else masks(paths.flatten(0, 1))[0]
         with attn_metadata(md):
-            child_lp, child_tok, h = assistant.propose(
-                tok.reshape(-1), h, pos.repeat_interleave(k), k, bitmask
-            )
+            child_lp, child_tok, h = assistant.propose(tok.reshape(-1), h, pos, k, bitmask)
         cum = (scores[:, :, None] + child_lp.view(B, k, k)).view(B, k * k)
         toks.append(child_tok.view(B, k * k))
         scs.append(cum)
