@@ -149,10 +149,9 @@ class FrozenKVMTPWorker:
         )
         if self.trace is not None:
             expected = self.policy.expected_accept(s, _is_sampled(reqs))
-            tokens = tree_tokens.tolist()
             tree = self.topk > 1 and s > 0
             trace.speculative_step(
-                self.trace, reqs, s, tree, expected, estimate, L.tolist(), tokens, result.tokens
+                self.trace, reqs, s, tree, expected, estimate, L.tolist(), tree_tokens.tolist(), result.tokens
             )
         return result
 
