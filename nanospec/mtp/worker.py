@@ -339,12 +339,10 @@ class DraftLength:
 
     def expected_accept(self, s: int, sampled: bool = False) -> float:
         """E(s): expected tokens committed per request by a step drafting s tokens."""
-        hits = self.hits[sampled]
-        tries = self.tries[sampled]
         e = 1.0
         p = 1.0
         for j in range(1, s + 1):
-            p *= (hits[j] + 0.5) / (tries[j] + 1.0)
+            p *= (self.hits[sampled][j] + 0.5) / (self.tries[sampled][j] + 1.0)
             e += p
         return e
 
