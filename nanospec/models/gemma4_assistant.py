@@ -215,14 +215,12 @@ class Gemma4Assistant(nn.Module):
         if self._embed is None:
             raise RuntimeError("assistant: bind_target(target) before forward")
         dtype = self.pre_projection.weight.dtype
-        R = tokens.shape[0]
-        if R == 0:  # DESIGN §4 rule 4: no attention metadata, no reductions
+        if tokens.shape[0] == 0:  # DESIGN §4 rule 4: no attention metadata, no reductions
             hn = torch.empty(0, self.hidden_size, dtype=dtype, device=tokens.device)
             return hn, hn.new_empty(0, self.backbone_hidden_size)
         attn_fn = attn_fn or self._paged_attention()
         # the target's input embedding (Gemma targets scale it by sqrt(Hb) themselves)
-        e = self._embed(tokens)
-        x = self.pre_projection(torch.cat([e.to(dtype), h_prev.to(dtype)], dim=-1))
+        x = self.pre_projection(torch.cat([self._embed(tokens).to(dtype), h_prev.to(dtype)], dim=-1))
         for i, layer in enumerate(self.model.layers):
             x = layer(x, positions, self._rope[i], lambda q, i=i: attn_fn(i, q))
         hn = self.model.norm(x)
