@@ -80,8 +80,7 @@ def check_assistant_config(assistant_config, target_text_config) -> list[int]:
     """
     check_assistant_alone(assistant_config)
     ac = assistant_config.get_text_config()
-    t = target_text_config
-    t = t.get_text_config() if hasattr(t, "get_text_config") else t
+    t = target_text_config.get_text_config()
     if ac.vocab_size != t.vocab_size:
         bad("vocab_size", f"{ac.vocab_size} != target vocab_size {t.vocab_size}")
     Hb = assistant_config.backbone_hidden_size
