@@ -174,15 +174,13 @@ def accept(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int):
     """
     B, N = tree.tokens.shape
     cur = torch.zeros(B, dtype=torch.long, device=tree.tokens.device)
-    active = torch.ones(B, dtype=torch.bool, device=cur.device)
     path = [cur]
     for _ in range(max_depth):
         want = target_tokens.gather(1, cur[:, None])
-        children = (tree.parents == cur[:, None]) & active[:, None]  # rows that stopped have none
-        match = children & (tree.tokens == want)
+        # a row that stopped stays at its node, whose children did not match and will not
+        match = (tree.parents == cur[:, None]) & (tree.tokens == want)
         has = match.any(1)
         cur = torch.where(has, match.int().argmax(1), cur)
-        active &= has
         path.append(torch.where(has, cur, -1))
     path = torch.stack(path, 1)
     accept_length = (path >= 0).sum(1)
