@@ -133,7 +133,6 @@ def run_draft(
     scs = [scores]
     pars = [torch.full((B, k), -1, device=dev, dtype=torch.long)]
     frontier = torch.arange(k, device=dev).expand(B, k)  # pool index of each frontier node
-    base = k
     rows = torch.arange(B, device=dev, dtype=torch.int32).repeat_interleave(k)
     md = AttnMetadata.draft(block_table, num_computed_tokens, row_to_req=rows, num_splits=num_splits)
     paths = tok[..., None]  # [B, k, step]: each frontier node's drafted tokens (masks only)
@@ -152,8 +151,7 @@ def run_draft(
         if masks is not None:
             paths = paths.gather(1, (best // k)[..., None].expand(-1, -1, step))
             paths = torch.cat([paths, tok[..., None]], 2)
-        frontier = base + best
-        base += k * k
+        frontier = k + (step - 1) * k * k + best  # the pool: the seed step's k nodes, then k * k per step
     depth = torch.cat([torch.full_like(t, i + 1) for i, t in enumerate(toks)], 1)  # step i drafts depth i + 1
     return build_tree(
         inp.bonus_tokens, torch.cat(toks, 1), torch.cat(scs, 1), torch.cat(pars, 1), depth, num_draft_tokens
