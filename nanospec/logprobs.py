@@ -39,16 +39,16 @@ class TokenLogprobs:
 def emitted_logprobs(reqs: list[Request], logits: torch.Tensor, tokens: torch.Tensor, bitmask=None):
     """``TokenLogprobs`` of the tokens a step may emit for the requests that asked
     (``SamplingParams.logprobs``), or None when none did (nothing computed). logits [B, K, V] decided tokens
-    [B, K] (-1: not emitted); ``bitmask`` [B, K, W] int32 (structured output, or None): the logprobs are
-    those of the masked logits."""
+    [B, K] (-1: not emitted), or logits [B, V] one token [B] each; ``bitmask`` [B, K, W] (or [B, W]) int32
+    (structured output, or None): the logprobs are those of the masked logits."""
     wanted = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
     if not wanted:
         return None
     idx = to_device(wanted, torch.long, logits.device)
     k = max(reqs[i].params.logprobs for i in wanted)
-    rows = logits[idx].flatten(0, 1)
+    rows = logits[idx].flatten(0, -2)
     if bitmask is not None:
-        rows = mask_logits(rows, bitmask[idx].flatten(0, 1))
+        rows = mask_logits(rows, bitmask[idx].flatten(0, -2))
     return TokenLogprobs(rows, tokens[idx].clamp(min=0).flatten(), k)
 
 

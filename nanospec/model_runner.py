@@ -180,8 +180,7 @@ class ModelRunner:
             sampled = sample_tokens(reqs, logits, positions, persistent_batch, bitmask)
             self.tp.agree(sampled)  # rank 0's tokens (DESIGN §4 rule 8)
             bonus[self._tensor([done.index(i) for i in new])] = sampled
-            rows_bitmask = None if bitmask is None else bitmask[:, None]
-            logprobs = emitted_logprobs(reqs, logits[:, None], sampled[:, None], rows_bitmask)
+            logprobs = emitted_logprobs(reqs, logits, sampled, bitmask)
         done_reqs = [batch.reqs[i] for i in done]
         done_hidden = hidden[self._tensor([last[i] for i in done])]
         prompt_logprobs, prompt_rows = score_prompts(self.model, batch, hidden, last)
@@ -211,8 +210,7 @@ class ModelRunner:
         toks = sample_tokens(reqs, logits, pos + 1, persistent_batch, bitmask)  # the token at position L + 1
         self.tp.agree(toks)
         persistent_batch.advance(StepInput(inp.req_ids, toks, inp.hidden, inp.num_computed_tokens + 1))
-        rows_bitmask = None if bitmask is None else bitmask[:, None]
-        logprobs = emitted_logprobs(reqs, logits[:, None], toks[:, None], rows_bitmask)
+        logprobs = emitted_logprobs(reqs, logits, toks, bitmask)
         return StepOutput(torch.stack([torch.ones_like(toks), toks], 1), logprobs=logprobs)
 
 
@@ -352,9 +350,8 @@ class GraphRunner:
         capture). Each phase first runs eagerly at the largest bucket, which sizes the static outputs."""
         if not self.sizes:
             return
-        samples = [self._static_call(name, self.sizes[-1]) for name in self.phases]
-        self.outputs = StaticOutputs(samples, self.sizes[-1])
-        del samples
+        rows = self.sizes[-1]
+        self.outputs = StaticOutputs([self._static_call(name, rows) for name in self.phases], rows)
         pool = torch.cuda.graph_pool_handle()
         for g in self.graphs.values():
             g.capture(pool, self.outputs)
