@@ -330,11 +330,7 @@ class Ranks:
         engine and raise RuntimeError naming them; else return (the caller re-raises its own error)."""
         for proc in self.procs:
             proc.join(1)  # a second's grace to exit
-        dead = [
-            f"rank {r} (exit code {p.exitcode})"
-            for r, p in enumerate(self.procs, 1)
-            if p.exitcode is not None
-        ]
+        dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.procs, 1) if not p.is_alive()]
         if dead:
             self.close()
             raise RuntimeError(f"tensor parallelism: {', '.join(dead)} died; the engine is closed")
