@@ -61,11 +61,9 @@ def per_request(logprobs, rows, n: int) -> list:
         return out
     tokens = [t for _, ids, _ in rows for t in ids]
     ks = [k for _, ids, k in rows for _ in ids]
-    dicts = logprobs.dicts(tokens, ks)
-    start = 0
+    dicts = iter(logprobs.dicts(tokens, ks))
     for i, ids, _ in rows:
-        out[i] = dicts[start : start + len(ids)]
-        start += len(ids)
+        out[i] = [next(dicts) for _ in ids]  # its rows, next in row order
     return out
 
 
