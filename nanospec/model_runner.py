@@ -217,8 +217,7 @@ class ModelRunner:
 # ---- CUDA graphs per batch-size bucket: plain decode here, the whole speculative step in mtp/worker.py
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """Buckets: 1, 2, 4, 8, then steps of 16 up to max_num_seqs (and max_num_seqs itself)."""
-    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16)) + [max_num_seqs]
-    return sorted(set(sizes))
+    return [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16)) + [max_num_seqs]
 
 
 def select_bucket(batch_size: int, sizes: list[int]) -> int | None:
