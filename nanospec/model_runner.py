@@ -23,21 +23,6 @@ from .scheduler import Batch
 from .transfer import PrefillOutput, StepOutput, to_device
 
 
-def sample_tokens(
-    reqs: list[Request], logits: torch.Tensor, positions: torch.Tensor, persistent_batch, bitmask=None
-) -> torch.Tensor:
-    """The token each row produces [B] int64, from logits [B, V]: ``kernels.sampling.sample``'s
-    position-keyed Gumbel argmax, a function of the request's seed, the token's absolute position and the
-    target's logits at that row, whatever step, batch or draft produced the row (DESIGN §5, "Seeds").
-    ``positions`` [B] int64: the absolute positions of those tokens; the requests' sampling parameters come
-    from their rows in ``persistent_batch`` (``PersistentBatch.sampling``); ``bitmask`` [B, W] int32
-    (structured output): the tokens each row may produce, or None. A batch of greedy rows only takes the
-    argmax (no parameters)."""
-    if all(r.params.greedy for r in reqs):
-        return mask_logits(logits, bitmask).argmax(-1)
-    return sample(logits, *persistent_batch.sampling(reqs), positions, bitmask=bitmask)
-
-
 class ModelRunner:
     """Owns the target model, its KV pools and the graph runner; a step's per-request rows (block tables,
     sampling parameters, next inputs) come from ``LLM``'s ``PersistentBatch``.
@@ -157,6 +142,24 @@ class ModelRunner:
 
     # ---- running
     # -----------------------------------------------------------------------------------------------------
+    def sample_tokens(
+        self, reqs: list[Request], logits: torch.Tensor, positions: torch.Tensor, persistent_batch, bitmask
+    ) -> tuple:
+        """The token each row produces [B] int64, from logits [B, V], and its ``emitted_logprobs`` (or None):
+        ``kernels.sampling.sample``'s position-keyed Gumbel argmax, a function of the request's seed, the
+        token's absolute position and the target's logits at that row, whatever step, batch or draft produced
+        the row (DESIGN §5, "Seeds"); rank 0's tokens on every rank (DESIGN §4 rule 8). ``positions`` [B]
+        int64: the absolute positions of those tokens; the requests' sampling parameters come from their rows
+        in ``persistent_batch`` (``PersistentBatch.sampling``); ``bitmask`` [B, W] int32 (structured output):
+        the tokens each row may produce, or None. A batch of greedy rows only takes the argmax (no
+        parameters)."""
+        if all(r.params.greedy for r in reqs):
+            tokens = mask_logits(logits, bitmask).argmax(-1)
+        else:
+            tokens = sample(logits, *persistent_batch.sampling(reqs), positions, bitmask=bitmask)
+        self.tp.agree(tokens)
+        return tokens, emitted_logprobs(reqs, logits, tokens, bitmask)
+
     @torch.inference_mode()
     def prefill(self, batch: Batch, persistent_batch: PersistentBatch, masks=None) -> PrefillOutput:
         """Run one prefill step (chunks of several requests), no host sync; the requests' block tables and
@@ -177,10 +180,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[self._tensor([last[i] for i in new])])
             bitmask = None if masks is None else masks.root(new)
             positions = self._tensor([r.num_tokens for r in reqs])
-            sampled = sample_tokens(reqs, logits, positions, persistent_batch, bitmask)
-            self.tp.agree(sampled)  # rank 0's tokens (DESIGN §4 rule 8)
+            sampled, logprobs = self.sample_tokens(reqs, logits, positions, persistent_batch, bitmask)
             bonus[self._tensor([done.index(i) for i in new])] = sampled
-            logprobs = emitted_logprobs(reqs, logits, sampled, bitmask)
         done_reqs = [batch.reqs[i] for i in done]
         done_hidden = hidden[self._tensor([last[i] for i in done])]
         prompt_logprobs, prompt_rows = score_prompts(self.model, batch, hidden, last)
@@ -207,10 +208,8 @@ class ModelRunner:
         )
         logits = self.graphs.run("decode", inputs, num_kv_splits(bound))
         bitmask = None if masks is None else masks.root(range(len(reqs)))
-        toks = sample_tokens(reqs, logits, pos + 1, persistent_batch, bitmask)  # the token at position L + 1
-        self.tp.agree(toks)
+        toks, logprobs = self.sample_tokens(reqs, logits, pos + 1, persistent_batch, bitmask)  # at L + 1
         persistent_batch.advance(StepInput(inp.req_ids, toks, inp.hidden, inp.num_computed_tokens + 1))
-        logprobs = emitted_logprobs(reqs, logits, toks, bitmask)
         return StepOutput(torch.stack([torch.ones_like(toks), toks], 1), logprobs=logprobs)
 
 
