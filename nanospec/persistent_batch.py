@@ -135,8 +135,7 @@ class PersistentBatch:
     def on_prefill_done(self, reqs, first_tokens: torch.Tensor, hidden: torch.Tensor) -> None:
         """Birth of the next inputs of ``reqs`` (first_tokens [B] int64, hidden [B, H]), in the rows their
         prefill took."""
-        for r in reqs:
-            self.has_input[r.request_id] = None
+        self.has_input.update(dict.fromkeys(r.request_id for r in reqs))
         L = to_device([r.prefill_len for r in reqs], torch.int32, hidden.device)
         self.advance(StepInput([r.request_id for r in reqs], first_tokens, hidden[:, : self.hidden_size], L))
         if self.trace is not None:
