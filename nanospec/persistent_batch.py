@@ -98,7 +98,6 @@ class PersistentBatch:
         for r in born:
             assert self.free, "more requests hold rows than there are (max_num_seqs)"
             self.row[r.request_id] = self.free.pop()
-            self.blocks_written[r.request_id] = 0
         if born:
             idx = self._index([r.request_id for r in born])
             self.block_table[idx] = DUMMY_BLOCK  # none of the blocks of the row's last owner
@@ -108,7 +107,7 @@ class PersistentBatch:
             self.seeds[idx] = to_device([r.seed for r in born], torch.int64, idx.device)
         writes = []  # (row, column, block) of every block the device does not hold yet
         for r in reqs:
-            known = self.blocks_written[r.request_id]
+            known = self.blocks_written.get(r.request_id, 0)  # none yet in a newborn row
             row = self.row[r.request_id]
             writes += [(row, j, block) for j, block in enumerate(r.block_table[known:], known)]
             self.blocks_written[r.request_id] = len(r.block_table)
