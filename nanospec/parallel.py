@@ -274,8 +274,7 @@ class Ranks:
         (picklable by its qualified name: no dispatch on names) and the releases since its last call; a rank's
         death becomes a RuntimeError naming it (``raise_if_dead``)."""
         try:
-            if self.tp.size > 1:
-                self.broadcast((method.__func__, args, self.unsent_releases))
+            self.broadcast((method.__func__, args, self.unsent_releases))  # nothing sent at size 1
             self.unsent_releases = []
             return method(*args)
         except Exception:
