@@ -250,8 +250,9 @@ class LLM:
     def abort_request(self, request_id: int) -> bool:
         """Stop a queued or running request now (finish_reason "abort"; the next ``step`` returns it). Its KV
         blocks and next input are released at once. Returns False for an unknown or finished id."""
-        req = self.scheduler.abort(request_id)
+        req = self.get_request(request_id)
         if req is not None:
+            self.scheduler.abort(req)
             self._stash.append(req)
         return req is not None
 

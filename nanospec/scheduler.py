@@ -61,17 +61,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def abort(self, request_id: int) -> Request | None:
-        """Drop a waiting or running request (its blocks and next input go); returns it, or None if
-        unknown."""
-        for req in [*self.waiting, *self.running]:
-            if req.request_id == request_id:
-                (self.waiting if req in self.waiting else self.running).remove(req)
-                req.finish_reason = "abort"
-                req.status = Status.FINISHED
-                self._release(req, "aborted")
-                return req
-        return None
+    def abort(self, req: Request) -> None:
+        """Drop a waiting or running request (its blocks and next input go)."""
+        (self.waiting if req in self.waiting else self.running).remove(req)
+        req.finish_reason = "abort"
+        req.status = Status.FINISHED
+        self._release(req, "aborted")
 
     def _release(self, req: Request, reason: str) -> None:
         """Free ``req``'s KV blocks, then its device rows (``on_release``; reason: finished / aborted /
