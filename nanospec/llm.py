@@ -243,9 +243,8 @@ class LLM:
             )
         if self.worker is not None:
             self.worker.observe(out)
-        accept = out.accept_lengths if out.num_drafted else None  # a step that drafted
         logprobs = step_logprobs(batch.reqs, out)
-        return self.scheduler.commit(batch, out.tokens, accept, out.num_drafted, logprobs)
+        return self.scheduler.commit(batch, out.tokens, out.accept_lengths, out.num_drafted, logprobs)
 
     def abort_request(self, request_id: int) -> bool:
         """Stop a queued or running request now (finish_reason "abort"; the next ``step`` returns it). Its KV

@@ -202,11 +202,11 @@ class Scheduler:
         """Commit a launched step's results; returns the requests that finished. ``new_tokens[i]`` are request
         i's sampled tokens (empty for an unfinished prefill chunk or a resumed request); under speculation the
         accepted drafts plus the bonus token, whose K/V rows (all but the bonus) the verify step committed,
-        and ``accept_lengths[i]`` is recorded in the request's ``accept_lengths`` (before any cut by a stop
-        rule), with the ``num_drafted`` draft tokens verified in ``draft_token_counts``. ``logprobs[i]``
-        (None: not asked) holds one dict per token of ``new_tokens[i]``, ``prompt_logprobs[i]`` one per
-        prompt token a prefill chunk scored. The one place tokens are committed; every token is checked for a
-        stop (DESIGN §4 rule 5)."""
+        and, for a step that drafted (``num_drafted`` > 0), ``accept_lengths[i]`` is recorded in the request's
+        ``accept_lengths`` (before any cut by a stop rule), with the ``num_drafted`` draft tokens verified in
+        ``draft_token_counts``. ``logprobs[i]`` (None: not asked) holds one dict per token of
+        ``new_tokens[i]``, ``prompt_logprobs[i]`` one per prompt token a prefill chunk scored. The one place
+        tokens are committed; every token is checked for a stop (DESIGN §4 rule 5)."""
         finished = []
         for i, (req, toks) in enumerate(zip(batch.reqs, new_tokens)):
             if req.is_finished or req.epoch != batch.epochs[i]:
@@ -216,7 +216,7 @@ class Scheduler:
             if batch.kind == "decode":
                 req.num_inflight -= 1
                 req.num_computed_tokens += len(toks)
-                if accept_lengths is not None:
+                if num_drafted:
                     req.accept_lengths.append(accept_lengths[i])
                     req.draft_token_counts.append(num_drafted)
             elif not batch.done[i]:
