@@ -100,11 +100,10 @@ class BlockAllocator:
         ps = self.page_size
         out = req.block_hashes
         n = num_tokens // ps
-        if len(out) < n:
-            ids = req.all_token_ids
-            for i in range(len(out), n):
-                parent = out[-1] if out else hashlib.sha256((req.params.cache_salt or "").encode()).digest()
-                out.append(hashlib.sha256(parent + array("q", ids[i * ps : (i + 1) * ps]).tobytes()).digest())
+        ids = req.all_token_ids
+        for i in range(len(out), n):
+            parent = out[-1] if out else hashlib.sha256((req.params.cache_salt or "").encode()).digest()
+            out.append(hashlib.sha256(parent + array("q", ids[i * ps : (i + 1) * ps]).tobytes()).digest())
         return out[:n]
 
     def match_prefix(self, req: Request) -> int:
