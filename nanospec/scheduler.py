@@ -141,8 +141,7 @@ class Scheduler:
         return batch if batch.reqs else None
 
     def _schedule_decode(self) -> Batch | None:
-        scheduled = []
-        new_blocks = []
+        batch = Batch("decode", [])
         for req in sorted(self.running, key=lambda r: r.request_id):
             if req.status is Status.WAITING:
                 continue  # preempted for an older request in this loop
@@ -152,12 +151,12 @@ class Scheduler:
                 continue  # its grammar masks need every token before this step committed (DESIGN §5)
             need = self._decode_need(req)
             if self._make_room(req, need):
-                new_blocks.append(self.allocator.allocate(req, need))
-                scheduled.append(req)
+                batch.new_blocks.append(self.allocator.allocate(req, need))
+                batch.reqs.append(req)
             elif not req.num_inflight:
                 self._preempt(req)  # the youngest holder left: its blocks go to the older ones
             # else: it waits for its step in flight to commit; alone it then fits (the pool check)
-        return Batch("decode", scheduled, new_blocks=new_blocks) if scheduled else None
+        return batch if batch.reqs else None
 
     def _preempt(self, req: Request) -> None:
         """Free a running request, or a waiting one holding blocks, for recompute by a later prefill over
