@@ -67,14 +67,12 @@ class SamplingParams:
                 f"SamplingParams.stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"
             )
         for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) is not None and not 0 <= num(name, int) <= MAX_LOGPROBS:
-                raise ValueError(
-                    f"SamplingParams.{name} must be in [0, {MAX_LOGPROBS}], got {getattr(self, name)}"
-                )
-        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
-            raise TypeError(
-                f"SamplingParams.cache_salt must be a non-empty str or None, got {self.cache_salt!r}"
-            )
+            k = getattr(self, name)
+            if k is not None and not 0 <= num(name, int) <= MAX_LOGPROBS:
+                raise ValueError(f"SamplingParams.{name} must be in [0, {MAX_LOGPROBS}], got {k}")
+        salt = self.cache_salt
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise TypeError(f"SamplingParams.cache_salt must be a non-empty str or None, got {salt!r}")
 
         self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
 
