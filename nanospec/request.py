@@ -107,12 +107,6 @@ class Request:
                 return i + 1
         return len(tokens)
 
-    def add_prompt_logprobs(self, entries: list[dict]) -> None:
-        """Logprobs of the prompt tokens a prefill chunk scored, in order; a prompt scored again (a request
-        recomputed after preemption) keeps its first scores."""
-        missing = len(self.prompt_token_ids) - len(self.prompt_logprobs)
-        self.prompt_logprobs += entries[:missing]
-
     def _match_stop_string(self) -> bool:
         # A stop string first appears in full at the token that completes it, so decoding a tail window that
         # holds it is enough: each token adds >= 1 byte (byte-level tokens: a character can take 4), hence

@@ -211,7 +211,9 @@ class Scheduler:
             if req.is_finished or req.epoch != batch.epochs[i]:
                 continue  # finished, aborted or preempted after this step was launched: emit nothing
             if prompt_logprobs is not None and prompt_logprobs[i] is not None:
-                req.add_prompt_logprobs(prompt_logprobs[i])
+                # in prompt order; a prompt scored again (recomputed after preemption) keeps its first scores
+                missing = len(req.prompt_token_ids) - len(req.prompt_logprobs)
+                req.prompt_logprobs += prompt_logprobs[i][:missing]
             if batch.kind == "decode":
                 req.num_inflight -= 1
                 req.num_computed_tokens += len(toks)
