@@ -119,19 +119,16 @@ class EngineConfig:
         if self.num_steps is None:  # per device, measured (docs/benchmarks.md)
             self.num_steps = 3 if self.torch_device().type == "cpu" else 5
         self.topk = 1 if self.topk is None else self.topk
+        hi = 1 + self.num_steps * self.topk  # the most draft tokens: the root and num_steps levels of topk
         if self.num_draft_tokens is None:
             if self.topk > 1:
-                raise ValueError(
-                    "num_draft_tokens must be given when topk > 1 "
-                    f"(allowed: 2..{1 + self.num_steps * self.topk})"
-                )
+                raise ValueError(f"num_draft_tokens must be given when topk > 1 (allowed: 2..{hi})")
             self.num_draft_tokens = self.num_steps + 1
         if self.deterministic and self.topk > 1:
             raise ValueError(
                 "deterministic=True covers chain speculation only (topk=1: a tree verify row "
                 f"attends non-contiguous keys, unlike a decode row), got topk={self.topk}"
             )
-        hi = 1 + self.num_steps * self.topk
         if not 2 <= self.num_draft_tokens <= hi:
             raise ValueError(
                 f"num_draft_tokens must be in [2, {hi}] (1 + num_steps * topk), got {self.num_draft_tokens}"
