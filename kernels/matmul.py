@@ -14,10 +14,13 @@ and other dtypes go to ``F.linear`` untouched.
 
 **oneDNN weights on a CPU** (:func:`to_onednn`, ``linear``'s ``onednn_weight``). From 3 rows on, oneDNN's GEMM
 on a copy of the weight that oneDNN has reordered once into its own blocked layout (``torch.ops.mkldnn``, what
-torch.compile's CPU freezing uses) beats both products above: the same SmolLM2-135M GEMMs measured
-ONEDNN_FIGURES. One or 2 rows stay with the transposed product. ``parallel.use_onednn_weights`` gives every
-target GEMM such a copy (the weights then take twice their memory); a step of 3 rows or more (plain decode of
-3+ requests, every verify step, every prefill) goes through it.
+torch.compile's CPU freezing uses) beats both products above. The same SmolLM2-135M GEMMs, in ms (this way /
+the transposed product / ``F.linear``; ``OMP_NUM_THREADS=1 python scripts/cpu_gemm.py``, best of 5): 3 rows
+37 / 56 / 104, 4 rows 35 / 56 / 64, 6 rows 35 / 75 / 73, 8 rows 45 / 76 / 74, 16 rows 58 / 97 / 95, 64 rows
+171 / 229 / 227. At 1 or 2 rows it is slower than the transposed product (44 vs 33 ms at 1 row, 50 vs 33 at
+2), which keeps them. ``parallel.use_onednn_weights`` gives every target GEMM such a copy (the weights then
+take twice their memory); a step of 3 rows or more (plain decode of 3+ requests, every verify step, every
+prefill) goes through it.
 
 **Batch-invariant** (:func:`linear_invariant`): each output row is bitwise a function of its own input row,
 whatever the number of rows M (the other rows, a batch of 1 or of 256, one decode row or N verify rows).

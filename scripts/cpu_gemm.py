@@ -1,10 +1,10 @@
-"""The GEMMs of one SmolLM2-135M forward on a CPU, fp32, one thread, three ways (``kernels/matmul.py``):
-``F.linear``; ``matmul.linear`` without a oneDNN weight (the transposed product up to 6 rows); and
-``matmul.linear`` with one (oneDNN's GEMM from 3 rows on). The weights are random, one set per layer, so they
-come from memory as in a real forward, not from cache. Prints milliseconds per forward, the best of
-``--repeats`` passes, the three ways alternating.
+"""The GEMMs of one SmolLM2-135M forward on a CPU, fp32, one thread, four ways (``kernels/matmul.py``):
+``F.linear``; ``matmul.linear`` without a oneDNN weight (the transposed product up to 6 rows);
+``matmul.linear`` with one (oneDNN's GEMM from 3 rows on); and oneDNN's GEMM alone at every row count. The
+weights are random, one set per layer, so they come from memory as in a real forward, not from cache. Prints
+milliseconds per forward, the best of ``--repeats`` passes, the four ways alternating.
 
-    OMP_NUM_THREADS=1 python scripts/cpu_gemm.py --rows 1 2 3 4 8 16
+    OMP_NUM_THREADS=1 python scripts/cpu_gemm.py --rows 1 2 3 4 6 8 16 64
 """
 
 import argparse
@@ -35,6 +35,7 @@ def main(argv=None) -> None:
         "F.linear": lambda x, w, o: F.linear(x, w),
         "linear": lambda x, w, o: matmul.linear(x, w),
         "linear + oneDNN weight": lambda x, w, o: matmul.linear(x, w, onednn_weight=o),
+        "oneDNN alone": lambda x, w, o: torch.ops.mkldnn._linear_pointwise(x, o, None, "none", [], ""),
     }
     print(f"ms per forward's GEMMs (torch {torch.__version__}, 1 thread, best of {args.repeats})")
     for m in args.rows:

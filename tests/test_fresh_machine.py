@@ -147,6 +147,7 @@ HELP = {
     "python scripts/kernel_specs.py --help": "usage: kernel_specs.py",
     "python scripts/code_lines.py --help": "usage: code_lines.py",
     "python scripts/memory_plan.py --help": "usage: memory_plan.py",
+    "python scripts/cpu_gemm.py --help": "usage: cpu_gemm.py",
 }
 
 
