@@ -6,7 +6,7 @@ Layers: ``ColumnLinear`` keeps this rank's output rows of each packed part (q | 
 column-parallel LM head this rank's vocabulary rows (``gather`` joins the logits where sampling happens).
 Heads are split evenly; KV heads fewer than the ranks are replicated (``span``: max(1, H / N) per rank, as
 vLLM and SGLang). ``Linear`` is the replicated layer; every GEMM of the engine goes through ``linear``
-(``kernels.matmul.linear``: ``F.linear``'s signature; up to 4 rows on a CPU cost about what one row costs).
+(``kernels.matmul.linear``: ``F.linear``'s signature; up to 6 rows on a CPU cost about what one row costs).
 Models build these from the ``TensorParallel`` (rank, size) they are given and never branch on the rank.
 
 Process model: rank 0 is the caller's process and owns the scheduler; it sends each step (and each release

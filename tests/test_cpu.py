@@ -108,7 +108,7 @@ def test_default_cpu_threads_only_overrides_the_default(monkeypatch):
 
 
 def test_num_steps_default_per_device():
-    """On CPU the default chain is at most 3 draft steps (a verify of more than 4 rows costs about twice a
+    """On CPU the default chain is at most 3 draft steps (chosen when a verify of over 4 rows cost twice a
     decode row there); a given num_steps always wins."""
     from nanospec.config import EngineConfig
 
