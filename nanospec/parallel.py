@@ -274,7 +274,8 @@ class Ranks:
         (picklable by its qualified name: no dispatch on names) and the releases since its last call; a rank's
         death becomes a RuntimeError naming it (``raise_if_dead``)."""
         try:
-            self.broadcast((method.__func__, args, self.unsent_releases))  # nothing sent at size 1
+            if self.tp.size > 1:  # one process sends nothing (and may call any callable)
+                self.broadcast((method.__func__, args, self.unsent_releases))
             self.unsent_releases = []
             return method(*args)
         except Exception:
