@@ -2,6 +2,7 @@
 the engine reads of a model's HF config in one place: a layer's attention geometry (``layer_geometry``) and
 RoPE parameters (``layer_rope_parameters``)."""
 
+import math
 import os
 from dataclasses import dataclass, fields
 
@@ -102,8 +103,8 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if not self.cpu_kv_cache_gb > 0:
-            raise ValueError(f"cpu_kv_cache_gb must be > 0, got {self.cpu_kv_cache_gb}")
+        if not 0 < self.cpu_kv_cache_gb < math.inf:
+            raise ValueError(f"cpu_kv_cache_gb must be a finite number > 0, got {self.cpu_kv_cache_gb}")
         if self.deterministic and self.tensor_parallel_size > 2:  # 2 partial sums commute, 3+ need an order
             raise ValueError(
                 f"deterministic=True needs tensor_parallel_size <= 2, got {self.tensor_parallel_size}"

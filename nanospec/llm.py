@@ -311,8 +311,8 @@ class LLM:
         per verify step, accepted drafts + 1, counted before any trimming by a stop or max_tokens; the first
         token comes from prefill, so ``1 + sum(accept_lengths) >= len(token_ids)``).
         String prompts are tokenized as given (no chat template). All inputs are validated before any work."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            raise TypeError("prompts must be a list of str or a list of token-id lists")
+        if not isinstance(prompts, (list, tuple)) or (prompts and isinstance(prompts[0], int)):
+            raise TypeError(f"prompts must be a list of str or a list of token-id lists, got {prompts!r:.80}")
         params = sampling_params if sampling_params is not None else SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):

@@ -47,7 +47,7 @@ def resolve_model_dir(model: str | os.PathLike | None, need_weights: bool = True
     if model is None or (str(model) == default_model.DEFAULT_MODEL_NAME and not os.path.exists(model)):
         return default_model.model_dir()
     d = pathlib.Path(model).expanduser()
-    if not d.is_dir():
+    if not str(model) or not d.is_dir():  # "" would be Path("."): the working directory
         raise ValueError(f"model: {str(model)!r} is not an existing directory (expected an HF model dir)")
     missing = []
     if not (d / "config.json").is_file():

@@ -156,6 +156,9 @@ def test_prompts_must_be_a_list(llm):
         llm.generate("a single string", GOOD, use_tqdm=False)
     with pytest.raises(TypeError, match="prompts"):
         llm.generate([1, 2, 3], GOOD, use_tqdm=False)
+    for prompts in (None, 5, (p for p in ["a"])):  # used to fail inside generate, not naming prompts
+        with pytest.raises(TypeError, match="prompts"):
+            llm.generate(prompts, GOOD, use_tqdm=False)
     assert _untouched(llm)
 
 
@@ -176,6 +179,7 @@ def test_prompts_must_be_a_list(llm):
         (dict(gpu_memory_utilization=0.0), ValueError, "gpu_memory_utilization"),
         (dict(gpu_memory_utilization=1.5), ValueError, "gpu_memory_utilization"),
         (dict(cpu_kv_cache_gb=0), ValueError, "cpu_kv_cache_gb"),
+        (dict(cpu_kv_cache_gb=float("inf")), ValueError, "cpu_kv_cache_gb"),
         (dict(cpu_kv_cache_gb=None), TypeError, "cpu_kv_cache_gb"),
         (dict(cpu_kv_cache_gb=True), TypeError, "cpu_kv_cache_gb"),
         (dict(gpu_memory_utilization="0.5"), TypeError, "gpu_memory_utilization"),

@@ -75,7 +75,7 @@ def test_hf_parity_sanity(default_dir):
     assert "Paris" in tok.decode(out[0, ids.shape[1] :])
 
 
-def test_resolve_model_dir_errors(tmp_path):
+def test_resolve_model_dir_errors(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="model"):
         resolve_model_dir(tmp_path / "nope")
     with pytest.raises(ValueError, match="model.*config.json"):
@@ -85,6 +85,9 @@ def test_resolve_model_dir_errors(tmp_path):
         resolve_model_dir(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert resolve_model_dir(str(tmp_path)) == tmp_path
+    monkeypatch.chdir(tmp_path)  # a model dir here: "" must still not mean it
+    with pytest.raises(ValueError, match="model: '' is not an existing directory"):
+        resolve_model_dir("")
 
 
 def test_offline_without_cache_raises_install_hint(tmp_path, monkeypatch):
