@@ -1,4 +1,7 @@
-"""LLM: the user-facing engine (vLLM / nano-vllm style): add_request / step / generate."""
+"""LLM: the user-facing engine (vLLM / nano-vllm style): add_request / step / generate.
+
+Construction runs in one order (DESIGN §4 rule 2): check every option and config, construct the target and
+the drafter, allocate the KV pools, bind them, capture the graphs. A step is schedule, launch, commit."""
 
 import itertools
 import logging

@@ -1,4 +1,6 @@
-"""Continuous batching: waiting/running queues, chunked prefill, decode, preemption by recompute."""
+"""Continuous batching: waiting/running queues, chunked prefill and decode steps alternating (``schedule``),
+preemption by recompute; the one release of a request (``_release``: its KV blocks, then ``on_release``) and
+the one commit of a step's tokens (``commit``)."""
 
 from collections import deque
 from dataclasses import dataclass, field

@@ -24,9 +24,9 @@ The draft-length policy (the end of this file, DESIGN §3 "Draft length"): each 
 path) that maximises expected committed tokens per second, E(s) / cost(s, B), from the acceptance and step
 times it has measured.
 
-``trace`` (a callable ``(event, fields)``, or None) receives "draft" and "verify" per request and one
-"draft_len" per step ("prefill_done" and "release" come from ``PersistentBatch``). With None nothing is
-computed for it.
+``trace`` (a callable ``(event, fields)``, or None; ``LLM`` wraps the user's ``(step, event, fields)``)
+receives "draft" and "verify" per request and one "draft_len" per step ("prefill_done" and "release" come from
+``PersistentBatch``). With None nothing is computed for it.
 """
 
 import time
