@@ -148,7 +148,7 @@ class LLM:
     def _add(self, req: Request) -> None:
         """Queue a validated request; one without ``SamplingParams.seed`` gets a seed from the engine's
         generator (``LLM(seed=...)`` fixes a run)."""
-        req.seed = req.params.seed if req.params.seed is not None else self._seeds.randrange(2**63)
+        req.draw_seed(self._seeds)
         self.scheduler.add(req)
 
     def compile_grammar(self, params: SamplingParams) -> None:

@@ -1,5 +1,6 @@
 """Request state: tokens, KV bookkeeping, and the finish rules over multi-token commits (DESIGN §4 rule 5)."""
 
+import random
 from enum import Enum, auto
 
 from .sampling_params import SamplingParams
@@ -35,7 +36,7 @@ class Request:
     ):
         self.request_id = request_id
         self.params = params
-        self.seed = 0  # fixed when the request is queued (LLM._add)
+        self.seed = 0  # drawn when the request is queued (draw_seed)
         self.status = Status.WAITING
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -57,6 +58,11 @@ class Request:
         ends_at_eos = not params.ignore_eos or matcher is not None
         self._stop_ids = set(params.stop_token_ids) | (set(eos_token_ids) if ends_at_eos else set())
         self._tokenizer = tokenizer
+
+    def draw_seed(self, rng: random.Random) -> None:
+        """Fix ``seed`` when the request is queued: its ``SamplingParams.seed``, or one drawn from the
+        engine's generator ``rng`` (``LLM(seed=...)`` fixes a run)."""
+        self.seed = self.params.seed if self.params.seed is not None else rng.randrange(2**63)
 
     @property
     def num_tokens(self) -> int:
