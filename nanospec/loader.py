@@ -217,14 +217,13 @@ def _copy_checked(dst: torch.Tensor, t: torch.Tensor, name: str, who: str = "") 
 def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """Random weights for shape-only runs (bench ``--shape``): N(0, std) matrices, unit norms, zero biases."""
     g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.fill_(1.0)
+    for name, p in model.named_parameters():  # through .data: no autograd
+        if p.dim() >= 2:
+            p.data.copy_(torch.randn(p.shape, generator=g) * std)
+        elif name.endswith("bias"):
+            p.data.zero_()
+        else:
+            p.data.fill_(1.0)
 
 
 # ---- the drafter's checkpoints

@@ -34,6 +34,7 @@ from torch import nn
 
 from .config import layer_geometry
 from .kernels.matmul import linear, to_onednn  # linear: the engine's one GEMM call
+from .scheduler import Batch
 
 
 class TensorParallel(NamedTuple):
@@ -89,10 +90,9 @@ class Linear(nn.Linear):
         return self.gemm(x, self.weight, self.bias)
 
     def use_onednn(self) -> None:
-        """Multiply through a oneDNN copy of the weight where ``kernels.matmul.to_onednn`` makes one."""
-        weight = to_onednn(self.weight)
-        if weight is not None:
-            self.gemm = partial(linear, onednn_weight=weight)
+        """Multiply through a oneDNN copy of the weight (``kernels.matmul.to_onednn``; None, and so no change,
+        off a CPU or in another dtype)."""
+        self.gemm = partial(linear, onednn_weight=to_onednn(self.weight))
 
 
 class ColumnLinear(Linear):
@@ -127,9 +127,7 @@ def use_onednn_weights(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, Linear) and module is not getattr(model, "lm_head", None):
             module.use_onednn()
-    weight = to_onednn(model.lm_head_weight)
-    if weight is not None:
-        model.gemm = partial(linear, onednn_weight=weight)
+    model.gemm = partial(linear, onednn_weight=to_onednn(model.lm_head_weight))
 
 
 class VocabEmbedding(nn.Embedding):
@@ -275,17 +273,23 @@ class Ranks:
         death becomes a RuntimeError naming it (``raise_if_dead``)."""
         try:
             if self.tp.size > 1:  # one process sends nothing (and may call any callable)
-                self.broadcast((method.__func__, args, self.unsent_releases))
+                self.broadcast(self.message(method, args))
             self.unsent_releases = []
             return method(*args)
         except Exception:
             self.raise_if_dead()
             raise
 
+    def message(self, method, args) -> tuple:
+        """What ``call`` sends the other ranks: the method's function (picklable by its qualified name), its
+        arguments (a batch as its ``Batch.for_ranks`` copy) and the releases since the last call."""
+        args = [a.for_ranks() if isinstance(a, Batch) else a for a in args]
+        return method.__func__, args, self.unsent_releases
+
     def release(self, req, reason: str) -> None:
         """Rank 0 released ``req`` (finished / aborted / preempted): the other ranks release it with the next
         call (one message per step)."""
-        self.unsent_releases.append((req, reason))
+        self.unsent_releases.append((req.for_ranks(), reason))
 
     def serve(self, engine, release) -> None:
         """Ranks > 0: run rank 0's calls on ``engine`` in its order until it closes (a None message), each

@@ -125,9 +125,10 @@ class Request:
         self.stop_str_index = min(text.find(s) for s in self.params.stop if s in text)
         return True
 
-    def __getstate__(self) -> dict:
-        """The copy rank 0 sends to the other tensor-parallel ranks with each step, of a size that does not
-        grow with the output (DESIGN §9): no tokenizer, block hashes, logprobs or accept / draft lengths;
+    def for_ranks(self) -> "Request":
+        """The copy rank 0 sends to the other tensor-parallel ranks with each step (``Ranks.message``; any
+        other pickle of a request is whole), of a size that does not grow with the output (DESIGN §9): no
+        tokenizer, block hashes, logprobs or accept / draft lengths;
         while the request waits to prefill, its tokens and whole block table; once it runs, no tokens (a
         decode step reads none) and no block table (each rank keeps its own copy,
         ``parallel.Ranks.block_tables``; the step's plan carries the blocks it added,
@@ -136,7 +137,9 @@ class Request:
         drop |= dict(logprobs=None, prompt_logprobs=None)  # the ranks read params.logprobs only
         if self.status is not Status.WAITING:
             drop |= dict(prompt_token_ids=[], output_token_ids=[], block_table=[])
-        return self.__dict__ | drop
+        slim = object.__new__(Request)
+        slim.__dict__ = self.__dict__ | drop
+        return slim
 
     def output_text(self) -> str:
         """The decoded output; cut before a matched stop string (``stop_str_index`` None: not cut)."""

@@ -3,7 +3,7 @@ preemption by recompute; the one release of a request (``_release``: its KV bloc
 the one commit of a step's tokens (``commit``)."""
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .config import EngineConfig
 from .kv_cache import BlockAllocator
@@ -24,6 +24,11 @@ class Batch:
     epochs: list[int] = field(default_factory=list)  # each request's epoch at launch (set by on_launch)
     # prefill: whether request i's prompt completes (set by on_launch)
     done: list[bool] = field(default_factory=list)
+
+    def for_ranks(self) -> "Batch":
+        """This batch as the step message carries it to the other ranks: its requests' ``Request.for_ranks``
+        copies."""
+        return replace(self, reqs=[r.for_ranks() for r in self.reqs])
 
     def completes(self, i: int) -> bool:
         """Whether request i's prefill finishes this step (a new request then samples its first token); valid

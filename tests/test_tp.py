@@ -211,7 +211,7 @@ def record_messages(llm) -> list:
     sent, call = [], llm.ranks.call
 
     def send(method, *args):
-        message = (method.__func__, args, llm.ranks.unsent_releases)
+        message = llm.ranks.message(method, args)
         sent.append((llm.num_steps_run, method.__name__, pickle.dumps(message)))
         return call(method, *args)
 
