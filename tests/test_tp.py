@@ -244,6 +244,23 @@ def test_step_message_stays_flat(tmp_path, smollm2_tokenizer):
     assert max(sizes[1:]) - sizes[1] < 64, (sizes[1], sizes[-1])
 
 
+def test_only_the_step_message_slims_a_request():
+    """``Request.for_ranks`` is the slim copy the step message carries; any other pickle is the whole request
+    (a running one: no tokens, logprobs or block table in the copy; the original keeps them)."""
+    from nanospec.request import Request, Status
+
+    req = Request(7, [1, 2, 3], SamplingParams(logprobs=1), {0})
+    req.output_token_ids = [4, 5]
+    req.logprobs = [{4: -0.1}, {5: -0.2}]
+    req.block_table = [3, 9]
+    req.status = Status.RUNNING
+    whole = pickle.loads(pickle.dumps(req))
+    assert (whole.output_token_ids, whole.logprobs, whole.block_table) == ([4, 5], req.logprobs, [3, 9])
+    slim = pickle.loads(pickle.dumps(req.for_ranks()))
+    assert (slim.request_id, slim.output_token_ids, slim.logprobs, slim.block_table) == (7, [], None, [])
+    assert req.output_token_ids == [4, 5] and req.block_table == [3, 9]  # the original is untouched
+
+
 def test_releases_ride_on_the_next_call(tiny_llama_dir):
     """Releases cost no message of their own: an abort before the first step travels with its launch, and
     eight requests that finish in the same step travel together with the next launch (rank 0 freed their
