@@ -65,6 +65,7 @@ def test_cpu_linear_takes_the_onednn_weight_from_3_rows():
     assert matmul.to_onednn(w.double()) is None
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (torch.backends.mkldnn)")
 def test_model_runner_uses_onednn_weights_on_a_cpu_in_fp32_outside_deterministic_mode(tiny_llama_dir):
     from nanospec.config import EngineConfig
     from nanospec.model_runner import ModelRunner
